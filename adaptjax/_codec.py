@@ -1,0 +1,35 @@
+"""The protocol a gradient codec follows to plug into :func:`adaptjax.sync_gradients`.
+
+The core never imports ``adaptjax.compression``: a codec reaches the sync
+transformation as any object with these two methods. Codecs own their whole
+collective (compress, move the compressed form, decompress, average), because
+the right collective depends on the codec (psum for linear codecs, all-gather
+for sparse payloads, all-to-all + all-gather for quantisers).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+
+@runtime_checkable
+class GradientCodec(Protocol):
+    """A compressed all-reduce-mean over a mesh axis.
+
+    ``init`` builds the codec state in the *local view* (one replica's state;
+    wrap state that differs between replicas, such as error-feedback residuals,
+    in :class:`adaptjax.PerReplica`). ``sync`` runs inside ``shard_map`` with
+    ``axis_name`` bound, takes this replica's gradients and returns the mean over
+    the axis as every replica sees it (identical on all replicas), plus the new
+    state. ``step`` is the int32 step counter (for warm-ups and keys).
+    """
+
+    def init(self, params: Any) -> Any:
+        ...
+
+    def sync(
+        self, grads: Any, state: Any, *, axis_name: str | tuple[str, ...], step: jax.Array
+    ) -> tuple[Any, Any]:
+        ...

@@ -1,0 +1,331 @@
+"""Gradient-statistics monitors that run inside the sync transformation.
+
+A monitor never adds a full-size collective. The sync transformation computes
+each replica's squared gradient norm (or the sum over its micro-batches) and
+the squared norm of the averaged gradient; scalars a monitor needs from every
+replica ride in the same all-reduce as the gradients (XLA emits one tuple
+all-reduce). Monitors then update small float32 EMAs.
+
+References:
+  McCandlish, Kaplan, Amodei, "An Empirical Model of Large-Batch Training",
+  2018, appendix A.1. Qiao et al., "Pollux", OSDI 2021 (preconditioned noise
+  scale). Mai et al., "KungFu", OSDI 2020 (in-step monitors).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from adaptjax._tree import tree_sq_norm, tree_vdot
+
+_TINY = 1e-30
+
+
+class GradStats(NamedTuple):
+    """What the sync transformation hands to every monitor (inside ``shard_map``).
+
+    Attributes:
+      local_grads: this replica's gradient (mean over its local batch).
+      mean_grads: the gradient averaged over replicas (what the optimizer sees).
+      local_sq: sum over this replica's gradient samples of ``‖g‖²`` (one sample
+        per micro-batch when micro-batch norms were supplied, else one).
+      mean_sq: ``‖mean_grads‖²``.
+      n_replicas: replicas on the axis (static).
+      samples_per_replica: gradient samples per replica (``k`` micro-batches, static).
+      local_batch_size: examples per replica per step, or ``None`` if unknown.
+      summed: the psum over replicas of every scalar returned by a monitor's
+        ``local_scalars``, keyed like the monitor returned them.
+    """
+
+    local_grads: Any
+    mean_grads: Any
+    local_sq: jax.Array
+    mean_sq: jax.Array
+    n_replicas: int
+    samples_per_replica: int
+    local_batch_size: int | None
+    summed: dict
+
+
+def _check_decay(decay: float) -> None:
+    if not 0.0 < decay < 1.0:
+        raise ValueError(f"EMA decay must be in (0, 1), got {decay}; try 0.95")
+
+
+def _ema(old, new, decay):
+    return decay * old + (1.0 - decay) * new
+
+
+def _debias(ema, count, decay):
+    return ema / jnp.maximum(1.0 - decay ** count.astype(jnp.float32), _TINY)
+
+
+class NoiseScaleState(NamedTuple):
+    """State of :class:`GradientNoiseScale`."""
+
+    count: jax.Array  # int32: EMA updates so far
+    calls: jax.Array  # int32: measured steps so far
+    sqnorm_ema: jax.Array  # EMA of the unbiased ‖G‖² estimate
+    variance_ema: jax.Array  # EMA of the unbiased tr(Σ) estimate
+    prev_grads: Any  # previous gradient (differencing) or ()
+    nu: Any  # second-moment EMA of the averaged gradient (preconditioning) or ()
+    nu_count: jax.Array
+
+
+class GradientNoiseScale:
+    """The simple gradient noise scale ``B_simple = tr(Σ) / ‖G‖²``.
+
+    With ``n`` gradient samples of ``b`` examples each (``n`` = replicas × micro-
+    batches, ``s̄`` the mean of their squared norms, ``Ḡ`` their mean)::
+
+        ‖G‖²_est  = (n·‖Ḡ‖² − s̄) / (n − 1)
+        tr(Σ)_est = (s̄ − ‖Ḡ‖²) · n·b / (n − 1)
+
+    Both are unbiased; their ratio is not, so each is smoothed by its own EMA
+    with bias correction before dividing. ``B_simple`` is clamped at 0 and is
+    never NaN. With one sample per step (one replica, one micro-batch) set
+    ``differencing=True``: consecutive steps are used as the two samples
+    (``‖G‖² ≈ g_t·g_{t−1}``, ``tr(Σ) ≈ b‖g_t − g_{t−1}‖²/2``), which keeps a
+    copy of the previous gradient.
+
+    ``preconditioned=True`` gives Pollux's variant for Adam-like optimizers: the
+    gradients are first divided elementwise by ``√v̂ + eps``, ``v`` an EMA of the
+    averaged squared gradient kept by the monitor (an extra replicated buffer;
+    each replica's preconditioned norm rides the one all-reduce as a scalar).
+
+    Reports ``noise_scale``, ``grad_sqnorm`` (‖G‖²) and ``grad_variance``
+    (tr Σ, per example), prefixed with ``precond_`` when preconditioned.
+
+    Args:
+      decay: EMA decay in (0, 1).
+      preconditioned: divide by an Adam-style ``√v̂ + eps`` first.
+      b2: decay of the preconditioner's second-moment EMA.
+      eps: preconditioner epsilon.
+      differencing: keep the previous gradient so one sample per step works.
+      local_batch_size: examples per replica per step; if ``None`` it must be
+        passed to ``update`` as the extra argument ``local_batch_size`` (the step
+        builder does).
+
+    Example:
+      >>> import adaptjax
+      >>> tx = adaptjax.sync_gradients("data", monitors=(adaptjax.GradientNoiseScale(),))
+      >>> sorted(adaptjax.read_metrics(tx.init({"w": jnp.zeros(3)})))
+      ['grad_sqnorm', 'grad_variance', 'noise_scale']
+
+    References:
+      McCandlish et al., "An Empirical Model of Large-Batch Training", 2018.
+    """
+
+    def __init__(
+        self,
+        decay: float = 0.95,
+        *,
+        preconditioned: bool = False,
+        b2: float = 0.999,
+        eps: float = 1e-8,
+        differencing: bool = False,
+        local_batch_size: int | None = None,
+    ):
+        _check_decay(decay)
+        if preconditioned:
+            _check_decay(b2)
+        if local_batch_size is not None and local_batch_size < 1:
+            raise ValueError(f"local_batch_size must be >= 1, got {local_batch_size}")
+        self.decay = decay
+        self.preconditioned = preconditioned
+        self.b2 = b2
+        self.eps = eps
+        self.differencing = differencing
+        self.local_batch_size = local_batch_size
+        self.prefix = "precond_" if preconditioned else ""
+        self.name = self.prefix + "noise_scale"
+
+    def metric_names(self) -> tuple[str, ...]:
+        return (self.name, self.prefix + "grad_sqnorm", self.prefix + "grad_variance")
+
+    def init(self, params) -> NoiseScaleState:
+        f32 = lambda p: jnp.zeros(jnp.shape(p), jnp.float32)
+        zero = jnp.zeros((), jnp.float32)
+        return NoiseScaleState(
+            count=jnp.zeros((), jnp.int32),
+            calls=jnp.zeros((), jnp.int32),
+            sqnorm_ema=zero,
+            variance_ema=zero,
+            prev_grads=jax.tree.map(f32, params) if self.differencing else (),
+            nu=jax.tree.map(f32, params) if self.preconditioned else (),
+            nu_count=jnp.zeros((), jnp.int32),
+        )
+
+    def _precond(self, state):
+        c = (state.nu_count + 1).astype(jnp.float32)
+        return jax.tree.map(lambda v: jnp.sqrt(v / (1.0 - self.b2**c)) + self.eps, state.nu)
+
+    def local_scalars(self, local_grads, state) -> dict:
+        if not self.preconditioned:
+            return {}
+        pre = self._precond(state)
+        g = jax.tree.map(lambda x, p: x.astype(jnp.float32) / p, local_grads, pre)
+        return {"sq": tree_sq_norm(g)}
+
+    def update(self, stats: GradStats, state: NoiseScaleState, **_):
+        b = stats.local_batch_size or self.local_batch_size
+        if b is None:
+            raise ValueError(
+                "GradientNoiseScale needs the per-replica batch size: pass "
+                "local_batch_size= to the monitor or to tx.update (data_parallel_step does)"
+            )
+        n_rep, k = stats.n_replicas, stats.samples_per_replica
+        nu_count = state.nu_count
+        nu = state.nu
+        if self.preconditioned:
+            # Preconditioned norms come from whole-replica gradients (n = replicas).
+            pre = self._precond(state)
+            mean_g = jax.tree.map(lambda x, p: x.astype(jnp.float32) / p, stats.mean_grads, pre)
+            local_g = jax.tree.map(lambda x, p: x.astype(jnp.float32) / p, stats.local_grads, pre)
+            s_bar = stats.summed["sq"] / n_rep
+            mean_sq = tree_sq_norm(mean_g)
+            n, sample_b = n_rep, b
+            nu = jax.tree.map(
+                lambda v, g: self.b2 * v + (1 - self.b2) * jnp.square(g.astype(jnp.float32)),
+                state.nu,
+                stats.mean_grads,
+            )
+            nu_count = nu_count + 1
+        else:
+            mean_g, local_g = stats.mean_grads, stats.local_grads
+            s_bar = stats.summed["__local_sq__"] / (n_rep * k)
+            mean_sq = stats.mean_sq
+            n, sample_b = n_rep * k, b / k
+        prev = state.prev_grads
+        valid = jnp.bool_(True)
+        if n >= 2:
+            g2 = (n * mean_sq - s_bar) / (n - 1)
+            var = (s_bar - mean_sq) * n * sample_b / (n - 1)
+        elif self.differencing:
+            g_now = jax.tree.map(lambda x: x.astype(jnp.float32), local_g)
+            g2 = tree_vdot(g_now, state.prev_grads)
+            diff = jax.tree.map(jnp.subtract, g_now, state.prev_grads)
+            var = tree_sq_norm(diff) * sample_b / 2.0
+            valid = state.calls > 0  # the first step has no previous gradient yet
+            prev = g_now
+        else:
+            raise ValueError(
+                "the noise scale needs two gradient samples per step: use >= 2 replicas, "
+                "microbatches >= 2, or GradientNoiseScale(differencing=True)"
+            )
+        d = self.decay
+        new = NoiseScaleState(
+            count=jnp.where(valid, state.count + 1, state.count),
+            calls=state.calls + 1,
+            sqnorm_ema=jnp.where(valid, _ema(state.sqnorm_ema, g2, d), state.sqnorm_ema),
+            variance_ema=jnp.where(valid, _ema(state.variance_ema, var, d), state.variance_ema),
+            prev_grads=prev,
+            nu=nu,
+            nu_count=nu_count,
+        )
+        return new, self.metrics(new)
+
+    def metrics(self, state: NoiseScaleState) -> dict:
+        g2 = _debias(state.sqnorm_ema, state.count, self.decay)
+        var = _debias(state.variance_ema, state.count, self.decay)
+        g2 = jnp.where(state.count > 0, g2, 0.0)
+        var = jnp.where(state.count > 0, var, 0.0)
+        b_simple = jnp.maximum(var, 0.0) / jnp.maximum(g2, _TINY)
+        b_simple = jnp.where(jnp.isfinite(b_simple), b_simple, 0.0)
+        return {
+            self.name: b_simple,
+            self.prefix + "grad_sqnorm": g2,
+            self.prefix + "grad_variance": var,
+        }
+
+
+class SNRState(NamedTuple):
+    """State of :class:`GradientSNR` (the noise-scale EMAs it builds on)."""
+
+    inner: NoiseScaleState
+
+
+class GradientSNR:
+    """Whole-batch gradient signal-to-noise ratio ``‖G‖² / (tr(Σ)/B)``.
+
+    ``B`` is the global batch (replicas × examples per replica), so the SNR is
+    ``B / B_simple``: above 1 the batch gradient is mostly signal. Uses the same
+    unbiased, EMA-smoothed estimates as :class:`GradientNoiseScale`.
+
+    Args:
+      decay: EMA decay in (0, 1).
+      differencing: as in :class:`GradientNoiseScale`.
+      local_batch_size: examples per replica per step (or the ``update`` extra arg).
+
+    Example:
+      >>> import adaptjax
+      >>> tx = adaptjax.sync_gradients("data", monitors=(adaptjax.GradientSNR(),))
+      >>> adaptjax.read_metrics(tx.init({"w": jnp.zeros(3)}))["grad_snr"]
+      0.0
+    """
+
+    name = "grad_snr"
+
+    def __init__(
+        self, decay: float = 0.95, *, differencing: bool = False, local_batch_size=None
+    ):
+        self._inner = GradientNoiseScale(
+            decay, differencing=differencing, local_batch_size=local_batch_size
+        )
+        self.local_batch_size = local_batch_size
+
+    def metric_names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def init(self, params) -> SNRState:
+        return SNRState(self._inner.init(params))
+
+    def local_scalars(self, local_grads, state) -> dict:
+        return {}
+
+    def update(self, stats: GradStats, state: SNRState, **_):
+        inner, m = self._inner.update(stats, state.inner)
+        b = stats.local_batch_size or self.local_batch_size
+        return SNRState(inner), self._snr(m, b * stats.n_replicas)
+
+    def _snr(self, m, global_batch):
+        g2, var = m["grad_sqnorm"], m["grad_variance"]
+        snr = jnp.maximum(g2, 0.0) * global_batch / jnp.maximum(var, _TINY)
+        return {self.name: jnp.where(var > 0, snr, 0.0)}
+
+    def metrics(self, state: SNRState) -> dict:
+        del state
+        return {self.name: jnp.zeros((), jnp.float32)}
+
+
+class GradientNorm:
+    """Norm of the averaged gradient, ``‖Ḡ‖`` (free: the sync already has ``‖Ḡ‖²``).
+
+    Example:
+      >>> import adaptjax
+      >>> tx = adaptjax.sync_gradients("data", monitors=(adaptjax.GradientNorm(),))
+      >>> adaptjax.read_metrics(tx.init({"w": jnp.zeros(3)}))
+      {'grad_norm': 0.0}
+    """
+
+    name = "grad_norm"
+
+    def metric_names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def init(self, params):
+        del params
+        return ()
+
+    def local_scalars(self, local_grads, state) -> dict:
+        return {}
+
+    def update(self, stats: GradStats, state, **_):
+        return state, {self.name: jnp.sqrt(stats.mean_sq)}
+
+    def metrics(self, state) -> dict:
+        del state
+        return {self.name: jnp.zeros((), jnp.float32)}

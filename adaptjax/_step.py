@@ -1,0 +1,258 @@
+"""The data-parallel step builder: ``jit`` + ``shard_map`` over a device mesh."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from adaptjax._metrics import collect_metrics
+from adaptjax._per_replica import to_global, to_local
+from adaptjax._state import TrainState, merge_model, train_state_specs
+from adaptjax._tree import tree_sq_norm
+
+
+def _axis_names(axis_name) -> tuple[str, ...]:
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def check_mesh(mesh, axis_name="data") -> int:
+    """Raises a one-line ``ValueError`` unless ``mesh`` has ``axis_name``; returns replicas."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    missing = [a for a in _axis_names(axis_name) if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"mesh axes {mesh.axis_names} have no {missing[0]!r} axis; build it with "
+            f"adaptjax.make_mesh(n) or Mesh(devices, ({missing[0]!r},))"
+        )
+    return int(np.prod([mesh.shape[a] for a in _axis_names(axis_name)]))
+
+
+def make_mesh(devices: int | None = None, *, axis_name: str = "data", device_list=None) -> Mesh:
+    """A 1-D data-parallel mesh on the first ``devices`` devices.
+
+    Args:
+      devices: how many devices (default: all).
+      axis_name: the axis name.
+      device_list: pick from these devices instead of ``jax.devices()``.
+
+    Returns:
+      A ``jax.sharding.Mesh`` with one axis.
+
+    Example:
+      >>> import adaptjax
+      >>> adaptjax.make_mesh(4).shape
+      OrderedDict({'data': 4})
+    """
+    available = list(device_list if device_list is not None else jax.devices())
+    n = len(available) if devices is None else int(devices)
+    if n < 1:
+        raise ValueError(f"devices must be >= 1, got {n}")
+    if n > len(available):
+        raise ValueError(
+            f"asked for {n} devices but only {len(available)} exist; use devices <= "
+            f"{len(available)} (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count)"
+        )
+    return Mesh(np.array(available[:n]), (axis_name,))
+
+
+class DataParallelStep:
+    """A compiled data-parallel training step; see :func:`data_parallel_step`.
+
+    Calling it checks the batch before anything is compiled, then runs the
+    jitted function. ``lower`` and ``jitted`` expose the underlying
+    ``jax.jit`` object (for :func:`adaptjax.wire_bytes`, AOT compilation and
+    compilation counting).
+    """
+
+    def __init__(self, fn, *, mesh, axis_name, microbatches, n_replicas):
+        self.jitted = fn
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.microbatches = microbatches
+        self.n_replicas = n_replicas
+
+    def check_batch(self, batch) -> int:
+        """Validates the batch's leading dimension; returns the global batch size."""
+        sizes = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in jax.tree.leaves(batch)}
+        if not sizes or -1 in sizes:
+            raise ValueError("every batch leaf needs a leading batch dimension")
+        if len(sizes) != 1:
+            raise ValueError(f"batch leaves disagree on the batch size: {sorted(sizes)}")
+        size = sizes.pop()
+        div = self.n_replicas * self.microbatches
+        if size % div:
+            raise ValueError(
+                f"global batch {size} is not divisible by replicas x microbatches = "
+                f"{self.n_replicas} x {self.microbatches}; use a multiple of {div}"
+            )
+        return size
+
+    def __call__(self, state: TrainState, batch):
+        self.check_batch(batch)
+        return self.jitted(state, batch)
+
+    def lower(self, state, batch):
+        self.check_batch(batch)
+        return self.jitted.lower(state, batch)
+
+
+def data_parallel_step(
+    loss_fn: Callable[..., Any],
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    microbatches: int = 1,
+    has_aux: bool = False,
+    axis_name: str | tuple[str, ...] = "data",
+    donate: bool = True,
+    skip_nonfinite: bool = True,
+) -> DataParallelStep:
+    """Builds ``step(state, batch) -> (state, metrics)``, jitted over ``mesh``.
+
+    The global batch (every leaf's leading axis) is split over ``axis_name``;
+    inside ``jax.shard_map`` each replica computes its gradient (accumulated
+    over ``microbatches`` micro-batches with ``lax.scan``) and runs ``tx`` with
+    the axis bound, so ``tx`` should contain :func:`adaptjax.sync_gradients` (or
+    another cross-replica reduction). ``tx.update`` receives the extra
+    arguments ``local_batch_size``, ``microbatches`` and ``micro_sqnorm``.
+
+    Non-finite loss or updates skip the update when ``skip_nonfinite``: params
+    and optimizer state stay as they were and ``state.nonfinite_count`` grows.
+
+    ``metrics`` holds ``loss`` (mean over the global batch), ``nonfinite``
+    (1.0 when this step was skipped), every monitor value (see
+    :func:`adaptjax.read_metrics`) and, with ``has_aux``, the aux outputs
+    averaged over replicas under ``aux``.
+
+    Args:
+      loss_fn: ``loss_fn(params_or_model, batch) -> loss`` (or ``(loss, aux)``
+        with ``has_aux``); for an NNX model it receives the merged module.
+      tx: the optax transformation.
+      mesh: a mesh with ``axis_name``; it may cover any subset of devices.
+      microbatches: gradient accumulation steps per replica.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      axis_name: the data-parallel axis (or tuple of axes).
+      donate: donate the state buffers to the step.
+      skip_nonfinite: skip updates whose loss or updates are not finite.
+
+    Returns:
+      A :class:`DataParallelStep`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, adaptjax
+      >>> mesh = adaptjax.make_mesh(8)
+      >>> tx = optax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.1))
+      >>> loss = lambda p, b: jnp.mean((b["x"] * p["w"] - b["y"]) ** 2)
+      >>> step = adaptjax.data_parallel_step(loss, tx, mesh)
+      >>> state = adaptjax.init_state({"w": jnp.zeros(())}, tx, mesh)
+      >>> batch = {"x": jnp.ones(16), "y": 2 * jnp.ones(16)}
+      >>> state, metrics = step(state, batch)
+      >>> round(float(state.params["w"]), 4), float(metrics["loss"])
+      (0.4, 4.0)
+    """
+    n = check_mesh(mesh, axis_name)
+    microbatches = int(microbatches)
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    k = microbatches
+
+    def grad_of(params, model_state, graphdef, batch):
+        def f(p):
+            out = loss_fn(merge_model(graphdef, p, model_state), batch)
+            return out if has_aux else (out, ())
+
+        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return loss, aux, grads
+
+    def local_step(state: TrainState, batch):
+        state = TrainState(
+            state.step,
+            state.params,
+            to_local(state.opt_state),
+            state.nonfinite_count,
+            state.model_state,
+            state.graphdef,
+        )
+        params = state.params
+        b = jax.tree.leaves(batch)[0].shape[0]
+        if k == 1:
+            loss, aux, grads = grad_of(params, state.model_state, state.graphdef, batch)
+            micro_sq = None
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(k, b // k, *x.shape[1:]), batch)
+
+            def body(carry, mb):
+                g_acc, l_acc, sq_acc, a_acc = carry
+                loss, aux, g = grad_of(params, state.model_state, state.graphdef, mb)
+                g_acc = jax.tree.map(jnp.add, g_acc, g)
+                a_acc = jax.tree.map(jnp.add, a_acc, aux)
+                return (g_acc, l_acc + loss, sq_acc + tree_sq_norm(g), a_acc), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            aux_shape = jax.eval_shape(
+                lambda mb: grad_of(params, state.model_state, state.graphdef, mb)[1],
+                jax.tree.map(lambda x: x[0], micro),
+            )
+            aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
+            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), aux0)
+            (g_sum, l_sum, micro_sq, a_sum), _ = jax.lax.scan(body, init, micro)
+            grads = jax.tree.map(lambda g: g / k, g_sum)
+            loss = l_sum / k
+            aux = jax.tree.map(lambda a: a / k, a_sum)
+        updates, opt_state = tx.update(
+            grads,
+            state.opt_state,
+            params,
+            local_batch_size=b,
+            microbatches=k,
+            micro_sqnorm=micro_sq,
+        )
+        new_params = optax.apply_updates(params, updates)
+        loss = jax.lax.pmean(loss.astype(jnp.float32), axis_name)
+        aux = jax.lax.pmean(aux, axis_name)
+        if skip_nonfinite:
+            ok = jnp.isfinite(loss) & jnp.isfinite(tree_sq_norm(updates))
+            keep = lambda new, old: jax.tree.map(lambda a, c: jnp.where(ok, a, c), new, old)
+            new_params = keep(new_params, params)
+            opt_state = keep(opt_state, state.opt_state)
+        else:
+            ok = jnp.bool_(True)
+        metrics = {"loss": loss, "nonfinite": (~ok).astype(jnp.float32)}
+        metrics.update(collect_metrics(opt_state))
+        if has_aux:
+            metrics["aux"] = aux
+        new_state = TrainState(
+            step=state.step + 1,
+            params=new_params,
+            opt_state=to_global(opt_state),
+            nonfinite_count=state.nonfinite_count + (~ok).astype(jnp.int32),
+            model_state=state.model_state,
+            graphdef=state.graphdef,
+        )
+        return new_state, metrics
+
+    def step(state: TrainState, batch):
+        specs = train_state_specs(state, axis_name)
+        fn = jax.shard_map(
+            local_step,
+            mesh=mesh,
+            in_specs=(specs, P(axis_name)),
+            out_specs=(specs, P()),
+            check_vma=False,
+        )
+        return fn(state, batch)
+
+    jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
+    functools.update_wrapper(DataParallelStep.__call__, DataParallelStep.__call__)
+    return DataParallelStep(
+        jitted, mesh=mesh, axis_name=axis_name, microbatches=k, n_replicas=n
+    )

@@ -1,0 +1,264 @@
+"""The gradient synchronisation transformation: one collective, monitors on top."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from adaptjax._monitors import GradStats
+from adaptjax._tree import axis_size, check_float_tree, tree_sq_norm
+
+_LOCAL_SQ = "__local_sq__"
+_WIRE_DTYPES = {None: None, "float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class SyncState(NamedTuple):
+    """State of :func:`sync_gradients`.
+
+    Attributes:
+      count: int32 number of updates so far.
+      codec_state: the codec's state (``()`` without a codec).
+      monitor_states: one state per monitor, in order.
+      metrics: the monitors' latest values, a dict of float32 scalars; read it
+        with :func:`adaptjax.read_metrics`.
+    """
+
+    count: jax.Array
+    codec_state: Any
+    monitor_states: tuple
+    metrics: dict
+
+
+def _wire_dtype(wire_dtype):
+    if wire_dtype is None:
+        return None
+    key = jnp.dtype(wire_dtype).name
+    if key not in _WIRE_DTYPES:
+        raise ValueError(
+            f"wire_dtype must be float32, bfloat16 or float16, got {wire_dtype}; "
+            "use a codec from adaptjax.compression for narrower formats"
+        )
+    return _WIRE_DTYPES[key]
+
+
+def _varying_axes(x) -> frozenset:
+    """Mesh axes a value varies over inside ``shard_map`` (empty when unchecked)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)  # jax <= 0.9 spelling
+    if vma is None:
+        vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def _check_per_replica(updates, axis_name) -> None:
+    """With ``check_vma`` on, gradients must vary over the axis (not be summed already)."""
+    names = set(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+    if not names & _varying_axes(jax.lax.axis_index(axis_name)):
+        return  # shard_map(check_vma=False): nothing to check
+    for path, x in jax.tree_util.tree_leaves_with_path(updates):
+        if not names <= _varying_axes(x):
+            raise ValueError(
+                f"gradient at {jax.tree_util.keystr(path) or 'the root'} is already reduced over "
+                f"{axis_name!r} (jax.grad of replicated params inside shard_map sums them); "
+                "differentiate w.r.t. jax.lax.pcast(params, axis_name, to='varying') or use "
+                "jax.shard_map(..., check_vma=False)"
+            )
+
+
+def sync_gradients(
+    axis_name: str | tuple[str, ...] = "data",
+    *,
+    wire_dtype=None,
+    codec=None,
+    monitors: Sequence[Any] = (),
+    monitor_every: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Averages per-replica gradients over ``axis_name`` with one collective.
+
+    Use it inside ``shard_map`` (or ``pmap``) with ``axis_name`` bound, before
+    the optimizer in an ``optax.chain``, on *per-replica* gradients: with
+    ``check_vma=True`` (shard_map's default) ``jax.grad`` of replicated params
+    already sums them, so differentiate with respect to
+    ``jax.lax.pcast(params, axis_name, to="varying")`` or pass ``check_vma=False`` (a clear
+    error says so otherwise). Monitors see this replica's gradient
+    and the averaged one; the scalars they need from every replica travel in
+    the same all-reduce as the gradients, so the step still has exactly one
+    gradient-sized collective.
+
+    Extra arguments read from ``update`` (the step builder passes them):
+    ``local_batch_size`` (examples per replica), ``microbatches`` (``k``) and
+    ``micro_sqnorm`` (sum over this replica's ``k`` micro-batch gradients of
+    ``‖g_j‖²``, so the noise scale gets ``k`` samples per replica).
+
+    Args:
+      axis_name: the data-parallel mesh axis (or a tuple of axes).
+      wire_dtype: ``None`` (the gradients' dtype), ``jnp.float32`` or
+        ``jnp.bfloat16``/``jnp.float16`` (cast for the all-reduce, cast back).
+      codec: a :class:`adaptjax.GradientCodec` (see ``adaptjax.compression``);
+        it then owns the collective.
+      monitors: monitors such as :class:`adaptjax.GradientNoiseScale`.
+      monitor_every: measure every this many steps (default 1, or 16 with a
+        codec); between measurements the monitors' norm passes are skipped
+        (``lax.cond``) and their last values are kept. With a codec, measuring
+        steps synchronise densely (plain psum, codec state untouched) so the
+        monitors see the exact averaged gradient; the other steps use the codec.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; its state is a :class:`SyncState`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, adaptjax
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+      >>> tx = adaptjax.sync_gradients("data")
+      >>> f = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
+      ...                   in_specs=P("data"), out_specs=P())
+      >>> jax.jit(f)(jnp.arange(4.0)).tolist()   # each replica holds one value
+      [1.5]
+    """
+    wdt = _wire_dtype(wire_dtype)
+    monitors = tuple(monitors)
+    if codec is not None and not (hasattr(codec, "init") and hasattr(codec, "sync")):
+        raise ValueError(
+            f"codec {codec!r} does not follow adaptjax.GradientCodec (needs init and sync); "
+            "build one with adaptjax.compression"
+        )
+    if monitor_every is None:
+        monitor_every = 16 if (codec is not None and monitors) else 1
+    if int(monitor_every) < 1:
+        raise ValueError(f"monitor_every must be >= 1, got {monitor_every}")
+    names = [n for m in monitors for n in m.metric_names()]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two monitors report the same metric name: {sorted(names)}")
+
+    def init_fn(params):
+        return SyncState(
+            count=jnp.zeros((), jnp.int32),
+            codec_state=codec.init(params) if codec is not None else (),
+            monitor_states=tuple(m.init(params) for m in monitors),
+            metrics={
+                k: jnp.zeros((), jnp.float32) for m in monitors for k in m.metrics(m.init(params))
+            }
+            if monitors
+            else {},
+        )
+
+    def update_fn(updates, state, params=None, **extra):
+        check_float_tree(updates)
+        _check_per_replica(updates, axis_name)
+        n = axis_size(axis_name)
+        k = int(extra.get("microbatches", 1) or 1)
+        micro_sq = extra.get("micro_sqnorm")
+        measure_now = state.count % monitor_every == 0
+
+        def local_scalars():
+            out = {}
+            if micro_sq is not None and k > 1:
+                out[_LOCAL_SQ] = jnp.asarray(micro_sq, jnp.float32)
+            else:
+                out[_LOCAL_SQ] = tree_sq_norm(updates)
+            for i, (m, s) in enumerate(zip(monitors, state.monitor_states, strict=True)):
+                for key, v in m.local_scalars(updates, s).items():
+                    out[f"{i}/{key}"] = jnp.asarray(v, jnp.float32)
+            return out
+
+        if monitors:
+            if monitor_every == 1:
+                scalars = local_scalars()
+            else:
+                shapes = jax.eval_shape(local_scalars)
+                zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+                scalars = jax.lax.cond(measure_now, local_scalars, zeros)
+        else:
+            scalars = {}
+
+        def dense(_):
+            wire = updates if wdt is None else jax.tree.map(lambda g: g.astype(wdt), updates)
+            summed, summed_scalars = jax.lax.psum((wire, scalars), axis_name)
+            mean = jax.tree.map(lambda s, g: (s / n).astype(g.dtype), summed, updates)
+            return mean, state.codec_state, summed_scalars
+
+        def compressed(_):
+            mean, codec_state = codec.sync(
+                updates, state.codec_state, axis_name=axis_name, step=state.count
+            )
+            summed_scalars = jax.lax.psum(scalars, axis_name) if scalars else {}
+            return mean, codec_state, summed_scalars
+
+        if codec is None:
+            mean, codec_state, summed_scalars = dense(None)
+        elif monitors:
+            # Monitors measure on dense steps only: a compressed mean would add the
+            # codec's error to ‖Ḡ‖². Between them the codec runs and monitors hold.
+            mean, codec_state, summed_scalars = jax.lax.cond(measure_now, dense, compressed, None)
+        else:
+            mean, codec_state, summed_scalars = compressed(None)
+
+        if not monitors:
+            return mean, SyncState(state.count + 1, codec_state, (), {})
+
+        def measure(monitor_states):
+            stats = GradStats(
+                local_grads=updates,
+                mean_grads=mean,
+                local_sq=summed_scalars[_LOCAL_SQ],
+                mean_sq=tree_sq_norm(mean),
+                n_replicas=n,
+                samples_per_replica=k if (micro_sq is not None and k > 1) else 1,
+                local_batch_size=extra.get("local_batch_size"),
+                summed={},
+            )
+            new_states, metrics = [], {}
+            for i, (m, s) in enumerate(zip(monitors, monitor_states, strict=True)):
+                own = {
+                    key.split("/", 1)[1]: v
+                    for key, v in summed_scalars.items()
+                    if key.startswith(f"{i}/")
+                }
+                own[_LOCAL_SQ] = summed_scalars[_LOCAL_SQ]
+                s, vals = m.update(stats._replace(summed=own), s, params=params)
+                new_states.append(s)
+                metrics.update(vals)
+            return tuple(new_states), {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+
+        if monitor_every == 1:
+            monitor_states, metrics = measure(state.monitor_states)
+        else:
+            monitor_states, metrics = jax.lax.cond(
+                measure_now, measure, lambda s: (s, state.metrics), state.monitor_states
+            )
+        return mean, SyncState(state.count + 1, codec_state, monitor_states, metrics)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def noise_scale(
+    axis_name: str | tuple[str, ...] = "data", *, wire_dtype=None, codec=None, **monitor_kwargs
+) -> optax.GradientTransformationExtraArgs:
+    """Sync plus :class:`adaptjax.GradientNoiseScale` in one transformation.
+
+    Args:
+      axis_name: the data-parallel mesh axis.
+      wire_dtype: see :func:`sync_gradients`.
+      codec: see :func:`sync_gradients`.
+      **monitor_kwargs: passed to :class:`adaptjax.GradientNoiseScale`.
+
+    Returns:
+      The sync transformation with a noise-scale monitor.
+
+    Example:
+      >>> import optax, adaptjax
+      >>> tx = optax.chain(adaptjax.noise_scale("data", decay=0.9), optax.sgd(0.1))
+    """
+    from adaptjax._monitors import GradientNoiseScale
+
+    return sync_gradients(
+        axis_name,
+        wire_dtype=wire_dtype,
+        codec=codec,
+        monitors=(GradientNoiseScale(**monitor_kwargs),),
+    )

@@ -1,0 +1,249 @@
+"""The action vocabulary: everything a policy may ask the controller to do.
+
+Actions are small frozen dataclasses. Their fields are validated and normalised
+in ``__post_init__`` (numpy ints become Python ints, a hyperparameter dict
+becomes a read-only :class:`FrozenMapping`, a mesh-shape list becomes a tuple),
+so two equal decisions compare equal and hash alike, and a bad field fails at
+the line that built it with a one-line ``ValueError``.
+
+==================  ========================================================
+action              what the controller does
+==================  ========================================================
+``SetHyperparams``  sets scalar hyperparameters (no recompile)
+``SetBatchSize``    changes the global batch (and optionally micro-batches)
+``Rescale``         moves to a device count or a mesh shape (via a checkpoint)
+``SetCodec``        switches gradient compression on (a codec) or off (None)
+``Checkpoint``      saves a checkpoint now
+``Stop``            ends training
+``Rollback``        restores the last checkpoint
+==================  ========================================================
+"""
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any, TypeAlias
+
+from adaptjax.policies._checks import (
+    check_float,
+    check_int,
+    check_mapping,
+    check_optional_int,
+    check_str,
+    short_repr,
+)
+from adaptjax.policies._mapping import FrozenMapping
+
+
+@dataclasses.dataclass(frozen=True)
+class SetHyperparams:
+    """Set scalar hyperparameters (e.g. the learning rate) without recompiling.
+
+    Args:
+      values: hyperparameter name -> new value; at least one, every value finite.
+
+    Example:
+      >>> SetHyperparams({"learning_rate": 0.05})
+      SetHyperparams(values={'learning_rate': 0.05})
+    """
+
+    values: Mapping[str, float]
+
+    def __post_init__(self) -> None:
+        owner = "SetHyperparams"
+        check_mapping(self.values, owner=owner, name="values")
+        if not self.values:
+            raise ValueError(f"{owner}: values must name at least one hyperparameter, got {{}}")
+        clean = {}
+        for key, value in self.values.items():
+            check_str(key, owner=owner, name="every key of values", allow_empty=False)
+            clean[key] = check_float(value, owner=owner, name=f"values[{key!r}]")
+        object.__setattr__(self, "values", FrozenMapping(clean))
+
+
+@dataclasses.dataclass(frozen=True)
+class SetBatchSize:
+    """Change the global batch size (recompiles the step; compiled steps are cached).
+
+    Args:
+      batch_size: the new global batch size, >= 1.
+      microbatches: the new number of gradient-accumulation micro-batches per
+        step, or ``None`` to keep the current one. ``batch_size`` must be
+        divisible by it.
+
+    Example:
+      >>> SetBatchSize(256)
+      SetBatchSize(batch_size=256, microbatches=None)
+    """
+
+    batch_size: int
+    microbatches: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = "SetBatchSize"
+        batch = check_int(self.batch_size, owner=owner, name="batch_size", minimum=1)
+        micro = check_optional_int(self.microbatches, owner=owner, name="microbatches", minimum=1)
+        if micro is not None and batch % micro:
+            raise ValueError(
+                f"{owner}: batch_size={batch} is not divisible by microbatches={micro}; "
+                f"use a multiple of {micro}"
+            )
+        object.__setattr__(self, "batch_size", batch)
+        object.__setattr__(self, "microbatches", micro)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rescale:
+    """Move training to another device count or mesh shape (through a checkpoint).
+
+    Args:
+      devices: the new number of devices (a 1-D data-parallel mesh), >= 1.
+      mesh_shape: the new mesh shape, every dimension >= 1.
+        Give exactly one of ``devices`` and ``mesh_shape``.
+
+    Example:
+      >>> Rescale(devices=4)
+      Rescale(devices=4, mesh_shape=None)
+      >>> Rescale(mesh_shape=[2, 4]).mesh_shape
+      (2, 4)
+    """
+
+    devices: int | None = None
+    mesh_shape: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        owner = "Rescale"
+        if (self.devices is None) == (self.mesh_shape is None):
+            raise ValueError(
+                f"{owner}: give exactly one of devices and mesh_shape, got "
+                f"devices={short_repr(self.devices)}, mesh_shape={short_repr(self.mesh_shape)}"
+            )
+        if self.devices is not None:
+            devices = check_int(self.devices, owner=owner, name="devices", minimum=1)
+            object.__setattr__(self, "devices", devices)
+            return
+        if isinstance(self.mesh_shape, str | bytes) or not hasattr(self.mesh_shape, "__iter__"):
+            raise ValueError(
+                f"{owner}: mesh_shape must be a tuple of ints, got {short_repr(self.mesh_shape)}"
+            )
+        shape = tuple(
+            check_int(d, owner=owner, name="every mesh_shape dimension", minimum=1)
+            for d in self.mesh_shape
+        )
+        if not shape:
+            raise ValueError(f"{owner}: mesh_shape must have at least one dimension, got ()")
+        object.__setattr__(self, "mesh_shape", shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class SetCodec:
+    """Switch gradient compression on (with ``codec``) or off (``codec=None``).
+
+    Args:
+      codec: a codec the user built (e.g. from ``adaptjax.compression``), held as
+        an opaque object and never inspected here; ``None`` clears compression.
+
+    Example:
+      >>> SetCodec(None)
+      SetCodec(codec=None)
+    """
+
+    codec: object | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """Save a checkpoint now.
+
+    Example:
+      >>> Checkpoint()
+      Checkpoint()
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """End training (after a final checkpoint, at the controller's discretion).
+
+    Args:
+      reason: why, for the log.
+
+    Example:
+      >>> Stop("target reached")
+      Stop(reason='target reached')
+    """
+
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        check_str(self.reason, owner="Stop", name="reason")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollback:
+    """Restore the last checkpoint (e.g. after non-finite gradients).
+
+    Args:
+      reason: why, for the log.
+
+    Example:
+      >>> Rollback("loss became NaN")
+      Rollback(reason='loss became NaN')
+    """
+
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        check_str(self.reason, owner="Rollback", name="reason")
+
+
+ACTION_TYPES: tuple[type, ...] = (
+    SetHyperparams,
+    SetBatchSize,
+    Rescale,
+    SetCodec,
+    Checkpoint,
+    Stop,
+    Rollback,
+)
+
+Action: TypeAlias = (
+    SetHyperparams | SetBatchSize | Rescale | SetCodec | Checkpoint | Stop | Rollback
+)
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def opaque_key(obj: object) -> str | None:
+    """A string that names an opaque object (a codec) stably across processes.
+
+    The qualified type name plus ``repr`` with memory addresses removed, so the
+    same configured codec gives the same key after a restart.
+    """
+    if obj is None:
+        return None
+    kind = type(obj)
+    return f"{kind.__module__}.{kind.__qualname__}:{_ADDRESS.sub('', repr(obj))}"
+
+
+def action_signature(action: Action) -> list[Any]:
+    """A JSON-serialisable description of an action's type and decision values.
+
+    Used by ``hysteresis`` to compare decisions across evaluations and across a
+    resume. ``Stop``/``Rollback`` reasons are descriptions, not decisions, and
+    are left out; codecs are described by :func:`opaque_key`.
+
+    Example:
+      >>> action_signature(SetBatchSize(128))
+      ['SetBatchSize', 128, None]
+    """
+    if isinstance(action, SetHyperparams):
+        return ["SetHyperparams", [[k, action.values[k]] for k in sorted(action.values)]]
+    if isinstance(action, SetBatchSize):
+        return ["SetBatchSize", action.batch_size, action.microbatches]
+    if isinstance(action, Rescale):
+        shape = None if action.mesh_shape is None else list(action.mesh_shape)
+        return ["Rescale", action.devices, shape]
+    if isinstance(action, SetCodec):
+        return ["SetCodec", opaque_key(action.codec)]
+    return [type(action).__name__]

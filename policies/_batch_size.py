@@ -1,0 +1,302 @@
+"""``AdaptiveBatchSize``: grow or shrink the batch where Pollux's goodput model says it pays."""
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Mapping
+
+from adaptjax.policies._actions import Action, SetBatchSize, SetHyperparams
+from adaptjax.policies._checks import (
+    check_choice,
+    check_float,
+    check_int,
+    check_optional_int,
+    check_str,
+    read_metric,
+)
+from adaptjax.policies._context import Context
+from adaptjax.policies._goodput import (
+    LR_RULES,
+    OPTIMIZER_KINDS,
+    fit_throughput,
+    goodput,
+    lr_scale,
+)
+from adaptjax.policies._policy import StatefulPolicy
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AdaptiveBatchSize(StatefulPolicy):
+    """Proposes the batch size with the best predicted goodput, and rescales the LR with it.
+
+    At every evaluation the policy
+
+    1. records the step time at the current configuration (``step_time``, or
+       ``batch_size / throughput``), keeping the last ``window`` values per
+       batch size for each (devices, micro-batches, compressed or not)
+       configuration — a change of devices or codec starts a fresh model;
+    2. models the step time as T(M) = α + β·M: a non-negative least-squares fit
+       of the median step time at each batch size measured in this
+       configuration (:func:`fit_throughput`). While only one batch size M₁
+       has been measured (step time T₁) it uses a prior: a fraction
+       ``prior_overhead`` of T₁ is fixed per-step cost, the rest grows with M
+       (α = f·T₁, β = (1−f)·T₁/M₁), and only half and double the current
+       batch are considered, so the policy explores one step at a time;
+    3. reads the noise scale φ (``noise_scale``, else
+       ``grad_variance / grad_sqnorm``) and scores candidates by goodput
+       M/T(M) · (φ + M₀)/(φ + M) (:func:`goodput`). Candidates are multiples of
+       ``multiple_of`` in [min, max]; goodput is unimodal with its peak at
+       M* = √(αφ/β), so the two multiples around M* (clipped) are the best;
+    4. proposes ``SetBatchSize`` only when the predicted goodput gain over the
+       current batch is at least ``gain_threshold``, together with
+       ``SetHyperparams({lr_key: base_lr × rule(S)})``, S = M/M₀.
+
+    M₀ is ``ctx.base_batch_size`` (else the batch size) and base_lr is
+    ``ctx.hyperparams[lr_key]`` at the first decision; both are kept in the
+    state. If something else changed the learning rate since this policy last
+    set it (e.g. ``ReduceLROnPlateau``), the base is rescaled by that change
+    first, so the other policy's decision is kept. Does nothing while
+    ``noise_scale`` (or the variance pair) or a step time is missing.
+
+    Args:
+      max_batch_size: the largest global batch to propose, >= 1.
+      min_batch_size: the smallest; default M₀ (never below the starting batch).
+      lr_rule: ``"adascale"`` (gain r from σ² = grad_variance/M₀ and
+        μ² = grad_sqnorm, or from φ alone), ``"sqrt"``, ``"linear"`` or ``"none"``
+        (leave the learning rate alone).
+      optimizer_kind: ``"adam"`` (AdaScale factor √r) or ``"sgd"`` (factor r).
+      gain_threshold: the smallest predicted relative goodput gain worth a
+        change, >= 0 (Pollux: 0.05).
+      lr_key: the hyperparameter holding the learning rate.
+      multiple_of: proposals are multiples of this and of
+        ``ctx.devices * ctx.microbatches`` (the default), so they stay divisible.
+      prior_overhead: the fixed-cost fraction assumed before two batch sizes
+        are measured, in [0, 1).
+      window: step times kept per batch size (the median is used), >= 1.
+
+    References:
+      Qiao et al., "Pollux", OSDI 2021; Johnson et al., "AdaScale SGD", ICML 2020.
+
+    Example:
+      >>> from adaptjax.policies import AdaptiveBatchSize, Context
+      >>> policy = AdaptiveBatchSize(max_batch_size=1024, lr_rule="linear")
+      >>> ctx = Context(step=100, batch_size=64, microbatches=1, devices=8, max_devices=8,
+      ...               hyperparams={"learning_rate": 0.1})
+      >>> policy.decide({"loss": 2.3}, ctx)  # no noise scale or step time yet
+      []
+      >>> policy.decide({"noise_scale": 10_000.0, "step_time": 0.2}, ctx)
+      [SetBatchSize(batch_size=128, microbatches=None), SetHyperparams(values={'learning_rate': 0.2})]
+    """  # noqa: E501
+
+    max_batch_size: int
+    min_batch_size: int | None = dataclasses.field(default=None, kw_only=True)
+    lr_rule: str = dataclasses.field(default="adascale", kw_only=True)
+    optimizer_kind: str = dataclasses.field(default="adam", kw_only=True)
+    gain_threshold: float = dataclasses.field(default=0.05, kw_only=True)
+    lr_key: str = dataclasses.field(default="learning_rate", kw_only=True)
+    multiple_of: int | None = dataclasses.field(default=None, kw_only=True)
+    prior_overhead: float = dataclasses.field(default=0.5, kw_only=True)
+    window: int = dataclasses.field(default=16, kw_only=True)
+
+    def __post_init__(self) -> None:
+        owner = "AdaptiveBatchSize"
+        top = check_int(self.max_batch_size, owner=owner, name="max_batch_size", minimum=1)
+        low = check_optional_int(self.min_batch_size, owner=owner, name="min_batch_size", minimum=1)
+        if low is not None and low > top:
+            raise ValueError(
+                f"{owner}: min_batch_size={low} exceeds max_batch_size={top}; "
+                "make min_batch_size <= max_batch_size"
+            )
+        object.__setattr__(self, "max_batch_size", top)
+        object.__setattr__(self, "min_batch_size", low)
+        check_choice(self.lr_rule, LR_RULES, owner=owner, name="lr_rule")
+        check_choice(self.optimizer_kind, OPTIMIZER_KINDS, owner=owner, name="optimizer_kind")
+        object.__setattr__(
+            self,
+            "gain_threshold",
+            check_float(self.gain_threshold, owner=owner, name="gain_threshold", low=0.0),
+        )
+        check_str(self.lr_key, owner=owner, name="lr_key", allow_empty=False)
+        object.__setattr__(
+            self,
+            "multiple_of",
+            check_optional_int(self.multiple_of, owner=owner, name="multiple_of", minimum=1),
+        )
+        object.__setattr__(
+            self,
+            "prior_overhead",
+            check_float(
+                self.prior_overhead, owner=owner, name="prior_overhead", low=0.0, high=1.0,
+                high_open=True,
+            ),
+        )
+        object.__setattr__(
+            self, "window", check_int(self.window, owner=owner, name="window", minimum=1)
+        )
+        super().__post_init__()
+
+    def _initial_state(self) -> dict:
+        return {
+            "base_batch_size": None,  # M₀
+            "base_lr": None,  # the learning rate at M₀
+            "lr_factor": 1.0,  # rule(S) of the batch size in effect
+            "last_lr": None,  # the learning rate this policy expects in effect
+            "pending": None,  # last proposal: {"batch_size", "lr", "lr_factor"}
+            "observations": [],  # [{"devices", "microbatches", "compressed", "batch_size",
+            #                        "step_times": [...]}]
+        }
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _current_lr(self, ctx: Context) -> float:
+        if self.lr_key not in ctx.hyperparams:
+            raise ValueError(
+                f"AdaptiveBatchSize(lr_rule={self.lr_rule!r}): ctx.hyperparams has no "
+                f"{self.lr_key!r} (has {sorted(ctx.hyperparams)}); pass lr_key=... "
+                "or lr_rule='none'"
+            )
+        return ctx.hyperparams[self.lr_key]
+
+    def _record(self, metrics: Mapping[str, float], ctx: Context) -> None:
+        step_time = read_metric(metrics, "step_time")
+        if step_time is None:
+            throughput = read_metric(metrics, "throughput")
+            if throughput is not None and throughput > 0.0:
+                step_time = ctx.batch_size / throughput
+        if step_time is None or step_time <= 0.0:
+            return
+        key = self._config(ctx)
+        for entry in self._state["observations"]:
+            if _config_of(entry) == key and entry["batch_size"] == ctx.batch_size:
+                times = entry["step_times"]
+                break
+        else:
+            times = []
+            self._state["observations"].append(
+                {
+                    "devices": key[0],
+                    "microbatches": key[1],
+                    "compressed": key[2],
+                    "batch_size": ctx.batch_size,
+                    "step_times": times,
+                }
+            )
+        times.append(step_time)
+        del times[: max(len(times) - self.window, 0)]
+
+    @staticmethod
+    def _config(ctx: Context) -> tuple[int, int, bool]:
+        return (ctx.devices, ctx.microbatches, ctx.codec is not None)
+
+    def _model(self, ctx: Context) -> tuple[float, float, bool] | None:
+        """(α, β, is_prior) for the current configuration, or None without data."""
+        key = self._config(ctx)
+        points = sorted(
+            (entry["batch_size"], statistics.median(entry["step_times"]))
+            for entry in self._state["observations"]
+            if _config_of(entry) == key and entry["step_times"]
+        )
+        if not points:
+            return None
+        if len(points) == 1:
+            batch, step_time = points[0]
+            f = self.prior_overhead
+            return f * step_time, (1.0 - f) * step_time / batch, True
+        alpha, beta = fit_throughput([p[0] for p in points], [p[1] for p in points])
+        return alpha, beta, False
+
+    @staticmethod
+    def _noise_scale(metrics: Mapping[str, float]) -> float | None:
+        phi = read_metric(metrics, "noise_scale")
+        if phi is None:
+            variance = read_metric(metrics, "grad_variance")
+            sqnorm = read_metric(metrics, "grad_sqnorm")
+            if variance is None or sqnorm is None or sqnorm <= 0.0:
+                return None
+            phi = variance / sqnorm
+        return max(phi, 0.0)
+
+    def _lr_factor(self, scale: float, phi: float, metrics: Mapping[str, float]) -> float:
+        base = self._state["base_batch_size"]
+        variance = read_metric(metrics, "grad_variance")
+        sqnorm = read_metric(metrics, "grad_sqnorm")
+        if variance is not None and sqnorm is not None:
+            sigma_sq, mu_sq = variance / base, sqnorm
+        else:  # σ²/μ² = φ/M₀ is all the gain depends on.
+            sigma_sq, mu_sq = phi / base, 1.0
+        return lr_scale(
+            self.lr_rule, scale, optimizer_kind=self.optimizer_kind, sigma_sq=sigma_sq,
+            mu_sq=mu_sq,
+        )
+
+    # --- decision ------------------------------------------------------------------------
+
+    def decide(self, metrics: Mapping[str, float], ctx: Context) -> list[Action]:
+        """Returns ``[SetBatchSize, SetHyperparams]`` when a change pays, else ``[]``."""
+        state = self._state
+        if state["base_batch_size"] is None:
+            state["base_batch_size"] = ctx.base_batch_size or ctx.batch_size
+            if self.lr_rule != "none":
+                state["base_lr"] = state["last_lr"] = self._current_lr(ctx)
+        pending = state["pending"]
+        if pending is not None and pending["batch_size"] == ctx.batch_size:
+            state["lr_factor"], state["last_lr"] = pending["lr_factor"], pending["lr"]
+            state["pending"] = None
+
+        self._record(metrics, ctx)
+        phi = self._noise_scale(metrics)
+        model = self._model(ctx)
+        if phi is None or model is None:
+            return []
+        alpha, beta, is_prior = model
+
+        base = state["base_batch_size"]
+        step = ctx.devices * ctx.microbatches
+        if self.multiple_of is not None:
+            step = math.lcm(step, self.multiple_of)
+        low = -(-(self.min_batch_size or base) // step) * step
+        high = self.max_batch_size // step * step
+        if low > high:
+            return []
+
+        def clip(m: float) -> int:
+            return min(max(int(m), low), high)
+
+        current = ctx.batch_size
+        if is_prior:
+            candidates = {clip(current // 2 // step * step), clip(2 * current)}
+        else:
+            if beta == 0.0:
+                peak = math.inf
+            elif alpha == 0.0 or phi == 0.0:
+                peak = 0.0
+            else:
+                peak = math.sqrt(alpha * phi / beta)
+            below = high if math.isinf(peak) else int(peak // step * step)
+            candidates = {low, high, clip(below), clip(below + step)}
+        candidates.discard(current)
+        if not candidates:
+            return []
+
+        def score(m: int) -> float:
+            return goodput(m, noise_scale=phi, alpha=alpha, beta=beta, base_batch_size=base)
+
+        best = min(candidates, key=lambda m: (-score(m), m))
+        if score(best) < (1.0 + self.gain_threshold) * score(current):
+            return []
+
+        actions: list[Action] = [SetBatchSize(best)]
+        if self.lr_rule != "none":
+            lr = self._current_lr(ctx)
+            if lr != state["last_lr"]:  # changed by someone else: keep their change
+                state["base_lr"] = lr / state["lr_factor"]
+                state["last_lr"] = lr
+            factor = self._lr_factor(best / base, phi, metrics)
+            new_lr = state["base_lr"] * factor
+            state["pending"] = {"batch_size": best, "lr": new_lr, "lr_factor": factor}
+            actions.append(SetHyperparams({self.lr_key: new_lr}))
+        return actions
+
+
+def _config_of(entry: Mapping) -> tuple[int, int, bool]:
+    return (entry["devices"], entry["microbatches"], entry["compressed"])

@@ -1,0 +1,82 @@
+"""What a policy knows about the run besides its metrics."""
+
+import dataclasses
+from collections.abc import Mapping
+
+from adaptjax.policies._checks import (
+    check_float,
+    check_int,
+    check_mapping,
+    check_optional_int,
+    check_str,
+)
+from adaptjax.policies._mapping import FrozenMapping
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """The training configuration at the moment a policy decides.
+
+    Built by the controller before every evaluation; policies only read it.
+    ``hyperparams`` is copied into a read-only mapping of floats.
+
+    Args:
+      step: the optimizer step the metrics belong to, >= 0.
+      batch_size: the current global batch size (all devices, all micro-batches), >= 1.
+      microbatches: gradient-accumulation micro-batches per step, >= 1.
+      devices: devices currently training, >= 1.
+      max_devices: devices that could be used, >= ``devices``.
+      hyperparams: current scalar hyperparameters, e.g. ``{"learning_rate": 1e-3}``.
+      codec: the active compression codec (opaque), or ``None`` when uncompressed.
+      samples_seen: training samples consumed so far, >= 0.
+      base_batch_size: the batch size the hyperparameters were tuned for (M₀), if known.
+
+    Example:
+      >>> ctx = Context(step=0, batch_size=64, microbatches=1, devices=8, max_devices=8,
+      ...               hyperparams={"learning_rate": 0.1})
+      >>> ctx.batch_size // (ctx.devices * ctx.microbatches)
+      8
+    """
+
+    step: int
+    batch_size: int
+    microbatches: int
+    devices: int
+    max_devices: int
+    hyperparams: Mapping[str, float]
+    codec: object | None = None
+    samples_seen: int = 0
+    base_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = "Context"
+        ints = {
+            "step": check_int(self.step, owner=owner, name="step", minimum=0),
+            "batch_size": check_int(self.batch_size, owner=owner, name="batch_size", minimum=1),
+            "microbatches": check_int(
+                self.microbatches, owner=owner, name="microbatches", minimum=1
+            ),
+            "devices": check_int(self.devices, owner=owner, name="devices", minimum=1),
+            "max_devices": check_int(
+                self.max_devices, owner=owner, name="max_devices", minimum=1
+            ),
+            "samples_seen": check_int(
+                self.samples_seen, owner=owner, name="samples_seen", minimum=0
+            ),
+            "base_batch_size": check_optional_int(
+                self.base_batch_size, owner=owner, name="base_batch_size", minimum=1
+            ),
+        }
+        if ints["max_devices"] < ints["devices"]:
+            raise ValueError(
+                f"{owner}: max_devices={ints['max_devices']} is below devices={ints['devices']}; "
+                "max_devices must be >= devices"
+            )
+        for name, value in ints.items():
+            object.__setattr__(self, name, value)
+        check_mapping(self.hyperparams, owner=owner, name="hyperparams")
+        hyper = {}
+        for key, value in self.hyperparams.items():
+            check_str(key, owner=owner, name="every key of hyperparams", allow_empty=False)
+            hyper[key] = check_float(value, owner=owner, name=f"hyperparams[{key!r}]")
+        object.__setattr__(self, "hyperparams", FrozenMapping(hyper))
