@@ -5,7 +5,9 @@ measure them while they do (noise scale, SNR, variance), a data-parallel step
 builder, per-replica state, and collective accounting from the compiled HLO.
 """
 
+from adaptjax._checkpoint import CheckpointManager
 from adaptjax._codec import GradientCodec
+from adaptjax._data import ArrayDataset, IterableDataset
 from adaptjax._metrics import UpdateNormState, collect_metrics, read_metrics, update_norm
 from adaptjax._monitors import (
     GradientNoiseScale,
@@ -33,21 +35,27 @@ from adaptjax._state import (
 )
 from adaptjax._step import DataParallelStep, data_parallel_step, make_mesh
 from adaptjax._sync import SyncState, noise_scale, sync_gradients
-from adaptjax._tree import tree_sq_norm, tree_vdot
+from adaptjax._tree import tree_sq_norm, tree_sq_norm_sampled, tree_vdot
+from adaptjax._wire import Collective, WireReport, wire_bytes
 
 __all__ = [
+    "ArrayDataset",
+    "CheckpointManager",
+    "Collective",
     "DataParallelStep",
     "GradStats",
     "GradientCodec",
     "GradientNoiseScale",
     "GradientNorm",
     "GradientSNR",
+    "IterableDataset",
     "NoiseScaleState",
     "PerReplica",
     "SNRState",
     "SyncState",
     "TrainState",
     "UpdateNormState",
+    "WireReport",
     "collect_metrics",
     "data_parallel_step",
     "has_per_replica",
@@ -65,6 +73,8 @@ __all__ = [
     "train_state_shardings",
     "train_state_specs",
     "tree_sq_norm",
+    "tree_sq_norm_sampled",
     "tree_vdot",
     "update_norm",
+    "wire_bytes",
 ]

@@ -13,13 +13,18 @@ from adaptjax._tree import tree_sq_norm
 
 
 def _has_metrics(node) -> bool:
-    return hasattr(node, "_fields") and "metrics" in node._fields and isinstance(
-        getattr(node, "metrics"), dict
-    )
+    return hasattr(node, "_fields") and "metrics" in node._fields and isinstance(node.metrics, dict)
 
 
 def collect_metrics(opt_state) -> dict:
-    """Every monitor's current values as a flat dict of scalar arrays (jit-friendly)."""
+    """Every monitor's current values as a flat dict of scalar arrays (jit-friendly).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, adaptjax
+      >>> tx = optax.chain(optax.sgd(1.0), adaptjax.update_norm())
+      >>> jax.jit(adaptjax.collect_metrics)(tx.init(jnp.zeros(2)))
+      {'update_norm': Array(0., dtype=float32)}
+    """
     out: dict = {}
     for node in jax.tree.leaves(opt_state, is_leaf=_has_metrics):
         if _has_metrics(node):

@@ -269,9 +269,7 @@ class GradientSNR:
 
     name = "grad_snr"
 
-    def __init__(
-        self, decay: float = 0.95, *, differencing: bool = False, local_batch_size=None
-    ):
+    def __init__(self, decay: float = 0.95, *, differencing: bool = False, local_batch_size=None):
         self._inner = GradientNoiseScale(
             decay, differencing=differencing, local_batch_size=local_batch_size
         )

@@ -62,7 +62,7 @@ class PerReplica:
         >>> import adaptjax
         >>> r = adaptjax.PerReplica(jnp.zeros(3))
         >>> adaptjax.state_partition_specs({"ef": r, "count": jnp.int32(0)})
-        {'count': PartitionSpec(), 'ef': PerReplica(value=PartitionSpec('data',), merge='mean')}
+        {'count': P(), 'ef': PerReplica(value=P('data',), merge='mean')}
     """
 
     value: Any
@@ -71,7 +71,7 @@ class PerReplica:
     def __post_init__(self):
         if isinstance(self.merge, str) and self.merge not in _RULES:
             raise ValueError(
-                    f"PerReplica merge={self.merge!r} is unknown; use one of {_RULES} or a callable"
+                f"PerReplica merge={self.merge!r} is unknown; use one of {_RULES} or a callable"
             )
 
     def tree_flatten(self):
@@ -99,36 +99,74 @@ def _map_marked(fn_replica, fn_other, tree):
 
 
 def has_per_replica(tree) -> bool:
-    """Whether ``tree`` holds any :class:`PerReplica` subtree."""
+    """Whether ``tree`` holds any :class:`PerReplica` subtree.
+
+    Example:
+        >>> import adaptjax
+        >>> adaptjax.has_per_replica({"a": 1.0, "b": adaptjax.PerReplica(2.0)})
+        True
+    """
     return any(_is_marker(x) for x in jax.tree.leaves(tree, is_leaf=_is_marker))
 
 
 def state_partition_specs(tree, axis_name: str | tuple[str, ...] = "data"):
-    """Partition specs for a state tree: ``P(axis_name)`` under markers, else ``P()``."""
+    """Partition specs for a state tree: ``P(axis_name)`` under markers, else ``P()``.
+
+    Example:
+        >>> import adaptjax
+        >>> specs = adaptjax.state_partition_specs({"m": 0.0, "e": adaptjax.PerReplica(0.0)})
+        >>> specs["m"], specs["e"].value
+        (P(), P('data',))
+    """
     return _map_marked(lambda _: P(axis_name), lambda _: P(), tree)
 
 
 def state_shardings(tree, mesh, axis_name: str | tuple[str, ...] = "data"):
-    """``NamedSharding``s on ``mesh`` for a state tree (see :func:`state_partition_specs`)."""
+    """``NamedSharding``s on ``mesh`` for a state tree (see :func:`state_partition_specs`).
+
+    Example:
+        >>> import adaptjax
+        >>> mesh = adaptjax.make_mesh(2)
+        >>> adaptjax.state_shardings(adaptjax.PerReplica(0.0), mesh).value.spec
+        P('data',)
+    """
     return _map_marked(
-            lambda _: NamedSharding(mesh, P(axis_name)), lambda _: NamedSharding(mesh, P()), tree
+        lambda _: NamedSharding(mesh, P(axis_name)), lambda _: NamedSharding(mesh, P()), tree
     )
 
 
 def to_local(tree):
-    """Inside ``shard_map``: drops the leading replica axis (size 1) of marked leaves."""
+    """Inside ``shard_map``: drops the leading replica axis (size 1) of marked leaves.
+
+    Example:
+        >>> import jax.numpy as jnp, adaptjax
+        >>> adaptjax.to_local(adaptjax.PerReplica(jnp.zeros((1, 3)))).value.shape
+        (3,)
+    """
     return _map_marked(lambda x: x[0], lambda x: x, tree)
 
 
 def to_global(tree):
-    """Inside ``shard_map``: adds a leading replica axis of size 1 to marked leaves."""
+    """Inside ``shard_map``: adds a leading replica axis of size 1 to marked leaves.
+
+    Example:
+        >>> import jax.numpy as jnp, adaptjax
+        >>> adaptjax.to_global(adaptjax.PerReplica(jnp.zeros(3))).value.shape
+        (1, 3)
+    """
     return _map_marked(lambda x: x[None], lambda x: x, tree)
 
 
 def stack_replicas(tree, n_replicas: int):
-    """Host-side: broadcast each marked leaf of a local-view tree to ``(n, ...)``."""
+    """Host-side: broadcast each marked leaf of a local-view tree to ``(n, ...)``.
+
+    Example:
+        >>> import jax.numpy as jnp, adaptjax
+        >>> adaptjax.stack_replicas(adaptjax.PerReplica(jnp.zeros(3)), 8).value.shape
+        (8, 3)
+    """
     return _map_marked(
-            lambda x: jnp.broadcast_to(x[None], (n_replicas, *jnp.shape(x))), lambda x: x, tree
+        lambda x: jnp.broadcast_to(x[None], (n_replicas, *jnp.shape(x))), lambda x: x, tree
     )
 
 
@@ -137,7 +175,9 @@ def _merge_leaf(rule: MergeRule, old: np.ndarray, m: int) -> np.ndarray:
     if callable(rule):
         new = np.asarray(rule(old, m))
     elif rule == "mean":
-        new = np.broadcast_to(old.mean(axis=0, dtype=np.float64).astype(old.dtype), (m, *old.shape[1:]))
+        new = np.broadcast_to(
+            old.mean(axis=0, dtype=np.float64).astype(old.dtype), (m, *old.shape[1:])
+        )
     elif rule == "sum":
         new = np.zeros((m, *old.shape[1:]), old.dtype)
         new[0] = old.sum(axis=0, dtype=np.float64).astype(old.dtype)
@@ -147,8 +187,8 @@ def _merge_leaf(rule: MergeRule, old: np.ndarray, m: int) -> np.ndarray:
         new = np.zeros((m, *old.shape[1:]), old.dtype)
     if new.shape != (m, *old.shape[1:]):
         raise ValueError(
-                f"merge rule returned shape {new.shape} for {n}->{m} replicas; "
-                f"it must return {(m, *old.shape[1:])}"
+            f"merge rule returned shape {new.shape} for {n}->{m} replicas; "
+            f"it must return {(m, *old.shape[1:])}"
         )
     return np.ascontiguousarray(new)
 
@@ -181,8 +221,10 @@ def merge_replicas(tree, new_n_replicas: int):
     def visit(node):
         if _is_marker(node):
             return PerReplica(
-                    jax.tree.map(lambda x: _merge_leaf(node.merge, np.asarray(x), new_n_replicas), node.value),
-                    node.merge,
+                jax.tree.map(
+                    lambda x: _merge_leaf(node.merge, np.asarray(x), new_n_replicas), node.value
+                ),
+                node.merge,
             )
         return node
 

@@ -49,8 +49,8 @@ def make_mesh(devices: int | None = None, *, axis_name: str = "data", device_lis
 
     Example:
       >>> import adaptjax
-      >>> adaptjax.make_mesh(4).shape
-      OrderedDict({'data': 4})
+      >>> dict(adaptjax.make_mesh(4).shape)
+      {'data': 4}
     """
     available = list(device_list if device_list is not None else jax.devices())
     n = len(available) if devices is None else int(devices)
@@ -253,6 +253,4 @@ def data_parallel_step(
 
     jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
     functools.update_wrapper(DataParallelStep.__call__, DataParallelStep.__call__)
-    return DataParallelStep(
-        jitted, mesh=mesh, axis_name=axis_name, microbatches=k, n_replicas=n
-    )
+    return DataParallelStep(jitted, mesh=mesh, axis_name=axis_name, microbatches=k, n_replicas=n)

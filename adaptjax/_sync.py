@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import optax
 
 from adaptjax._monitors import GradStats
-from adaptjax._tree import axis_size, check_float_tree, tree_sq_norm
+from adaptjax._tree import axis_size, check_float_tree, tree_sq_norm_sampled
 
 _LOCAL_SQ = "__local_sq__"
-_WIRE_DTYPES = {None: None, "float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_WIRE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 class SyncState(NamedTuple):
@@ -76,6 +76,7 @@ def sync_gradients(
     codec=None,
     monitors: Sequence[Any] = (),
     monitor_every: int | None = None,
+    norm_chunks: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
     """Averages per-replica gradients over ``axis_name`` with one collective.
 
@@ -106,6 +107,12 @@ def sync_gradients(
         (``lax.cond``) and their last values are kept. With a codec, measuring
         steps synchronise densely (plain psum, codec state untouched) so the
         monitors see the exact averaged gradient; the other steps use the codec.
+      norm_chunks: read only one of this many rotating chunks of each large
+        gradient leaf for ``‖g_i‖²`` and ``‖Ḡ‖²`` (scaled up, unbiased; see
+        :func:`adaptjax.tree_sq_norm_sampled`). The norm passes then cost
+        ``1/norm_chunks`` of a full pass, which is what keeps monitoring within
+        about 1% of a plain step (``benchmarks/monitor_overhead.py``); the
+        monitors' EMAs average the extra variance out.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`SyncState`.
@@ -129,6 +136,8 @@ def sync_gradients(
         )
     if monitor_every is None:
         monitor_every = 16 if (codec is not None and monitors) else 1
+    if int(norm_chunks) < 1:
+        raise ValueError(f"norm_chunks must be >= 1, got {norm_chunks}")
     if int(monitor_every) < 1:
         raise ValueError(f"monitor_every must be >= 1, got {monitor_every}")
     names = [n for m in monitors for n in m.metric_names()]
@@ -160,7 +169,7 @@ def sync_gradients(
             if micro_sq is not None and k > 1:
                 out[_LOCAL_SQ] = jnp.asarray(micro_sq, jnp.float32)
             else:
-                out[_LOCAL_SQ] = tree_sq_norm(updates)
+                out[_LOCAL_SQ] = tree_sq_norm_sampled(updates, state.count, norm_chunks)
             for i, (m, s) in enumerate(zip(monitors, state.monitor_states, strict=True)):
                 for key, v in m.local_scalars(updates, s).items():
                     out[f"{i}/{key}"] = jnp.asarray(v, jnp.float32)
@@ -206,7 +215,7 @@ def sync_gradients(
                 local_grads=updates,
                 mean_grads=mean,
                 local_sq=summed_scalars[_LOCAL_SQ],
-                mean_sq=tree_sq_norm(mean),
+                mean_sq=tree_sq_norm_sampled(mean, state.count, norm_chunks),
                 n_replicas=n,
                 samples_per_replica=k if (micro_sq is not None and k > 1) else 1,
                 local_batch_size=extra.get("local_batch_size"),

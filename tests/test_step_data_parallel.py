@@ -1,0 +1,240 @@
+"""data_parallel_step: equivalence with one device, accumulation, NNX, aux, donation, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import adaptjax
+
+
+def _mlp_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(6, 16)).astype(np.float32) * 0.3),
+        "b1": jnp.zeros(16),
+        "w2": jnp.asarray(rng.normal(size=(16, 3)).astype(np.float32) * 0.3),
+    }
+
+
+def _loss(p, b):
+    h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+    logits = h @ p["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+
+def _batches(n, size, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(size, 6)).astype(np.float32),
+            "y": rng.integers(0, 3, size=size).astype(np.int32),
+        }
+        for _ in range(n)
+    ]
+
+
+def _train(devices, microbatches, tx_factory, batches, **kw):
+    mesh = adaptjax.make_mesh(devices)
+    tx = tx_factory()
+    step = adaptjax.data_parallel_step(_loss, tx, mesh, microbatches=microbatches, **kw)
+    state = adaptjax.init_state(_mlp_params(), tx, mesh)
+    for b in batches:
+        state, metrics = step(state, b)
+    return state, metrics
+
+
+def _adam():
+    return optax.chain(
+        adaptjax.sync_gradients("data", monitors=(adaptjax.GradientNorm(),)), optax.adam(1e-2)
+    )
+
+
+@pytest.mark.parametrize("devices,microbatches", [(8, 1), (8, 2), (4, 4), (1, 4)])
+def test_matches_single_device_full_batch(devices, microbatches):
+    batches = _batches(5, 64)
+    ref, ref_m = _train(1, 1, _adam, batches)
+    got, got_m = _train(devices, microbatches, _adam, batches)
+    for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(got.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert float(got_m["loss"]) == pytest.approx(float(ref_m["loss"]), rel=1e-5)
+    assert int(got.step) == 5
+
+
+def test_bf16_wire_mean_is_within_bf16_rounding_of_fp32_mean():
+    # Each of the 8 values is rounded to bf16 (relative error 2^-9), and the sum of
+    # 8 bf16 values rounds at most 3 more times: |err| <= (1 + 3) * 2^-8 * sum|g|.
+    mesh = adaptjax.make_mesh(8)
+    g = np.random.default_rng(0).normal(size=(8, 100)).astype(np.float32)
+    out = {}
+    for name, dt in (("f32", None), ("bf16", jnp.bfloat16)):
+        tx = adaptjax.sync_gradients("data", wire_dtype=dt)
+        f = jax.jit(
+            jax.shard_map(
+                lambda x, tx=tx: tx.update(x[0], tx.init(x[0]))[0],
+                mesh=mesh,
+                in_specs=jax.P("data"),
+                out_specs=jax.P(),
+            )
+        )
+        out[name] = np.asarray(f(g))
+    np.testing.assert_allclose(out["f32"], g.mean(0), rtol=1e-6, atol=1e-6)
+    bound = 4 * 2.0**-8 * np.abs(g).sum(0) / 8
+    assert np.all(np.abs(out["bf16"] - out["f32"]) <= bound)
+    assert np.any(out["bf16"] != out["f32"])  # it really went through bf16
+
+
+def test_mesh_on_a_subset_of_devices():
+    devices = jax.devices()[4:8]
+    mesh = Mesh(np.array(devices), ("data",))
+    tx = _adam()
+    step = adaptjax.data_parallel_step(_loss, tx, mesh)
+    state = adaptjax.init_state(_mlp_params(), tx, mesh)
+    state, _ = step(state, _batches(1, 32)[0])
+    assert state.params["w1"].sharding.device_set == set(devices)
+
+
+def test_aux_outputs_are_averaged_over_replicas():
+    def loss_aux(p, b):
+        loss = _loss(p, b)
+        return loss, {"mean_x": jnp.mean(b["x"])}
+
+    mesh = adaptjax.make_mesh(8)
+    tx = _adam()
+    step = adaptjax.data_parallel_step(loss_aux, tx, mesh, has_aux=True, microbatches=2)
+    state = adaptjax.init_state(_mlp_params(), tx, mesh)
+    b = _batches(1, 32)[0]
+    _, m = step(state, b)
+    assert float(m["aux"]["mean_x"]) == pytest.approx(float(b["x"].mean()), rel=1e-5)
+
+
+def test_state_buffers_are_donated():
+    mesh = adaptjax.make_mesh(8)
+    tx = _adam()
+    step = adaptjax.data_parallel_step(_loss, tx, mesh)
+    state = adaptjax.init_state(_mlp_params(), tx, mesh)
+    old = state.params["w1"]
+    step(state, _batches(1, 32)[0])
+    assert old.is_deleted()
+
+
+class _NNXMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(6, 16, rngs=rngs)
+        self.l2 = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jnp.tanh(self.l1(x)))
+
+
+def test_flax_nnx_model_matches_single_device():
+    def loss(model, b):
+        return optax.softmax_cross_entropy_with_integer_labels(model(b["x"]), b["y"]).mean()
+
+    batches = _batches(3, 32)
+    out = []
+    for devices in (1, 8):
+        mesh = adaptjax.make_mesh(devices)
+        tx = _adam()
+        step = adaptjax.data_parallel_step(loss, tx, mesh)
+        state = adaptjax.init_state(_NNXMLP(nnx.Rngs(0)), tx, mesh)
+        for b in batches:
+            state, _ = step(state, b)
+        out.append(state)
+    for a, b in zip(jax.tree.leaves(out[0].params), jax.tree.leaves(out[1].params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    model = nnx.merge(out[1].graphdef, out[1].params, out[1].model_state)
+    assert model(jnp.ones((2, 6))).shape == (2, 3)
+
+
+def test_nonfinite_gradient_skips_update_and_is_counted():
+    mesh = adaptjax.make_mesh(8)
+    tx = _adam()
+    step = adaptjax.data_parallel_step(_loss, tx, mesh, donate=False)
+    state = adaptjax.init_state(_mlp_params(), tx, mesh)
+    b = _batches(1, 32)[0]
+    b["x"][3, 0] = np.nan  # one example on one replica
+    new, m = step(state, b)
+    for a, c in zip(jax.tree.leaves(state.params), jax.tree.leaves(new.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    for a, c in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(new.opt_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    assert float(m["nonfinite"]) == 1.0 and int(new.nonfinite_count) == 1
+
+
+# --- bad inputs: one-line ValueErrors before anything compiles -----------------
+
+
+def _one_line(excinfo):
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_batch_not_divisible_raises_before_compiling():
+    mesh = adaptjax.make_mesh(8)
+    tx = _adam()
+    step = adaptjax.data_parallel_step(_loss, tx, mesh, microbatches=2)
+    state = adaptjax.init_state(_mlp_params(), tx, mesh)
+    with pytest.raises(ValueError) as e:
+        step(state, _batches(1, 24)[0])
+    assert "multiple of 16" in _one_line(e)
+    assert step.jitted._cache_size() == 0
+
+
+def test_mesh_without_data_axis():
+    mesh = Mesh(np.array(jax.devices()), ("batch",))
+    with pytest.raises(ValueError) as e:
+        adaptjax.data_parallel_step(_loss, _adam(), mesh)
+    assert "no 'data' axis" in _one_line(e)
+
+
+def test_more_devices_than_exist():
+    with pytest.raises(ValueError) as e:
+        adaptjax.make_mesh(9)
+    assert "only 8 exist" in _one_line(e)
+
+
+@pytest.mark.parametrize("decay", [0.0, 1.0, -0.5, 1.5])
+def test_ema_decay_outside_open_unit_interval(decay):
+    with pytest.raises(ValueError) as e:
+        adaptjax.GradientNoiseScale(decay=decay)
+    assert "(0, 1)" in _one_line(e)
+    with pytest.raises(ValueError):
+        adaptjax.GradientSNR(decay=decay)
+
+
+def test_integer_gradients_raise_at_trace_time():
+    tx = adaptjax.sync_gradients("data")
+    mesh = adaptjax.make_mesh(8)
+    f = jax.jit(
+        jax.shard_map(
+            lambda g: tx.update(g, tx.init(g))[0],
+            mesh=mesh,
+            in_specs=jax.P("data"),
+            out_specs=jax.P(),
+        )
+    )
+    with pytest.raises(ValueError) as e:
+        f(jnp.arange(8, dtype=jnp.int32))
+    assert "floating point" in _one_line(e)
+    with pytest.raises(ValueError) as e:
+        adaptjax.init_state({"w": jnp.arange(3)}, tx, mesh)
+    assert "cast integer parameters" in _one_line(e)
+
+
+def test_already_reduced_gradients_are_rejected():
+    tx = adaptjax.sync_gradients("data")
+    mesh = adaptjax.make_mesh(8)
+
+    def f(p, x):
+        g = jax.grad(lambda p: jnp.sum(x * p))(p)  # check_vma=True: jax sums g
+        return tx.update(g, tx.init(g))[0]
+
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(jax.P(), jax.P("data")), out_specs=jax.P()))
+    with pytest.raises(ValueError) as e:
+        fn(jnp.float32(1.0), jnp.arange(8.0))
+    assert "already reduced" in _one_line(e)
