@@ -191,6 +191,8 @@ def _fmt_shape(shape: tuple, num_operands: int) -> str:
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
 _COMMENT = re.compile(r"/\*.*?\*/")
+_OPCODE = re.compile(r"\s*([\w\-]+)\(")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 _COLLECTIVE_OPCODE = re.compile(r"\s(?:" + "|".join(KINDS) + r")(?:-start)?\(")
 
 
@@ -271,10 +273,13 @@ def _parse_shape(text: str, i: int) -> tuple[Any, int]:
             if i < n and text[i] == ")":
                 return ("tuple", children), i + 1
             raise ValueError(f"cannot parse HLO tuple shape in {text[:120]!r}")
-    m = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]").match(text, i)
+    m = _ARRAY.match(text, i)
     if m is None:
         raise ValueError(f"cannot parse HLO shape in {text[:120]!r}")
-    dims = tuple(int(d.strip().lstrip("<=")) for d in m.group(2).split(",") if d.strip())
+    dims_text = [d.strip().removeprefix("<=") for d in m.group(2).split(",") if d.strip()]
+    if not all(d.isdigit() for d in dims_text):
+        raise ValueError(f"cannot parse HLO shape in {text[:120]!r}")
+    dims = tuple(int(d) for d in dims_text)
     i = m.end()
     if i < n and text[i] == "{":  # layout, may nest braces
         depth = 0
@@ -340,7 +345,7 @@ def _parse_module(text: str) -> tuple[list[_Instr], dict[str, int]]:
             if _COLLECTIVE_OPCODE.search(rest):
                 raise
             continue  # not an instruction we need
-        op = re.compile(r"\s*([\w\-]+)\(").match(rest, i)
+        op = _OPCODE.match(rest, i)
         if op is None:
             continue
         start = op.end() - 1
