@@ -1,4 +1,82 @@
-"""Adaptation policies: pure decisions over a dict of metrics (imported as ``adaptjax.policies``)."""
+"""Adaptation policies: pure decisions over a dict of metrics (imported as ``adaptjax.policies``).
+
+A policy reads the latest metrics (``loss``, ``noise_scale``, ``step_time``,
+``comm_share``, ...) and a :class:`Context` describing the run, and returns a
+list of actions for the controller to carry out. Everything here is plain
+Python (the standard library and numpy at most — never jax or the rest of
+adaptjax), so every policy can be tested with plain numbers.
+
+Example:
+  >>> from adaptjax import policies as ajp
+  >>> policy = ajp.any_of(
+  ...     ajp.cooldown(ajp.AdaptiveBatchSize(max_batch_size=1024), steps=200),
+  ...     ajp.ElasticScale({500: 4}),
+  ...     ajp.EarlyStop("eval_accuracy", target=0.98),
+  ... )
+  >>> ctx = ajp.Context(step=500, batch_size=64, microbatches=1, devices=8, max_devices=8,
+  ...                   hyperparams={"learning_rate": 1e-3})
+  >>> policy.decide({"loss": 0.7}, ctx)
+  [Rescale(devices=4, mesh_shape=None)]
+"""
 
 if __name__ != "adaptjax.policies":  # pragma: no cover - guards against shadowing
     raise ImportError("import this package as `adaptjax.policies`, not as a top-level `policies`")
+
+from adaptjax.policies._actions import (
+    ACTION_TYPES,
+    Action,
+    Checkpoint,
+    Rescale,
+    Rollback,
+    SetBatchSize,
+    SetCodec,
+    SetHyperparams,
+    Stop,
+)
+from adaptjax.policies._batch_size import AdaptiveBatchSize
+from adaptjax.policies._checks import read_metric
+from adaptjax.policies._combinators import any_of, cooldown, hysteresis, when
+from adaptjax.policies._context import Context
+from adaptjax.policies._elastic import ElasticScale
+from adaptjax.policies._goodput import (
+    adascale_gain,
+    fit_throughput,
+    goodput,
+    lr_scale,
+    statistical_efficiency,
+)
+from adaptjax.policies._plateau import EarlyStop, ReduceLROnPlateau
+from adaptjax.policies._policy import Policy, validate_actions
+from adaptjax.policies._schedule import Schedule
+from adaptjax.policies._switch_compression import SwitchCompression
+
+__all__ = [
+    "ACTION_TYPES",
+    "Action",
+    "AdaptiveBatchSize",
+    "Checkpoint",
+    "Context",
+    "EarlyStop",
+    "ElasticScale",
+    "Policy",
+    "ReduceLROnPlateau",
+    "Rescale",
+    "Rollback",
+    "Schedule",
+    "SetBatchSize",
+    "SetCodec",
+    "SetHyperparams",
+    "Stop",
+    "SwitchCompression",
+    "adascale_gain",
+    "any_of",
+    "cooldown",
+    "fit_throughput",
+    "goodput",
+    "hysteresis",
+    "lr_scale",
+    "read_metric",
+    "statistical_efficiency",
+    "validate_actions",
+    "when",
+]

@@ -60,8 +60,8 @@ def check_float(
     too_low = low is not None and (result <= low if low_open else result < low)
     too_high = high is not None and (result >= high if high_open else result > high)
     if too_low or too_high:
-        left = "(" if low_open else "["
-        right = ")" if high_open else "]"
+        left = "(" if low_open or low is None else "["
+        right = ")" if high_open or high is None else "]"
         lo = "-inf" if low is None else f"{low:g}"
         hi = "inf" if high is None else f"{high:g}"
         raise ValueError(f"{owner}: {name} must be in {left}{lo}, {hi}{right}, got {result:g}")

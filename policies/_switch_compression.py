@@ -1,0 +1,74 @@
+"""``SwitchCompression``: compress gradients while communication dominates the step."""
+
+import dataclasses
+from collections.abc import Mapping
+
+from adaptjax.policies._actions import Action, SetCodec
+from adaptjax.policies._checks import check_float, read_metric
+from adaptjax.policies._context import Context
+from adaptjax.policies._policy import Policy
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SwitchCompression(Policy):
+    """Turns ``codec`` on when ``comm_share`` exceeds a threshold, off below another.
+
+    ``comm_share`` is the fraction of step time spent in communication. When no
+    codec is active and it exceeds ``when_comm_share_above``, emits
+    ``SetCodec(codec)``. When a codec is active and ``off_below`` is set and the
+    share falls below it, emits ``SetCodec(None)``. Compression is "on" whenever
+    ``ctx.codec`` is not ``None``, whichever codec that is. Keep ``off_below``
+    well under the on-threshold (compression lowers the share it is judged
+    by), or wrap the policy in ``hysteresis``/``cooldown``. Stateless.
+
+    Args:
+      codec: the codec to switch on: an opaque object the user built, never ``None``.
+      when_comm_share_above: the on-threshold, in [0, 1).
+      off_below: the off-threshold, in [0, when_comm_share_above), or ``None`` to never
+        switch off.
+
+    Example:
+      >>> from adaptjax.policies import Context, SwitchCompression
+      >>> codec = "onebit"  # stands for e.g. adaptjax.compression.onebit()
+      >>> policy = SwitchCompression(codec, when_comm_share_above=0.3, off_below=0.1)
+      >>> ctx = Context(step=10, batch_size=64, microbatches=1, devices=8, max_devices=8,
+      ...               hyperparams={})
+      >>> policy.decide({"comm_share": 0.45}, ctx)
+      [SetCodec(codec='onebit')]
+      >>> policy.decide({"comm_share": 0.2}, ctx)
+      []
+    """
+
+    codec: object
+    when_comm_share_above: float = dataclasses.field(default=0.3, kw_only=True)
+    off_below: float | None = dataclasses.field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        owner = "SwitchCompression"
+        if self.codec is None:
+            raise ValueError(
+                f"{owner}: codec must be a codec object, got None; "
+                "to switch compression off, use off_below=..."
+            )
+        above = check_float(
+            self.when_comm_share_above, owner=owner, name="when_comm_share_above", low=0.0,
+            high=1.0, high_open=True,
+        )
+        object.__setattr__(self, "when_comm_share_above", above)
+        if self.off_below is not None:
+            below = check_float(
+                self.off_below, owner=owner, name="off_below", low=0.0, high=above,
+                high_open=True,
+            )
+            object.__setattr__(self, "off_below", below)
+
+    def decide(self, metrics: Mapping[str, float], ctx: Context) -> list[Action]:
+        """Returns ``[SetCodec(codec)]``, ``[SetCodec(None)]`` or ``[]``."""
+        share = read_metric(metrics, "comm_share")
+        if share is None:
+            return []
+        if ctx.codec is None and share > self.when_comm_share_above:
+            return [SetCodec(self.codec)]
+        if ctx.codec is not None and self.off_below is not None and share < self.off_below:
+            return [SetCodec(None)]
+        return []
