@@ -7,6 +7,7 @@ builder, per-replica state, and collective accounting from the compiled HLO.
 
 from adaptjax._checkpoint import CheckpointManager
 from adaptjax._codec import GradientCodec
+from adaptjax._controller import Controller, RunConfig, codec_key
 from adaptjax._data import ArrayDataset, IterableDataset
 from adaptjax._metrics import UpdateNormState, collect_metrics, read_metrics, update_norm
 from adaptjax._monitors import (
@@ -27,6 +28,7 @@ from adaptjax._per_replica import (
     to_global,
     to_local,
 )
+from adaptjax._run_log import RunLog
 from adaptjax._state import (
     TrainState,
     init_state,
@@ -39,6 +41,10 @@ from adaptjax._tree import tree_sq_norm, tree_sq_norm_sampled, tree_vdot
 from adaptjax._wire import Collective, WireReport, wire_bytes
 
 __all__ = [
+    "Controller",
+    "RunConfig",
+    "RunLog",
+    "codec_key",
     "ArrayDataset",
     "CheckpointManager",
     "Collective",

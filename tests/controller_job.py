@@ -1,0 +1,133 @@
+"""A small controller run used by the controller tests, in-process or as a subprocess.
+
+As a script: ``python tests/controller_job.py RUN_DIR STEPS [--kill-at S] [--kill-in-save S]
+[--resume]`` runs the job; ``--kill-at S`` ends the process abruptly (``os._exit``) right
+after step S is dispatched, ``--kill-in-save S`` ends it inside the write of the
+checkpoint of step S, after every byte is written but before Orbax's commit (the rename).
+"""
+
+import os
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import argparse  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import adaptjax  # noqa: E402
+from adaptjax import policies as ajp  # noqa: E402
+
+D = 8
+
+
+def make_data(seed=0, n=640):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, D)).astype(np.float32)
+    w = rng.normal(size=(D, 2)).astype(np.float32)
+    y = (x @ w + 0.1 * rng.normal(size=(n, 2))).astype(np.float32)
+    return {"x": x, "y": y, "idx": np.arange(n, dtype=np.int32)}
+
+
+def loss_fn(p, b):
+    h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
+
+
+def init_params(seed=0):
+    rng = np.random.default_rng(seed + 1)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(D, 16)).astype(np.float32) * 0.3),
+        "b1": jnp.zeros(16),
+        "w2": jnp.asarray(rng.normal(size=(16, 2)).astype(np.float32) * 0.3),
+    }
+
+
+class LossDrivenPolicy(ajp.Policy):
+    """A deterministic policy with state: halve the learning rate every 3rd call."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def decide(self, metrics, ctx):
+        self.calls += 1
+        if self.calls % 3 == 0 and "loss" in metrics:
+            return [ajp.SetHyperparams({"learning_rate": ctx.hyperparams["learning_rate"] * 0.5})]
+        return []
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = int(state["calls"])
+
+
+def job_kwargs(**overrides):
+    kwargs = dict(
+        model=init_params(),
+        loss_fn=loss_fn,
+        optimizer=optax.adam,
+        hyperparams={"learning_rate": 1e-2},
+        data=adaptjax.ArrayDataset(make_data(), seed=3),
+        devices=8,
+        batch_size=64,
+        policies=[
+            LossDrivenPolicy(),
+            ajp.Schedule(
+                {
+                    10: ajp.SetBatchSize(32),
+                    20: ajp.Rescale(devices=4),
+                    30: ajp.SetBatchSize(96),
+                    40: ajp.Rescale(devices=8),
+                }
+            ),
+        ],
+        policy_every=5,
+        checkpoint_every=10,
+        progress=False,
+        tensorboard=False,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir")
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--kill-in-save", type=int, default=None, help="checkpoint step")
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    on_step = None
+    if args.kill_at is not None:
+
+        def on_step(ctrl):
+            if ctrl.step == args.kill_at:
+                os._exit(17)
+
+    if args.kill_in_save is not None:
+        from orbax.checkpoint._src.path import atomicity
+
+        original = atomicity.AtomicRenameTemporaryPath.finalize
+
+        async def finalize(self, *a, **k):
+            if self.get_final().name == str(args.kill_in_save):
+                os._exit(17)  # every byte written, the commit (rename) never happens
+            return await original(self, *a, **k)
+
+        atomicity.AtomicRenameTemporaryPath.finalize = finalize
+    kwargs = job_kwargs(on_step=on_step)
+    if args.resume:
+        ctrl = adaptjax.Controller.resume(args.run_dir, **kwargs)
+    else:
+        ctrl = adaptjax.Controller(run_dir=args.run_dir, **kwargs)
+    ctrl.run(args.steps)
+    ctrl.close()
+
+
+if __name__ == "__main__":
+    main()
