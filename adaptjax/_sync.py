@@ -13,6 +13,8 @@ from adaptjax._monitors import GradStats
 from adaptjax._tree import axis_size, check_float_tree, tree_sq_norm_sampled
 
 _LOCAL_SQ = "__local_sq__"
+# With a codec, monitors measure on one dense step in this many (see sync_gradients).
+CODEC_MONITOR_EVERY = 16
 _WIRE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -135,7 +137,7 @@ def sync_gradients(
             "build one with adaptjax.compression"
         )
     if monitor_every is None:
-        monitor_every = 16 if (codec is not None and monitors) else 1
+        monitor_every = CODEC_MONITOR_EVERY if (codec is not None and monitors) else 1
     if int(norm_chunks) < 1:
         raise ValueError(f"norm_chunks must be >= 1, got {norm_chunks}")
     if int(monitor_every) < 1:

@@ -1,0 +1,121 @@
+"""The ``adaptjax`` command: look at a run directory.
+
+``adaptjax summary RUN_DIR`` prints the configuration in force, the latest
+checkpoint, the events and the last metrics; ``adaptjax plot RUN_DIR`` draws
+the metrics (matplotlib) into ``RUN_DIR/metrics.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _check_run_dir(run_dir: str) -> None:
+    if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        raise SystemExit(f"adaptjax: {run_dir} is not a run directory (no metrics.jsonl)")
+
+
+def summary(run_dir: str) -> str:
+    """A short text summary of a controller run directory.
+
+    Args:
+      run_dir: the ``run_dir`` given to :class:`adaptjax.Controller`.
+
+    Returns:
+      The summary text.
+
+    Example:
+      >>> import tempfile, json, os
+      >>> from adaptjax._cli import summary
+      >>> d = tempfile.mkdtemp()
+      >>> row = json.dumps({"step": 3, "loss": 0.5})
+      >>> _ = open(os.path.join(d, "metrics.jsonl"), "w").write(row)
+      >>> print(summary(d).splitlines()[1])
+      steps logged: 3
+    """
+    _check_run_dir(run_dir)
+    metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    events = _read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    lines = [
+        f"run: {os.path.abspath(run_dir)}",
+        f"steps logged: {metrics[-1]['step'] if metrics else 0}",
+    ]
+    counts = collections.Counter(e["kind"] for e in events)
+    if counts:
+        lines.append("events: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+    for e in events:
+        if e["kind"] in ("rescale", "rollback", "resume"):
+            detail = {k: v for k, v in e.items() if k not in ("time", "kind")}
+            lines.append(f"  {e['kind']}: {detail}")
+    ckpt = os.path.join(run_dir, "checkpoints")
+    if os.path.isdir(ckpt):
+        steps = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit())
+        lines.append(f"checkpoints: {steps}")
+    last = {}
+    for row in metrics:
+        last.update(row)
+    if last:
+        shown = ", ".join(
+            f"{k}={v:.4g}" for k, v in sorted(last.items()) if isinstance(v, float) and k != "step"
+        )
+        lines.append(f"last metrics: {shown}")
+    return "\n".join(lines)
+
+
+def plot(run_dir: str, keys: list[str] | None = None) -> str:
+    """Plots metrics over steps into ``run_dir/metrics.png``; returns the path."""
+    _check_run_dir(run_dir)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    keys = keys or ["loss", "noise_scale", "batch_size", "devices", "step_time", "eval_accuracy"]
+    keys = [k for k in keys if any(k in r for r in metrics)]
+    if not keys:
+        raise SystemExit(f"adaptjax: no metrics to plot in {run_dir}")
+    fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2.2 * len(keys)), sharex=True)
+    axes = [axes] if len(keys) == 1 else list(axes)
+    for ax, key in zip(axes, keys, strict=True):
+        pts = [(r["step"], r[key]) for r in metrics if key in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1)
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    out = os.path.join(run_dir, "metrics.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="adaptjax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("summary", help="print what a run did")
+    p.add_argument("run_dir")
+    p = sub.add_parser("plot", help="plot a run's metrics to RUN_DIR/metrics.png")
+    p.add_argument("run_dir")
+    p.add_argument("--keys", nargs="*", default=None)
+    args = parser.parse_args(argv)
+    if args.command == "summary":
+        print(summary(args.run_dir))
+    else:
+        print(plot(args.run_dir, args.keys))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
