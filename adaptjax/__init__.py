@@ -31,6 +31,7 @@ from adaptjax._per_replica import (
 from adaptjax._run_log import RunLog
 from adaptjax._state import (
     TrainState,
+    abstract_state,
     init_state,
     train_state_shardings,
     train_state_specs,
@@ -41,6 +42,7 @@ from adaptjax._tree import tree_sq_norm, tree_sq_norm_sampled, tree_vdot
 from adaptjax._wire import Collective, WireReport, wire_bytes
 
 __all__ = [
+    "abstract_state",
     "Controller",
     "RunConfig",
     "RunLog",

@@ -21,7 +21,7 @@ from adaptjax._checkpoint import CheckpointManager
 from adaptjax._metrics import update_norm
 from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
 from adaptjax._run_log import RunLog
-from adaptjax._state import init_state, merge_model
+from adaptjax._state import abstract_state, init_state, merge_model
 from adaptjax._step import DataParallelStep, data_parallel_step, make_mesh
 from adaptjax._sync import CODEC_MONITOR_EVERY, SyncState, sync_gradients
 
@@ -37,6 +37,11 @@ class RunConfig:
       batch_size: global batch (samples per step).
       microbatches: gradient accumulation steps per replica.
       codec: the codec's key (see :func:`codec_key`), or ``None`` for a dense sync.
+
+    Example:
+      >>> from adaptjax import RunConfig
+      >>> RunConfig(devices=8, batch_size=64)
+      RunConfig(devices=8, batch_size=64, microbatches=1, codec=None)
     """
 
     devices: int
@@ -507,7 +512,7 @@ class Controller:
                 lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch
             )
             mesh = self._mesh(config.devices)
-            target = init_state(self._model, self._tx(config.codec), mesh)
+            target = abstract_state(self._model, self._tx(config.codec), mesh)
             report = wire_bytes(self._step_fn(config).jitted, target, abstract)
             self._comm_bytes[config] = report.total
         return self._comm_bytes[config]
@@ -696,7 +701,7 @@ class Controller:
             self.save_checkpoint()
         batch = self._round_batch(self.config.batch_size, devices, self.config.microbatches)
         self.config = dataclasses.replace(self.config, devices=devices, batch_size=batch)
-        target = init_state(self._model, self._tx(self.config.codec), mesh)
+        target = abstract_state(self._model, self._tx(self.config.codec), mesh)
         self.state, _ = self.checkpoints.restore(self.step, target_state=target, mesh=mesh)
         self._last_ready = None
         self.log.event(
@@ -760,7 +765,7 @@ class Controller:
                 "as codec= or inside a policy"
             )
         mesh = self._mesh(config.devices)
-        target = init_state(self._model, self._tx(config.codec), mesh)
+        target = abstract_state(self._model, self._tx(config.codec), mesh)
         self.state, meta = self.checkpoints.restore(step, target_state=target, mesh=mesh)
         self.config = config
         self._hyper_numeric.update({k: float(v) for k, v in meta["hyperparams"].items()})

@@ -150,3 +150,54 @@ def init_state(model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...] = 
     # must become distinct device buffers, or donating the state fails.
     state = jax.tree.map(lambda x: np.array(x), state)
     return jax.device_put(state, train_state_shardings(state, mesh, axis_name))
+
+
+def abstract_state(model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...] = "data"):
+    """The :class:`TrainState` that :func:`init_state` would build, as ``ShapeDtypeStruct``s.
+
+    Nothing is allocated: use it as the restore target of a checkpoint on a
+    new mesh (``CheckpointManager.restore(target_state=...)``) or to compile a
+    step ahead of time. Each leaf carries its ``NamedSharding`` on ``mesh``.
+
+    Args:
+      model_or_params: a pytree of float parameters, or a flax NNX module.
+      tx: the optax transformation.
+      mesh: the target mesh.
+      axis_name: the data-parallel axis.
+
+    Returns:
+      A :class:`TrainState` of ``jax.ShapeDtypeStruct``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, adaptjax
+      >>> s = adaptjax.abstract_state({"w": jnp.zeros(3)}, optax.adam(0.1), adaptjax.make_mesh(2))
+      >>> s.params["w"].shape, s.params["w"].sharding.spec
+      ((3,), P())
+    """
+    from adaptjax._step import check_mesh
+
+    n = check_mesh(mesh, axis_name)
+    graphdef, params, model_state = split_model(model_or_params)
+    check_float_tree(params, "parameters")
+    shapes = jax.eval_shape(
+        lambda p: TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=p,
+            opt_state=stack_replicas(tx.init(p), n),
+            nonfinite_count=jnp.zeros((), jnp.int32),
+            model_state=(),
+        ),
+        params,
+    )
+    shapes = TrainState(
+        shapes.step,
+        shapes.params,
+        shapes.opt_state,
+        shapes.nonfinite_count,
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), model_state),
+        graphdef,
+    )
+    shardings = train_state_shardings(shapes, mesh, axis_name)
+    return jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings
+    )
