@@ -1,4 +1,78 @@
-"""Gradient codecs and compressed collectives (imported as ``adaptjax.compression``)."""
+"""Gradient codecs and compressed collectives (imported as ``adaptjax.compression``).
+
+Every codec works as ``codec=`` of :func:`adaptjax.sync_gradients` and as an
+optax transformation of its own, inside ``shard_map`` with the data axis bound:
+
+>>> import optax, adaptjax
+>>> from adaptjax import compression as ajc
+>>> tx = optax.chain(adaptjax.sync_gradients("data", codec=ajc.onebit()), optax.sgd(0.1))
+>>> tx = optax.chain(ajc.topk(0.01, axis_name="data"), optax.sgd(0.1))
+
+Codecs and the collective that moves each one's compressed form (bytes per
+device per step for ``d`` float32 elements on ``N`` replicas):
+
+==========================  ==========================================  =====================
+codec                       collective                                  bytes per device
+==========================  ==========================================  =====================
+:func:`bf16`, :func:`fp16`  owner-compute, 16-bit patterns as integers  ``4d(N−1)/N``
+:func:`onebit`              owner-compute, signs packed 32 per word     ``≈2(d/8)(N−1)/N``
+:func:`terngrad`            owner-compute, 2-bit codes                  ``≈2(d/4)(N−1)/N``
+:func:`qsgd`                owner-compute, ``ceil(log2(2s+1))`` bits    ``≈2(d·b/8)(N−1)/N``
+:func:`natural`             owner-compute, 8-bit codes                  ``≈2d(N−1)/N``
+:func:`topk`, :func:`dgc`   all-gather of (value, index) pairs          ``8k(N−1)``
+:func:`randomk`             psum of ``k`` values (shared coordinates)   ``8k(N−1)/N``
+:func:`powersgd`            psum of ``P`` or ``Q`` (alternating)        ``8r·(n or m)(N−1)/N``
+==========================  ==========================================  =====================
+
+Owner-compute: an all-to-all hands replica ``j`` every replica's encoded chunk
+``j``; it decodes and averages them, adds its server-side error buffer,
+re-encodes, and an all-gather returns every encoded chunk to everyone, so the
+bytes per device stay nearly constant in ``N`` (owner-compute codecs add one
+float32 scale per ``block`` elements). With ``fast_axis`` on a 2-D mesh the fast
+axis carries bf16 and only the slow axes carry the compressed payload.
+
+Per leaf (see :func:`plan`), leaves under ``min_size`` go in one float32 psum,
+and leaves a codec cannot compress or would send more bytes for than a bf16
+psum go as bf16 (owner-compute). Error feedback (``"ef14"``, ``"ef21"``) keeps
+its buffers in the optax state as :class:`adaptjax.PerReplica` (merge rule
+``"mean"``; server buffers :class:`SumToAll`), so they are checkpointed and a
+rescale keeps the debt owed to the averaged gradient.
+
+With monitors, :func:`adaptjax.sync_gradients` synchronises densely every
+``monitor_every`` steps (16 by default with a codec) and lets the monitors
+measure then, so they see the exact averaged gradient; the codec runs on the
+other steps.
+"""
 
 if __name__ != "adaptjax.compression":  # pragma: no cover - guards against shadowing
-    raise ImportError("import this package as `adaptjax.compression`, not as a top-level `compression`")
+    raise ImportError(
+        "import this package as `adaptjax.compression`, not as a top-level `compression`"
+    )
+
+from adaptjax.compression._base import Codec, CompressionState, SumToAll
+from adaptjax.compression._bits import pack_bits, unpack_bits
+from adaptjax.compression._plan import Plan, PlanRow, plan
+from adaptjax.compression._powersgd import powersgd
+from adaptjax.compression._quantizers import bf16, fp16, natural, onebit, qsgd, terngrad
+from adaptjax.compression._sparse import dgc, randomk, topk
+
+__all__ = [
+    "Codec",
+    "CompressionState",
+    "Plan",
+    "PlanRow",
+    "SumToAll",
+    "bf16",
+    "dgc",
+    "fp16",
+    "natural",
+    "onebit",
+    "pack_bits",
+    "plan",
+    "powersgd",
+    "qsgd",
+    "randomk",
+    "terngrad",
+    "topk",
+    "unpack_bits",
+]

@@ -1,0 +1,395 @@
+"""Gradient compression benchmark: wire bytes, codec throughput, steps to the dense loss.
+
+For each codec of ``adaptjax.compression``, on an MLP of about 8M parameters
+(784-2048-2048-1024-10) and N = 8 and 16 simulated CPU devices:
+
+* bytes each device sends per step, read by ``adaptjax.wire_bytes`` from the
+  compiled HLO of the codec's sync (inside ``shard_map``), and the ratio of a
+  float32 psum's and a bf16 psum's bytes to it (``ratio_vs_fp32``,
+  ``ratio_vs_bf16``; bf16 is counted at its program dtype, XLA widens it on CPU).
+  PowerSGD's alternating form holds its P and Q all-reduces in the two branches
+  of a ``lax.cond``; its per-step bytes count one of the two on average.
+* encode + decode throughput on the model's 7.9M gradient elements as a fraction
+  of a same-size float32 copy (``throughput_vs_copy``: copy time / (encode time +
+  decode time), each timed on its own since the wire sits between them; best
+  process CPU time of interleaved repeats, as the shared 2-core machine's load
+  drifts).
+* steps to reach the dense run's final loss (``steps_ratio``, codec steps / dense
+  steps), on a small real problem (sklearn digits, 64-128-10 MLP, 8 replicas,
+  SGD), since training the 8M model for every codec takes too long on 2 cores;
+  plus the error of the noise-scale monitor with a codec on (a dense measuring
+  step every 16) and without, at fixed parameters, against a long dense
+  measurement.
+
+Usage::
+
+    python benchmarks/compression.py [--json FILE] [--quick]
+
+The N = 16 part runs in a subprocess with ``XLA_FLAGS`` set to 16 devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+# This file is named like the standard library's ``compression`` package (Python 3.14),
+# which jax probes for on import: drop the script's own folder from the import path.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+if __name__ == "__main__" and "--_wire" not in sys.argv:
+    _FLAG = "--xla_force_host_platform_device_count=8"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import adaptjax  # noqa: E402
+from adaptjax import compression as ajc  # noqa: E402
+
+MODEL = {
+    "w1": (784, 2048), "b1": (2048,),
+    "w2": (2048, 2048), "b2": (2048,),
+    "w3": (2048, 1024), "b3": (1024,),
+    "w4": (1024, 10), "b4": (10,),
+}
+
+CODECS = {
+    "bf16": "ajc.bf16()",
+    "fp16": "ajc.fp16()",
+    "onebit": "ajc.onebit()",
+    "terngrad": "ajc.terngrad()",
+    "qsgd(s=7)": "ajc.qsgd(7)",
+    "qsgd(s=1)": "ajc.qsgd(1)",
+    "natural": "ajc.natural()",
+    "topk(1%)": "ajc.topk(0.01)",
+    "topk(1%,sampled)": "ajc.topk(0.01, variant='sampled')",
+    "randomk(1%)": "ajc.randomk(0.01)",
+    "randomk(1%,EF)": "ajc.randomk(0.01, error_feedback='ef14')",
+    "dgc(1%)": "ajc.dgc(0.01)",
+    "powersgd(r=4)": "ajc.powersgd(4)",
+    "powersgd(r=4,2AR)": "ajc.powersgd(4, alternate=False)",
+}
+ELEMENTWISE = ("bf16", "fp16", "onebit", "terngrad", "qsgd(s=7)", "qsgd(s=1)", "natural")
+
+
+def _size(shape):
+    return int(np.prod(shape, dtype=np.int64))
+
+
+# ------------------------------------------------------------------------ wire bytes
+
+
+def _sync_report(codec, mesh, axis):
+    n = mesh.size
+    params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in MODEL.items()}
+    state = jax.eval_shape(lambda: adaptjax.stack_replicas(codec.init(
+        {k: jnp.zeros(s) for k, s in MODEL.items()}), n))
+    specs = adaptjax.state_partition_specs(state, axis)
+
+    def f(g, s):
+        g = jax.tree.map(lambda x: x[0], g)
+        out, s = codec.sync(g, adaptjax.to_local(s), axis_name=axis, step=jnp.int32(0))
+        return out, adaptjax.to_global(s)
+
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(axis), specs),
+                               out_specs=(P(), specs), check_vma=False))
+    grads = {k: jax.ShapeDtypeStruct((n, *v.shape), v.dtype) for k, v in params.items()}
+    return adaptjax.wire_bytes(fn, grads, state)
+
+
+def _psum_report(mesh, dtype):
+    n = mesh.size
+    f = jax.shard_map(lambda g: jax.tree.map(lambda x: jax.lax.psum(x[0], "data"), g),
+                      mesh=mesh, in_specs=P("data"), out_specs=P(), check_vma=False)
+    grads = {k: jax.ShapeDtypeStruct((n, *s), dtype) for k, s in MODEL.items()}
+    return adaptjax.wire_bytes(jax.jit(f), grads)
+
+
+def _per_step(name, codec, report, n):
+    """Bytes per step; PowerSGD alternating sends one of its two branches' all-reduces."""
+    total = report.total
+    if name == "powersgd(r=4)":
+        r = codec.rank
+        mats = [s for k, s in MODEL.items() if codec.method(s, n) == "codec"]
+        p_el = sum(r * s[0] for s in mats)
+        q_el = sum(r * s[1] for s in mats)
+        branch = [c.bytes for c in report.collectives
+                  if c.kind == "all-reduce" and c.elements in (p_el, q_el)]
+        total -= sum(branch) / 2
+    return total
+
+
+def wire_rows(n):
+    mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
+    fp32 = _psum_report(mesh, jnp.float32).total
+    bf16 = _psum_report(mesh, jnp.bfloat16).total
+    rows = []
+    for name, src in CODECS.items():
+        codec = eval(src)
+        rep = _sync_report(codec, mesh, "data")
+        sent = _per_step(name, codec, rep, n)
+        widened = sum(c.compiled_bytes - c.bytes for c in rep.collectives)
+        rows.append({
+            "codec": name, "n": n, "bytes": sent, "hlo_static_bytes": rep.total,
+            "fp32_psum_bytes": fp32, "bf16_psum_bytes": bf16,
+            "ratio_vs_fp32": fp32 / sent, "ratio_vs_bf16": bf16 / sent,
+            "collectives": len(rep.collectives), "widened_bytes": widened,
+        })
+    # two-level onebit on a 2-D mesh: bf16 over the 'fast' axis (4 or 8), onebit over 'slow'
+    fast = n // 2
+    mesh2 = Mesh(np.array(jax.devices()[:n]).reshape(2, fast), ("slow", "fast"))
+    rep = _sync_report(ajc.onebit(fast_axis="fast"), mesh2, ("slow", "fast"))
+    slow = sum(c.bytes for c in rep.collectives if c.group_size == 2)
+    rows.append({
+        "codec": "onebit(2-level)", "n": n, "bytes": rep.total, "hlo_static_bytes": rep.total,
+        "fp32_psum_bytes": fp32, "bf16_psum_bytes": bf16,
+        "ratio_vs_fp32": fp32 / rep.total, "ratio_vs_bf16": bf16 / rep.total,
+        "collectives": len(rep.collectives), "widened_bytes": 0.0, "slow_axis_bytes": slow,
+    })
+    return rows
+
+
+# ------------------------------------------------------------------------ throughput
+
+
+def _timeit(fn, *args, repeats):
+    """Best CPU time (all threads) of ``fn``: steadier than wall time on a shared machine."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.process_time()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.process_time() - t)
+    return best
+
+
+def throughput_rows(repeats):
+    """encode+decode time vs a copy of the same float32 elements (one device)."""
+    d = sum(_size(s) for s in MODEL.values())
+    rng = np.random.default_rng(0)
+    flat = jax.device_put(jnp.asarray(rng.normal(size=d).astype(np.float32)), jax.devices()[0])
+    leaves = {k: jax.device_put(jnp.asarray(rng.normal(size=s).astype(np.float32)),
+                                jax.devices()[0]) for k, s in MODEL.items()}
+    copy = jax.jit(jnp.copy)
+    out = {}
+    for name, src in CODECS.items():
+        codec = eval(src)
+        if name in ELEMENTWISE:
+            fmt = codec.fmt
+            nb = -(-d // fmt.block)
+            # the flat layout is already padded to whole blocks when the codec sees it
+            arg = jnp.pad(flat, (0, nb * fmt.block - d)).reshape(1, nb, fmt.block)
+            enc = jax.jit(lambda x, fmt=fmt: fmt.encode(x, jnp.uint32(1)))
+            dec = jax.jit(lambda r, fmt=fmt, nb=nb: fmt.decode(r, nb))
+        else:
+            arg = leaves
+            keep = [k for k, s in MODEL.items() if codec.method(s, 8) == "codec"]
+            enc = jax.jit(lambda t, c=codec, keep=keep: {k: c.encode(t[k], seed=1) for k in keep})
+            dec = jax.jit(lambda p, c=codec: {k: c.decode(v, MODEL[k], seed=1)
+                                              for k, v in p.items()})
+        payload = jax.block_until_ready(enc(arg))
+        t_codec, t_copy = [], []
+        for _ in range(3):  # interleave with the copy: the machine's speed drifts
+            t_copy.append(_timeit(copy, flat, repeats=repeats))
+            t_codec.append(_timeit(enc, arg, repeats=repeats)
+                           + _timeit(dec, payload, repeats=repeats))
+        out[name] = min(t_copy) / min(t_codec)
+    return out
+
+
+# ------------------------------------------------------------------------ training
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return (x / 16.0).astype(np.float32), y.astype(np.int32)
+
+
+def _mlp_loss(p, b):
+    h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+    logits = h @ p["w2"] + p["b2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+
+def _train(codec, steps, x, y, target=None, monitors=(), monitor_every=None, lr=0.5):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"w1": jax.random.normal(k1, (64, 128)) / 8, "b1": jnp.zeros(128),
+              "w2": jax.random.normal(k2, (128, 10)) / np.sqrt(128), "b2": jnp.zeros(10)}
+    mesh = adaptjax.make_mesh(8)
+    sync = adaptjax.sync_gradients("data", codec=codec, monitors=monitors,
+                                   monitor_every=monitor_every)
+    tx = optax.chain(sync, optax.sgd(lr))
+    state = adaptjax.init_state(params, tx, mesh)
+    step = adaptjax.data_parallel_step(_mlp_loss, tx, mesh)
+    full = jax.jit(_mlp_loss)
+    rng = np.random.default_rng(0)
+    losses, noise = [], []
+    for _ in range(steps):
+        idx = rng.integers(0, len(x), 128)
+        state, metrics = step(state, {"x": x[idx], "y": y[idx]})
+        losses.append(float(full(state.params, {"x": x, "y": y})))
+        if monitors:
+            noise.append(float(metrics["noise_scale"]))
+        if target is not None and losses[-1] <= target:
+            break
+    return np.array(losses), np.array(noise), state.params
+
+
+def convergence_rows(dense_steps):
+    x, y = _digits()
+    dense, _, _ = _train(None, dense_steps, x, y)
+    target = dense[-1]
+    out = {}
+    for name, src in CODECS.items():
+        codec = eval(src)
+        # small model: let the 1280-entry output matrix be compressed too
+        codec = type(codec)(**{**_fields(codec), "min_size": 1024})
+        lr = 0.05 if name.startswith("dgc") else 0.5  # DGC carries momentum 0.9 itself
+        losses, _, _ = _train(codec, 3 * dense_steps, x, y, target, lr=lr)
+        hit = np.flatnonzero(losses <= target)
+        out[name] = (hit[0] + 1) / dense_steps if hit.size else float("inf")
+    return out, target
+
+
+def _fields(codec):
+    import dataclasses
+
+    return {f.name: getattr(codec, f.name) for f in dataclasses.fields(codec)}
+
+
+def _measure_noise_scale(params, x, y, steps, codec=None, every=1, decay=0.95, seed=1):
+    """Runs ``steps`` steps at lr = 0 from ``params``; returns the final noise_scale."""
+    mesh = adaptjax.make_mesh(8)
+    mon = adaptjax.GradientNoiseScale(decay=decay)
+    sync = adaptjax.sync_gradients("data", codec=codec, monitors=(mon,), monitor_every=every)
+    tx = optax.chain(sync, optax.sgd(0.0))
+    state = adaptjax.init_state(params, tx, mesh)
+    step = adaptjax.data_parallel_step(_mlp_loss, tx, mesh)
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        idx = rng.integers(0, len(x), 128)
+        state, metrics = step(state, {"x": x[idx], "y": y[idx]})
+        jax.block_until_ready(metrics)  # few steps in flight (see the tests' note)
+    return float(metrics["noise_scale"])
+
+
+def noise_scale_error(steps):
+    """Relative error of the noise_scale monitor with and without a codec.
+
+    At fixed parameters (a dense run's after 60 steps; lr = 0, so the codec
+    cannot move them), ``steps`` steps of the monitor (EMA decay 0.95 per
+    measurement) are compared with a reference: 1024 dense steps at decay
+    0.998. Without a codec the monitor measures every step; with one,
+    sync_gradients measures on a dense step every 16 and runs the codec on the
+    others, so it averages 16x fewer samples over the same steps.
+    """
+    x, y = _digits()
+    _, _, params = _train(None, 60, x, y)
+    ref = _measure_noise_scale(params, x, y, 1024, decay=0.998, seed=7)
+    err, est = {}, {}
+    for name, codec, every in (("dense", None, 1), ("onebit", ajc.onebit(), 16),
+                               ("topk", ajc.topk(0.01), 16), ("onebit/4", ajc.onebit(), 4)):
+        val = _measure_noise_scale(params, x, y, steps, codec=codec, every=every)
+        est[name] = (val, ref)
+        err[name] = abs(val - ref) / ref
+    return err, est
+
+
+# ------------------------------------------------------------------------ main
+
+
+def _table(rows):
+    head = ("codec", "N", "bytes/dev/step", "vs fp32", "vs bf16", "enc+dec/copy", "steps/dense")
+    lines = [head]
+    for r in rows:
+        steps = r.get("steps_ratio")
+        lines.append((
+            r["codec"], str(r["n"]), f"{r['bytes']:,.0f}", f"{r['ratio_vs_fp32']:.1f}x",
+            f"{r['ratio_vs_bf16']:.1f}x",
+            "-" if r.get("throughput_vs_copy") is None else f"{r['throughput_vs_copy']:.0%}",
+            "-" if steps is None else ("never" if steps == float("inf") else f"{steps:.2f}"),
+        ))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join(
+        "  ".join([line[0].ljust(widths[0])] + [line[i].rjust(widths[i]) for i in range(1, 7)])
+        for line in lines
+    )
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write the rows as a JSON list to this file")
+    ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    ap.add_argument("--_wire", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._wire:
+        print(json.dumps(wire_rows(args._wire)))
+        return
+
+    t0 = time.time()
+    rows = wire_rows(8)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_wire", "16"],
+                          env=env, capture_output=True, text=True, check=True)
+    rows += json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"# wire bytes from the compiled HLO: {time.time() - t0:.0f}s", file=sys.stderr)
+
+    t0 = time.time()
+    thr = throughput_rows(repeats=5 if args.quick else 15)
+    print(f"# throughput: {time.time() - t0:.0f}s", file=sys.stderr)
+    t0 = time.time()
+    conv, target = convergence_rows(60 if args.quick else 100)
+    print(f"# convergence: {time.time() - t0:.0f}s", file=sys.stderr)
+    t0 = time.time()
+    ns_err, ns = noise_scale_error(128 if args.quick else 256)
+    print(f"# noise scale: {time.time() - t0:.0f}s", file=sys.stderr)
+
+    for r in rows:
+        r["throughput_vs_copy"] = thr.get(r["codec"])
+        r["steps_ratio"] = conv.get(r["codec"])
+    d = sum(_size(s) for s in MODEL.values())
+    print(f"model: MLP 784-2048-2048-1024-10, {d:,} parameters; "
+          f"steps/dense on sklearn digits (dense loss {target:.4f})")
+    print(_table(rows))
+    steps_ns = 128 if args.quick else 256
+    print(f"noise_scale monitor error after {steps_ns} steps at fixed params (codecs: a dense "
+          f"measuring step every 16) vs a 1024-step dense reference ({ns['dense'][1]:.0f}): "
+          + ", ".join(f"{k} {v:.1%} ({ns[k][0]:.0f})" for k, v in ns_err.items())
+          + " (onebit/4: a dense step every 4)")
+    for r in rows:
+        if r["codec"] == "onebit":
+            for k in (16, 4):
+                avg = r["fp32_psum_bytes"] / k + r["bytes"] * (1 - 1 / k)
+                print(f"onebit N={r['n']} with monitors (a dense fp32 step every {k}): "
+                      f"{avg:,.0f} B/step on average, {r['fp32_psum_bytes'] / avg:.1f}x less "
+                      "than an fp32 psum")
+    two = [r for r in rows if r["codec"] == "onebit(2-level)"]
+    print("onebit(2-level) on a 2 x N/2 mesh: bytes on the slow axis "
+          + ", ".join(f"N={r['n']}: {r['slow_axis_bytes']:,.0f} "
+                      f"({r['fp32_psum_bytes'] / r['slow_axis_bytes']:.1f}x less than an fp32 psum)"
+                      for r in two))
+    if args.json:
+        for r in rows:
+            r["noise_scale_error"] = ns_err.get(r["codec"].split("(")[0])
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {len(rows)} rows to {args.json}")
+
+
+if __name__ == "__main__":
+    main()

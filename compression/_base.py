@@ -1,0 +1,485 @@
+"""The codec base class: a GradientCodec, an optax transformation, and a plan.
+
+Every codec of :mod:`adaptjax.compression` is a frozen dataclass (hashable, so
+a policy can hold it and a compiled step can be cached on it) that works two
+ways:
+
+* as ``codec=`` of :func:`adaptjax.sync_gradients` (it follows
+  :class:`adaptjax.GradientCodec`: ``init(params)`` and
+  ``sync(grads, state, *, axis_name, step)``), and
+* as an optax transformation on its own: ``init(params)`` and
+  ``update(grads, state, params=None)`` inside ``shard_map`` with
+  ``axis_name`` bound (``optax.chain(adaptjax.compression.topk(0.01), optax.sgd(0.1))``).
+
+Per leaf, the codec decides at trace time (see :func:`adaptjax.compression.plan`):
+leaves under ``min_size`` elements travel in one float32 psum; leaves the codec
+cannot compress (a 1-D leaf for PowerSGD) or where it would send more bytes than
+a bf16 psum at this replica count go as bf16 through the owner-compute pattern;
+the rest go through the codec.
+
+Error feedback (``error_feedback=``):
+
+* ``"ef14"`` (Seide et al. 2014; Karimireddy et al. 2019): each replica sends
+  ``C(g + e)`` and keeps ``e ← g + e − C(g + e)``. Over ``T`` steps the sum of
+  what was applied plus the residual equals the sum of the gradients:
+  ``Σ_t out_t + mean_i(e_i,T) + e_server,T = Σ_t mean_i(g_i,t)``.
+* ``"ef21"`` (Richtárik et al. 2021): each replica keeps ``g_i``, sends
+  ``C(∇_i − g_i)`` and sets ``g_i ← g_i + C(∇_i − g_i)``; the output is the
+  replicated estimate ``ĝ ← ĝ + mean(C(∇_i − g_i))``, and
+  ``ĝ + e_server = mean_i(g_i)`` holds at every step.
+
+Per-replica state lives in :class:`adaptjax.PerReplica` (the worker buffers
+with merge rule ``"mean"``, which keeps the debt ``mean_i(e_i)`` owed to the
+averaged gradient when the replica count changes) inside the optax state, so it
+is checkpointed with everything else and never reset on a restore.
+Owner-compute codecs also keep a server-side buffer per replica: non-zero only
+on the chunk the replica owns, merged with :class:`SumToAll` (every new replica
+receives the whole server debt and reads its own new chunk of it), which keeps
+the total ``mean_i(e_i) + e_server`` exactly across a rescale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from adaptjax.compression._bits import mix_seed
+from adaptjax.compression._collectives import (
+    BF16,
+    axis_tuple,
+    bound_size,
+    owner_compute,
+    psum_mean,
+)
+from adaptjax.compression._layout import make_layout, prod
+
+from adaptjax import PerReplica
+
+_EF_MODES = (None, "ef14", "ef21")
+
+
+class CompressionState(NamedTuple):
+    """State of a codec (the local view, as ``update``/``sync`` see it).
+
+    Attributes:
+      count: int32 number of updates so far (keys and warm-ups of the optax form).
+      worker: :class:`adaptjax.PerReplica` (merge ``"mean"``) of a dict of
+        per-leaf buffers shaped like the parameters (``None`` for leaves without
+        state): ``"ef"`` (EF14 residual), ``"g"`` (EF21 estimate) or DGC's ``"u"``
+        and ``"v"``; ``()`` when the codec keeps none.
+      server: :class:`adaptjax.PerReplica` (merge :class:`SumToAll`) of
+        ``{"ef": ...}``, the server-side residual of the chunk this replica
+        owns (owner-compute codecs with error feedback), else ``()``.
+      shared: replicated per-leaf buffers (PowerSGD's ``"p"``/``"q"`` factors,
+        EF21's ``"ghat"``), else ``()``.
+    """
+
+    count: jax.Array
+    worker: Any
+    server: Any
+    shared: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class SumToAll:
+    """Merge rule of server-side error buffers: every new replica gets the sum.
+
+    A server buffer is non-zero only on the chunk its replica owns, so the sum
+    over old replicas is the whole server debt; each new replica reads the
+    chunk it owns under the new replica count and zeroes the rest on its next
+    step. The total debt is kept exactly.
+
+    Example:
+      >>> import numpy as np
+      >>> SumToAll()(np.array([[1.0, 0.0], [0.0, 2.0]]), 3).tolist()
+      [[1.0, 2.0], [1.0, 2.0], [1.0, 2.0]]
+    """
+
+    def __call__(self, old: np.ndarray, m: int) -> np.ndarray:
+        total = np.asarray(old).sum(axis=0, dtype=np.float64).astype(old.dtype)
+        return np.ascontiguousarray(np.broadcast_to(total, (m, *total.shape)))
+
+
+def _ef_mode(value) -> str | None:
+    if value is True:
+        return "ef14"
+    if value is False or value is None:
+        return None
+    if value in _EF_MODES:
+        return value
+    raise ValueError(
+        f"error_feedback must be None, 'ef14' or 'ef21' (True means 'ef14'), got {value!r}"
+    )
+
+
+def _check_axis_name(axis_name):
+    names = axis_tuple(axis_name)
+    if not names or not all(isinstance(a, str) and a for a in names):
+        raise ValueError(f"axis_name must be a str or a tuple of str, got {axis_name!r}")
+    return axis_name if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def check_float_leaves(paths, leaves, what="gradients") -> None:
+    for path, x in zip(paths, leaves, strict=True):
+        dtype = jnp.result_type(x)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            where = jax.tree_util.keystr(path) or "the root"
+            raise ValueError(
+                f"compression needs floating-point {what}, got {dtype} at {where}; "
+                "cast integer parameters to float32 or keep them out of the optimizer"
+            )
+
+
+def positive_ratio(ratio, what="ratio") -> float:
+    try:
+        r = float(ratio)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number in (0, 1], got {ratio!r}") from None
+    if not 0.0 < r <= 1.0:
+        raise ValueError(f"{what} must be in (0, 1], got {ratio}; e.g. 0.01 keeps 1%")
+    return r
+
+
+def k_of(ratio: float, size: int) -> int:
+    """Elements kept of ``size`` at ``ratio``: ``max(1, ceil(ratio * size))``."""
+    return max(1, int(np.ceil(round(ratio * size, 6))))
+
+
+@dataclasses.dataclass
+class Ctx:
+    """What one ``sync`` call knows at trace time (and a few traced scalars)."""
+
+    names: tuple[str, ...]
+    n: int
+    step: jax.Array
+    replica: jax.Array
+    residual: bool
+    seed: int
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def seed_for(self, stage: int, shared: bool = False):
+        if shared:
+            return mix_seed(self.seed, self.step, 0x5EED, stage)
+        return mix_seed(self.seed, self.step, self.replica, stage)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Codec:
+    """Base class of the codecs (see the module docstring).
+
+    Attributes:
+      axis_name: the data-parallel axis (or tuple of axes) of the optax form;
+        ``sync`` uses the ``axis_name`` it is given.
+      error_feedback: ``None``, ``"ef14"`` or ``"ef21"``.
+      min_size: leaves with fewer elements go densely in one float32 psum.
+      seed: seed of the codec's random numbers (combined with the step and,
+        for per-replica randomness, the replica index).
+
+    Class attributes (the flags of the codec protocol):
+      name: short name used in plans and benchmarks.
+      linear: whether payloads add up (psum-able).
+      randomness: ``"none"``, ``"shared"`` (same on every replica, e.g. random-k
+        indices) or ``"per_replica"`` (stochastic rounding).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, adaptjax
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> from adaptjax import compression as ajc
+      >>> codec = ajc.bf16(min_size=4)
+      >>> state = codec.init({"w": jnp.zeros(64)})
+      >>> mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+      >>> f = jax.shard_map(lambda g: codec.sync({"w": g}, state)[0]["w"], mesh=mesh,
+      ...                   in_specs=P("data"), out_specs=P())
+      >>> jax.jit(f)(jnp.repeat(jnp.arange(4.0), 64))[:3].tolist()   # mean of 0..3
+      [1.5, 1.5, 1.5]
+    """
+
+    axis_name: str | tuple[str, ...] = "data"
+    error_feedback: str | None = None
+    min_size: int = 1024
+    seed: int = 0
+
+    name: ClassVar[str] = "codec"
+    linear: ClassVar[bool] = False
+    randomness: ClassVar[str] = "none"
+    has_server_buffer: ClassVar[bool] = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "axis_name", _check_axis_name(self.axis_name))
+        object.__setattr__(self, "error_feedback", _ef_mode(self.error_feedback))
+        if int(self.min_size) != self.min_size or self.min_size < 1:
+            raise ValueError(f"min_size must be an integer >= 1, got {self.min_size}")
+        object.__setattr__(self, "min_size", int(self.min_size))
+        object.__setattr__(self, "seed", int(self.seed))
+
+    # ------------------------------------------------------------------ flags
+    @property
+    def bits(self) -> float | None:
+        """Bits per element on the wire (``None`` when it depends on the shape)."""
+        return None
+
+    # --------------------------------------------------------- per-leaf plan
+    def can_compress(self, shape) -> bool:
+        """Whether the codec can compress a leaf of this shape at all."""
+        del shape
+        return True
+
+    def check_leaf(self, shape, where: str) -> None:
+        """Raises a one-line ValueError when a compressed leaf is invalid for this codec."""
+        del shape, where
+
+    def leaf_bytes(self, shape, n: int) -> float:
+        """Bytes per device this codec sends for one leaf at ``n`` replicas."""
+        raise NotImplementedError
+
+    def method(self, shape, n: int) -> str:
+        """``"f32"``, ``"bf16"`` or ``"codec"`` for a leaf of ``shape`` at ``n`` replicas."""
+        size = prod(shape)
+        if size < self.min_size:
+            return "f32"
+        if not self.can_compress(shape):
+            return "bf16"
+        if n > 1 and self.leaf_bytes(shape, n) > bf16_bytes(size, n):
+            return "bf16"
+        return "codec"
+
+    def stateful(self, shape) -> bool:
+        return prod(shape) >= self.min_size
+
+    # ------------------------------------------------------------------ state
+    def _worker_keys(self) -> tuple[str, ...]:
+        return {"ef14": ("ef",), "ef21": ("g",)}.get(self.error_feedback, ())
+
+    def _shared_init(self, paths, leaves) -> dict:
+        """Replicated per-leaf buffers (a dict of lists, ``None`` where unused)."""
+        del paths, leaves
+        return {}
+
+    def init(self, params) -> CompressionState:
+        """The codec state for ``params`` (local view: one replica's buffers)."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+        paths = [p for p, _ in flat]
+        leaves = [x for _, x in flat]
+        check_float_leaves(paths, leaves, "parameters")
+        for p, x in zip(paths, leaves, strict=True):
+            if self.stateful(jnp.shape(x)) and self.can_compress(jnp.shape(x)):
+                self.check_leaf(jnp.shape(x), jax.tree_util.keystr(p) or "the root")
+        zeros = [
+            jnp.zeros(jnp.shape(x), jnp.float32) if self.stateful(jnp.shape(x)) else None
+            for x in leaves
+        ]
+        unflat = lambda lst: jax.tree_util.tree_unflatten(treedef, lst)
+        worker = {k: unflat(list(zeros)) for k in self._worker_keys()}
+        server = ()
+        if self.has_server_buffer and self.error_feedback is not None:
+            server = PerReplica({"ef": unflat(list(zeros))}, merge=SumToAll())
+        shared = {k: unflat(v) for k, v in self._shared_init(paths, leaves).items()}
+        if self.error_feedback == "ef21":
+            shared["ghat"] = unflat(list(zeros))
+        return CompressionState(
+            count=jnp.zeros((), jnp.int32),
+            worker=PerReplica(worker) if worker else (),
+            server=server,
+            shared=shared if shared else (),
+        )
+
+    # ------------------------------------------------------------ optax form
+    def update(self, updates, state: CompressionState, params=None, **extra):
+        """Optax ``update``: the compressed mean of ``updates`` over ``axis_name``."""
+        del params, extra
+        return self.sync(updates, state, axis_name=self.axis_name, step=state.count)
+
+    def __iter__(self):
+        """``init, update = codec`` like an ``optax.GradientTransformation``."""
+        return iter((self.init, self.update))
+
+    # ------------------------------------------------------------------ sync
+    def sync(self, grads, state: CompressionState, *, axis_name=None, step=None):
+        """The compressed all-reduce-mean of ``grads`` (inside ``shard_map``).
+
+        Args:
+          grads: this replica's gradients.
+          state: the codec state (local view).
+          axis_name: the bound axis (or tuple of axes); defaults to ``self.axis_name``.
+          step: int32 step counter (keys and warm-ups); defaults to ``state.count``.
+
+        Returns:
+          ``(mean, new_state)``; ``mean`` is identical on every replica.
+        """
+        axis = self.axis_name if axis_name is None else _check_axis_name(axis_name)
+        names = axis_tuple(axis)
+        n = bound_size(names)
+        self._check_axes(names)
+        step = state.count if step is None else jnp.asarray(step, jnp.int32)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
+        paths = [p for p, _ in flat]
+        leaves = [x for _, x in flat]
+        check_float_leaves(paths, leaves)
+        shapes = [tuple(jnp.shape(x)) for x in leaves]
+        for p, s in zip(paths, shapes, strict=True):
+            if self.stateful(s) and self.can_compress(s):
+                self.check_leaf(s, jax.tree_util.keystr(p) or "the root")
+        methods = [self.method(s, n) for s in shapes]
+        stateful = [self.stateful(s) for s in shapes]
+        replica = (
+            jax.lax.axis_index(names[0] if len(names) == 1 else names) if n > 1 else 0
+        )
+        residual = self.error_feedback is not None or self._always_residual()
+        ctx = Ctx(names, n, step, jnp.asarray(replica, jnp.int32), residual, self.seed)
+
+        def up_to(tree):
+            try:
+                return treedef.flatten_up_to(tree)
+            except (ValueError, TypeError):
+                raise ValueError(
+                    "the gradients do not have the structure of the params the codec state was "
+                    "built from; call codec.init(params) with params shaped like the gradients"
+                ) from None
+
+        worker = {k: up_to(v) for k, v in state.worker.value.items()} if state.worker else {}
+        server = up_to(state.server.value["ef"]) if state.server else None
+        shared = {k: up_to(v) for k, v in state.shared.items()} if state.shared else {}
+        grads32 = [x.astype(jnp.float32) for x in leaves]
+        xs = self._inputs(grads32, worker, stateful, methods, ctx)
+
+        outs: list = [None] * len(leaves)
+        res: list = [None] * len(leaves)
+        new_server = list(server) if server is not None else None
+        new_shared = {k: list(v) for k, v in shared.items()}
+
+        dense = [i for i, m in enumerate(methods) if m == "f32"]
+        if dense:
+            lay = make_layout([prod(shapes[i]) for i in dense])
+            mean = psum_mean(lay.flatten([xs[i] for i in dense]), names, n)
+            for i, y in zip(dense, lay.unflatten(mean, [shapes[i] for i in dense]), strict=True):
+                outs[i] = y
+
+        wide = [i for i, m in enumerate(methods) if m == "bf16"]
+        if wide:
+            use_res = residual and all(stateful[i] for i in wide)
+            lay = make_layout([prod(shapes[i]) for i in wide], BF16.block, n)
+            out, r, _ = owner_compute(
+                lay.flatten([xs[i] for i in wide]),
+                BF16,
+                slow=names,
+                slow_size=n,
+                seed_worker=ctx.seed_for(7),
+                seed_server=ctx.seed_for(8),
+                residual=use_res,
+                server_mode="fold" if use_res else None,
+            )
+            sh = [shapes[i] for i in wide]
+            for i, y in zip(wide, lay.unflatten(out, sh), strict=True):
+                outs[i] = y
+            if use_res:
+                for i, y in zip(wide, lay.unflatten(r, sh), strict=True):
+                    res[i] = y
+
+        mine = [i for i, m in enumerate(methods) if m == "codec"]
+        if mine:
+            o, r, srv, shr = self._reduce(
+                [xs[i] for i in mine],
+                [shapes[i] for i in mine],
+                ctx,
+                [server[i] for i in mine] if server is not None else None,
+                {k: [v[i] for i in mine] for k, v in shared.items()},
+            )
+            for j, i in enumerate(mine):
+                outs[i] = o[j]
+                if r is not None:
+                    res[i] = r[j]
+                if srv is not None:
+                    new_server[i] = srv[j]
+                for k, v in shr.items():
+                    new_shared[k][i] = v[j]
+
+        new_worker, outs = self._outputs(
+            grads32, xs, outs, res, worker, stateful, methods, new_shared, ctx
+        )
+        unflat = lambda lst: jax.tree_util.tree_unflatten(treedef, lst)
+        mean = unflat([o.astype(x.dtype) for o, x in zip(outs, leaves, strict=True)])
+        new_state = CompressionState(
+            count=state.count + 1,
+            worker=PerReplica({k: unflat(v) for k, v in new_worker.items()}, state.worker.merge)
+            if state.worker
+            else (),
+            server=PerReplica({"ef": unflat(new_server)}, state.server.merge)
+            if state.server
+            else (),
+            shared={k: unflat(v) for k, v in new_shared.items()} if state.shared else (),
+        )
+        return mean, new_state
+
+    # ---------------------------------------------------------------- hooks
+    def _check_axes(self, names) -> None:
+        del names
+
+    def _always_residual(self) -> bool:
+        return False
+
+    def _inputs(self, grads, worker, stateful, methods, ctx):
+        """What each replica compresses, per leaf (error feedback folded in)."""
+        del methods, ctx
+        mode = self.error_feedback
+        if mode == "ef14":
+            pairs = zip(grads, worker["ef"], stateful, strict=True)
+            return [g + e if s else g for g, e, s in pairs]
+        if mode == "ef21":
+            pairs = zip(grads, worker["g"], stateful, strict=True)
+            return [g - e if s else g for g, e, s in pairs]
+        return list(grads)
+
+    def _outputs(self, grads, xs, outs, res, worker, stateful, methods, shared, ctx):
+        """New worker buffers and the outputs, from the residuals."""
+        del xs, methods, ctx
+        mode = self.error_feedback
+        if mode == "ef14":
+            new = [r if s else None for r, s in zip(res, stateful, strict=True)]
+            return {"ef": new}, outs
+        if mode == "ef21":
+            new_g = [g - r if s else None for g, r, s in zip(grads, res, stateful, strict=True)]
+            ghat = [
+                (h + o) if s else None
+                for h, o, s in zip(shared["ghat"], outs, stateful, strict=True)
+            ]
+            shared["ghat"] = ghat
+            outs = [h if s else o for h, o, s in zip(ghat, outs, stateful, strict=True)]
+            return {"g": new_g}, outs
+        return dict(worker), outs
+
+    def _reduce(self, xs, shapes, ctx, server, shared):
+        """Compressed mean of the codec's leaves.
+
+        Returns ``(outs, residuals or None, new server leaves or None, new shared
+        dict of lists)``; residuals are what each replica still owes (see
+        :func:`adaptjax.compression._collectives.owner_compute`).
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ protocol
+    def encode(self, x, *, seed=0):
+        """One array to this codec's fixed-size payload pytree (pure, jittable)."""
+        raise NotImplementedError
+
+    def decode(self, payload, shape, *, seed=0):
+        """Inverse of :meth:`encode` (up to the codec's loss): a float32 array."""
+        raise NotImplementedError
+
+    def plan(self, grads, n: int, *, show: bool = False):
+        """The per-leaf plan at ``n`` replicas; see :func:`adaptjax.compression.plan`."""
+        from adaptjax.compression._plan import plan
+
+        return plan(grads, self, n, show=show)
+
+
+def bf16_bytes(size: int, n: int) -> float:
+    """Bytes per device of a bf16 psum of ``size`` elements: ``4 d (N−1)/N``."""
+    return 4.0 * size * (n - 1) / n if n > 1 else 0.0
+
+
+def fp32_bytes(size: int, n: int) -> float:
+    """Bytes per device of a float32 psum of ``size`` elements: ``8 d (N−1)/N``."""
+    return 8.0 * size * (n - 1) / n if n > 1 else 0.0

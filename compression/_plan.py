@@ -1,0 +1,166 @@
+"""The per-leaf plan: which leaves a codec compresses at ``N`` replicas, and the bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from adaptjax.compression._base import Codec, bf16_bytes, fp32_bytes
+from adaptjax.compression._layout import prod
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One leaf of a :class:`Plan`.
+
+    Attributes:
+      path: the leaf's key path, e.g. ``"['w1']"``.
+      shape: its shape.
+      size: its elements.
+      method: the codec's name, ``"f32"`` (one float32 psum: under ``min_size``)
+        or ``"bf16"`` (owner-compute bf16: the codec cannot compress it or would
+        send more than a bf16 psum at this ``N``).
+      bytes: bytes per device per step for this leaf under ``method``.
+      fp32_bytes: a float32 psum's bytes, ``8d(N−1)/N``.
+      bf16_bytes: a bf16 psum's bytes, ``4d(N−1)/N``.
+    """
+
+    path: str
+    shape: tuple
+    size: int
+    method: str
+    bytes: float
+    fp32_bytes: float
+    bf16_bytes: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a codec does with each leaf at ``n`` replicas (a printable table)."""
+
+    codec: str
+    n: int
+    rows: tuple[PlanRow, ...]
+
+    @property
+    def bytes(self) -> float:
+        """Bytes per device per step, all leaves (the per-leaf formulas, unpadded)."""
+        return sum(r.bytes for r in self.rows)
+
+    @property
+    def fp32_bytes(self) -> float:
+        return sum(r.fp32_bytes for r in self.rows)
+
+    @property
+    def bf16_bytes(self) -> float:
+        return sum(r.bf16_bytes for r in self.rows)
+
+    def methods(self) -> dict[str, str]:
+        """``{path: method}``."""
+        return {r.path: r.method for r in self.rows}
+
+    def __str__(self) -> str:
+        head = ("leaf", "shape", "elements", "method", "bytes/dev", "vs fp32", "vs bf16")
+        lines = [head]
+
+        def ratio(a, b):
+            return f"{b / a:.1f}x" if a > 0 else "-"
+
+        for r in self.rows:
+            lines.append(
+                (
+                    r.path,
+                    "x".join(map(str, r.shape)) or "()",
+                    f"{r.size:,}",
+                    r.method,
+                    f"{r.bytes:,.0f}",
+                    ratio(r.bytes, r.fp32_bytes),
+                    ratio(r.bytes, r.bf16_bytes),
+                )
+            )
+        lines.append(
+            (
+                "total",
+                "",
+                f"{sum(r.size for r in self.rows):,}",
+                "",
+                f"{self.bytes:,.0f}",
+                ratio(self.bytes, self.fp32_bytes),
+                ratio(self.bytes, self.bf16_bytes),
+            )
+        )
+        widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+        out = [f"plan: {self.codec} at N={self.n}"]
+        for row in lines:
+            left = [row[i].ljust(widths[i]) for i in (0, 1)]
+            right = [row[i].rjust(widths[i]) for i in (2,)]
+            mid = [row[3].ljust(widths[3])]
+            tail = [row[i].rjust(widths[i]) for i in (4, 5, 6)]
+            out.append("  ".join(left + right + mid + tail).rstrip())
+        return "\n".join(out)
+
+
+def plan(grads, codec: Codec, n: int, *, show: bool = True) -> Plan:
+    """The per-leaf table of what ``codec`` does at ``n`` replicas, printed and returned.
+
+    A leaf goes ``"f32"`` under the codec's ``min_size``; ``"bf16"`` when the codec
+    cannot compress it (PowerSGD on a 1-D leaf) or would send more bytes than a
+    bf16 psum at this ``n``; otherwise through the codec. Bytes are the
+    per-leaf formulas (owner-compute chunk padding and scales rounded per leaf).
+
+    Args:
+      grads: a pytree of arrays or ``jax.ShapeDtypeStruct`` (shapes only are used).
+      codec: a codec of :mod:`adaptjax.compression`.
+      n: the number of replicas.
+      show: print the table.
+
+    Returns:
+      The :class:`Plan`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from adaptjax import compression as ajc
+      >>> grads = {"b": jnp.zeros(10), "w": jnp.zeros((1000, 100))}
+      >>> p = ajc.plan(grads, ajc.topk(0.01), 8)
+      plan: topk at N=8
+      leaf   shape     elements  method  bytes/dev  vs fp32  vs bf16
+      ['b']  10              10  f32            70     1.0x     0.5x
+      ['w']  1000x100   100,000  topk       56,000    12.5x     6.2x
+      total             100,010             56,070    12.5x     6.2x
+      >>> ajc.plan(grads, ajc.topk(0.1), 8, show=False).methods()["['w']"]
+      'bf16'
+    """
+    if not isinstance(codec, Codec):
+        raise ValueError(f"plan needs a codec of adaptjax.compression, got {type(codec).__name__}")
+    if int(n) != n or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n}")
+    n = int(n)
+    rows = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
+        shape = tuple(int(d) for d in leaf.shape)
+        where = jax.tree_util.keystr(path) or "the root"
+        size = prod(shape)
+        if codec.stateful(shape) and codec.can_compress(shape):
+            codec.check_leaf(shape, where)
+        method = codec.method(shape, n)
+        if method == "f32":
+            b = fp32_bytes(size, n)
+        elif method == "bf16":
+            b = bf16_bytes(size, n)
+        else:
+            b = codec.leaf_bytes(shape, n)
+        rows.append(
+            PlanRow(
+                where,
+                shape,
+                size,
+                codec.name if method == "codec" else method,
+                b,
+                fp32_bytes(size, n),
+                bf16_bytes(size, n),
+            )
+        )
+    result = Plan(codec.name, n, tuple(rows))
+    if show:
+        print(result)
+    return result

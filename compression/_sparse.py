@@ -1,0 +1,470 @@
+"""Sparsifiers: top-k and DGC (all-gather of value/index pairs), random-k (psum).
+
+``topk`` sends the ``k = ceil(ratio·d)`` largest entries of each leaf as float32
+values and int32 indices; one all-gather moves every replica's pairs (bit-cast
+into one int32 payload), ``8k(N−1)`` bytes per device. It beats a bf16 psum only
+while ``k/d < 1/(2N)``; leaves where it would not go as bf16 (see
+:func:`adaptjax.compression.plan`).
+
+``randomk`` picks its coordinates from a key shared by all replicas (derived
+from the step), so only the values travel, in one float32 psum of ``k`` values
+per leaf: ``8k(N−1)/N`` bytes. Coordinates are stratified: one uniformly
+random coordinate in each of the ``ceil(d/s)`` strata of ``s = ceil(d/k)``
+consecutive ones, so each coordinate is picked with probability ``1/s`` and
+the estimate ``s·x_S`` is unbiased.
+
+``dgc`` is top-k on an accumulated, momentum-corrected velocity with
+momentum-factor masking, local gradient clipping and a density warm-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from adaptjax.compression._base import Codec, k_of, positive_ratio
+from adaptjax.compression._bits import mix_seed, random_bits, uniform
+from adaptjax.compression._collectives import allgather_sparse, psum_mean
+from adaptjax.compression._layout import prod
+
+_VARIANTS = ("exact", "sampled", "approx")
+
+
+def select_topk(a, k: int, variant: str, seed):
+    """Indices of (about) the ``k`` largest of ``a >= 0``; unused slots hold ``a.size``.
+
+    ``exact``: ``lax.top_k``. ``approx``: ``lax.approx_max_k`` (recall 0.95; exact
+    on CPU). ``sampled``: a threshold from a stratified sample of
+    ``max(1024, 50/ratio)`` entries, then the first ``k`` entries at or above it
+    (fixed capacity; entries beyond it stay in the error-feedback residual).
+    """
+    size = a.shape[0]
+    if k >= size:
+        return jnp.arange(size, dtype=jnp.int32)
+    if variant == "exact":
+        return jax.lax.top_k(a, k)[1].astype(jnp.int32)
+    if variant == "approx":
+        return jax.lax.approx_max_k(a, k, recall_target=0.95)[1].astype(jnp.int32)
+    ratio = k / size
+    ns = min(size, max(1024, math.ceil(50 / ratio)))
+    stride = size // ns
+    ns = size // stride
+    offs = jnp.arange(ns, dtype=jnp.int32) * stride
+    offs = offs + (random_bits(seed, (ns,)) % jnp.uint32(stride)).astype(jnp.int32)
+    kk = max(1, round(ratio * ns))
+    thr = jax.lax.top_k(a[offs], kk)[0][-1]
+    mask = a >= thr
+    pos = jnp.cumsum(mask.astype(jnp.int32)) - 1
+    slot = jnp.where(mask & (pos < k), pos, k)
+    idx = jnp.full((k + 1,), size, jnp.int32).at[slot].set(jnp.arange(size, dtype=jnp.int32))
+    return idx[:k]
+
+
+def _sparse_reduce(xs, shapes, ks, ctx, variant, residual):
+    """Top-k of each leaf, one all-gather; returns (outs, residuals or None)."""
+    sizes = [prod(s) for s in shapes]
+    total = sum(sizes)
+    vals, gidx, lidx = [], [], []
+    off = 0
+    for j, (x, size, k) in enumerate(zip(xs, sizes, ks, strict=True)):
+        f = jnp.ravel(x)
+        idx = select_topk(jnp.abs(f), k, variant, ctx.seed_for(16 + j))
+        valid = idx < size
+        vals.append(jnp.where(valid, f[jnp.minimum(idx, size - 1)], 0.0))
+        gidx.append(jnp.where(valid, idx + off, total))
+        lidx.append(idx)
+        off += size
+    mean = allgather_sparse(jnp.concatenate(vals), jnp.concatenate(gidx), total, ctx.names, ctx.n)
+    outs, res, off = [], [], 0
+    for x, size, shape, idx in zip(xs, sizes, shapes, lidx, strict=True):
+        outs.append(jax.lax.slice(mean, (off,), (off + size,)).reshape(shape))
+        if residual:
+            res.append(jnp.ravel(x).at[idx].set(0.0, mode="drop").reshape(shape))
+        off += size
+    return outs, (res if residual else None)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _TopK(Codec):
+    ratio: float = 0.01
+    variant: str = "exact"
+
+    name: ClassVar[str] = "topk"
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "ratio", positive_ratio(self.ratio))
+        if self.variant not in _VARIANTS:
+            raise ValueError(f"variant must be one of {_VARIANTS}, got {self.variant!r}")
+
+    @property
+    def bits(self) -> float:
+        return 64.0 * self.ratio
+
+    @property
+    def randomness(self) -> str:  # type: ignore[override]
+        return "per_replica" if self.variant == "sampled" else "none"
+
+    def k(self, size: int) -> int:
+        """Entries sent of a leaf of ``size`` elements: ``max(1, ceil(ratio·size))``."""
+        return k_of(self.ratio, size)
+
+    def leaf_bytes(self, shape, n: int) -> float:
+        return 8.0 * self.k(prod(shape)) * (n - 1)
+
+    def _reduce(self, xs, shapes, ctx, server, shared):
+        ks = [self.k(prod(s)) for s in shapes]
+        outs, res = _sparse_reduce(xs, shapes, ks, ctx, self.variant, ctx.residual)
+        return outs, res, None, {}
+
+    def encode(self, x, *, seed=0):
+        """``{"values": float32 (k,), "indices": int32 (k,)}`` of the flattened ``x``.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from adaptjax import compression as ajc
+          >>> codec = ajc.topk(0.25)
+          >>> p = codec.encode(jnp.array([0.1, -3.0, 0.2, 2.0]))
+          >>> codec.decode(p, (4,)).tolist()
+          [0.0, -3.0, 0.0, 0.0]
+        """
+        f = jnp.ravel(jnp.asarray(x)).astype(jnp.float32)
+        size = f.shape[0]
+        idx = select_topk(jnp.abs(f), self.k(size), self.variant, mix_seed(seed))
+        vals = jnp.where(idx < size, f[jnp.minimum(idx, size - 1)], 0.0)
+        return {"values": vals, "indices": idx}
+
+    def decode(self, payload, shape, *, seed=0):
+        del seed
+        size = prod(shape)
+        out = jnp.zeros((size,), jnp.float32).at[payload["indices"]].add(
+            payload["values"], mode="drop"
+        )
+        return out.reshape(shape)
+
+
+def _strata(ratio: float, size: int) -> tuple[int, int]:
+    """(stratum length ``s``, number of strata) for random-k on ``size`` elements."""
+    s = -(-size // k_of(ratio, size))
+    return s, -(-size // s)
+
+
+def _randk_indices(seed, size: int, s: int, count: int):
+    u = uniform(seed, (count,))
+    return jnp.arange(count, dtype=jnp.int32) * s + jnp.minimum(
+        (u * s).astype(jnp.int32), s - 1
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _RandomK(Codec):
+    ratio: float = 0.01
+
+    name: ClassVar[str] = "randomk"
+    linear: ClassVar[bool] = True
+    randomness: ClassVar[str] = "shared"
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "ratio", positive_ratio(self.ratio))
+
+    @property
+    def bits(self) -> float:
+        return 32.0 * self.ratio
+
+    def k(self, size: int) -> int:
+        """Values sent of a leaf of ``size`` elements (one per stratum)."""
+        return _strata(self.ratio, size)[1]
+
+    def leaf_bytes(self, shape, n: int) -> float:
+        return 8.0 * self.k(prod(shape)) * (n - 1) / n
+
+    def _scale(self, size: int) -> float:
+        # Unbiased without error feedback; with it, the contractive (unscaled) form.
+        return 1.0 if self.error_feedback is not None else float(_strata(self.ratio, size)[0])
+
+    def _reduce(self, xs, shapes, ctx, server, shared):
+        vals, idxs = [], []
+        for j, (x, shape) in enumerate(zip(xs, shapes, strict=True)):
+            size = prod(shape)
+            s, count = _strata(self.ratio, size)
+            idx = _randk_indices(ctx.seed_for(32 + j, shared=True), size, s, count)
+            f = jnp.ravel(x)
+            vals.append(jnp.where(idx < size, f[jnp.minimum(idx, size - 1)], 0.0))
+            idxs.append(idx)
+        mean = psum_mean(jnp.concatenate(vals), ctx.names, ctx.n)
+        outs, res, off = [], [], 0
+        for x, shape, idx in zip(xs, shapes, idxs, strict=True):
+            size = prod(shape)
+            v = jax.lax.slice(mean, (off,), (off + idx.shape[0],)) * self._scale(size)
+            off += idx.shape[0]
+            outs.append(jnp.zeros((size,), jnp.float32).at[idx].add(v, mode="drop").reshape(shape))
+            if ctx.residual:
+                res.append(jnp.ravel(x).at[idx].set(0.0, mode="drop").reshape(shape))
+        return outs, (res if ctx.residual else None), None, {}
+
+    def encode(self, x, *, seed=0):
+        """``{"values": float32 (k,)}``; the indices follow from ``seed`` alone.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from adaptjax import compression as ajc
+          >>> codec = ajc.randomk(0.5)
+          >>> p = codec.encode(jnp.ones(4), seed=3)
+          >>> p["values"].shape, float(codec.decode(p, (4,), seed=3).sum())
+          ((2,), 4.0)
+        """
+        f = jnp.ravel(jnp.asarray(x)).astype(jnp.float32)
+        size = f.shape[0]
+        s, count = _strata(self.ratio, size)
+        idx = _randk_indices(mix_seed(seed), size, s, count)
+        return {"values": jnp.where(idx < size, f[jnp.minimum(idx, size - 1)], 0.0)}
+
+    def decode(self, payload, shape, *, seed=0):
+        size = prod(shape)
+        s, count = _strata(self.ratio, size)
+        idx = _randk_indices(mix_seed(seed), size, s, count)
+        v = payload["values"] * self._scale(size)
+        return jnp.zeros((size,), jnp.float32).at[idx].add(v, mode="drop").reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _DGC(_TopK):
+    ratio: float = 0.001
+    momentum: float = 0.9
+    clip_norm: float | None = None
+    warmup_steps: int = 0
+    warmup_densities: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.004)
+
+    name: ClassVar[str] = "dgc"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.error_feedback is not None:
+            raise ValueError(
+                "dgc keeps its own accumulation (momentum correction); "
+                "leave error_feedback=None"
+            )
+        if not 0.0 <= float(self.momentum) < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.clip_norm is not None and not float(self.clip_norm) > 0:
+            raise ValueError(f"clip_norm must be > 0 or None, got {self.clip_norm}")
+        if int(self.warmup_steps) != self.warmup_steps or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps}")
+        dens = tuple(positive_ratio(d, "warmup density") for d in self.warmup_densities)
+        object.__setattr__(self, "warmup_densities", dens)
+
+    def _worker_keys(self):
+        return ("u", "v")
+
+    def _always_residual(self) -> bool:
+        return True
+
+    def stages(self) -> tuple[float, ...]:
+        """Densities of the warm-up stages, ending at ``ratio``."""
+        if self.warmup_steps == 0:
+            return (self.ratio,)
+        return tuple(d for d in self.warmup_densities if d > self.ratio) + (self.ratio,)
+
+    def _inputs(self, grads, worker, stateful, methods, ctx):
+        scale = 1.0
+        if self.clip_norm is not None:
+            # Local clipping at clip_norm / sqrt(N), so the mean stays under clip_norm.
+            sq = sum(jnp.sum(g * g) for g, s in zip(grads, stateful, strict=True) if s)
+            norm = jnp.sqrt(jnp.asarray(sq, jnp.float32))
+            limit = self.clip_norm / math.sqrt(ctx.n)
+            scale = jnp.minimum(1.0, limit / jnp.maximum(norm, 1e-30))
+        us, xs = [], []
+        for g, u, v, s in zip(grads, worker["u"], worker["v"], stateful, strict=True):
+            if s:
+                u = self.momentum * u + scale * g
+                us.append(u)
+                xs.append(v + u)
+            else:
+                us.append(None)
+                xs.append(g)
+        ctx.extra["u"] = us
+        return xs
+
+    def _outputs(self, grads, xs, outs, res, worker, stateful, methods, shared, ctx):
+        del grads
+        new_u, new_v = [], []
+        for x, r, u, s, m in zip(xs, res, ctx.extra["u"], stateful, methods, strict=True):
+            if not s:
+                new_u.append(None)
+                new_v.append(None)
+            elif m == "codec":
+                new_u.append(jnp.where(r != x, 0.0, u))  # momentum-factor masking
+                new_v.append(r)
+            else:
+                new_u.append(u)
+                new_v.append(r)
+        return {"u": new_u, "v": new_v}, outs
+
+    def _reduce(self, xs, shapes, ctx, server, shared):
+        stages = self.stages()
+
+        def run(density):
+            ks = [k_of(density, prod(s)) for s in shapes]
+            return _sparse_reduce(xs, shapes, ks, ctx, self.variant, True)
+
+        if len(stages) == 1:
+            outs, res = run(stages[0])
+        else:
+            per = -(-self.warmup_steps // (len(stages) - 1))
+            stage = jnp.minimum(ctx.step // per, len(stages) - 1)
+            outs, res = jax.lax.switch(stage, [functools.partial(run, d) for d in stages])
+        return outs, res, None, {}
+
+
+def topk(
+    ratio: float = 0.01,
+    *,
+    variant: str = "exact",
+    axis_name="data",
+    error_feedback="ef14",
+    min_size: int = 1024,
+    seed: int = 0,
+) -> Codec:
+    """Top-k sparsification: the ``ceil(ratio·d)`` largest-magnitude entries per leaf.
+
+    Values (float32) and indices (int32) of every replica travel in one
+    all-gather, ``8k(N−1)`` bytes per device; every replica adds them all up.
+    Leaves where that is more than a bf16 psum (``k/d ≥ 1/(2N)``) go as bf16.
+
+    Args:
+      ratio: fraction of entries kept, in (0, 1].
+      variant: ``"exact"`` (``lax.top_k``), ``"approx"`` (``lax.approx_max_k``) or
+        ``"sampled"`` (threshold from a sample, fixed capacity ``k``).
+      axis_name: the data-parallel axis of the optax form.
+      error_feedback: ``"ef14"`` (default), ``"ef21"`` or ``None``.
+      min_size: leaves with fewer elements go in one float32 psum.
+      seed: seed of the sampled variant.
+
+    Returns:
+      The codec.
+
+    Example:
+      >>> import optax
+      >>> from adaptjax import compression as ajc
+      >>> tx = optax.chain(ajc.topk(0.01, axis_name="data"), optax.sgd(0.1))
+      >>> ajc.topk(0.01).k(1000)
+      10
+
+    References:
+      Aji and Heafield, "Sparse communication for distributed gradient descent",
+      EMNLP 2017. Stich et al., "Sparsified SGD with memory", NeurIPS 2018.
+    """
+    return _TopK(
+        ratio=ratio,
+        variant=variant,
+        axis_name=axis_name,
+        error_feedback=error_feedback,
+        min_size=min_size,
+        seed=seed,
+    )
+
+
+def randomk(
+    ratio: float = 0.01,
+    *,
+    axis_name="data",
+    error_feedback=None,
+    min_size: int = 1024,
+    seed: int = 0,
+) -> Codec:
+    """Random-k sparsification with coordinates shared by all replicas; one psum.
+
+    The coordinates come from ``seed`` and the step (the same on every
+    replica), so only ``k`` float32 values per leaf are summed: ``8k(N−1)/N``
+    bytes per device. One coordinate is drawn in each stratum of
+    ``s = ceil(d/k)`` consecutive ones and scaled by ``s``: unbiased. With
+    error feedback the values are not scaled (a contraction, as EF needs).
+
+    Args:
+      ratio: fraction of entries kept, in (0, 1].
+      axis_name: the data-parallel axis of the optax form.
+      error_feedback: ``None`` (default, unbiased), ``"ef14"`` or ``"ef21"``.
+      min_size: leaves with fewer elements go in one float32 psum.
+      seed: seed of the shared coordinates.
+
+    Returns:
+      The codec.
+
+    Example:
+      >>> from adaptjax import compression as ajc
+      >>> ajc.randomk(0.01).k(1000), ajc.randomk(0.01).randomness
+      (10, 'shared')
+
+    References:
+      Stich et al., "Sparsified SGD with memory", NeurIPS 2018.
+    """
+    return _RandomK(
+        ratio=ratio, axis_name=axis_name, error_feedback=error_feedback, min_size=min_size,
+        seed=seed,
+    )
+
+
+def dgc(
+    ratio: float = 0.001,
+    *,
+    momentum: float = 0.9,
+    clip_norm: float | None = None,
+    warmup_steps: int = 0,
+    warmup_densities: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.004),
+    variant: str = "exact",
+    axis_name="data",
+    min_size: int = 1024,
+    seed: int = 0,
+) -> Codec:
+    """Deep Gradient Compression: top-k of a momentum-corrected accumulation.
+
+    Each replica keeps a velocity ``u ← m·u + g`` and an accumulation
+    ``v ← v + u`` (momentum correction), sends the top-k of ``v`` like
+    :func:`topk`, and zeroes both ``u`` and ``v`` where it sent (momentum-factor
+    masking). With ``clip_norm`` each replica clips its gradient to
+    ``clip_norm/√N`` first (local gradient clipping). During the first
+    ``warmup_steps`` the density steps down through ``warmup_densities`` to
+    ``ratio`` (each stage is its own static ``k``, selected by ``lax.switch``,
+    so :func:`adaptjax.wire_bytes` lists every stage's all-gather). Use it with
+    plain SGD: the momentum lives here.
+
+    Args:
+      ratio: final density, in (0, 1].
+      momentum: ``m`` in [0, 1).
+      clip_norm: the global clipping norm, or None.
+      warmup_steps: steps of density warm-up (0: none).
+      warmup_densities: densities of the warm-up stages (those above ``ratio``).
+      variant: selection, as in :func:`topk`.
+      axis_name: the data-parallel axis of the optax form.
+      min_size: leaves with fewer elements go in one float32 psum.
+      seed: seed of the sampled variant.
+
+    Returns:
+      The codec.
+
+    Example:
+      >>> from adaptjax import compression as ajc
+      >>> ajc.dgc(0.001, warmup_steps=400).stages()
+      (0.25, 0.0625, 0.015625, 0.004, 0.001)
+
+    References:
+      Lin et al., "Deep gradient compression: reducing the communication
+      bandwidth for distributed training", ICLR 2018.
+    """
+    return _DGC(
+        ratio=ratio,
+        momentum=momentum,
+        clip_norm=clip_norm,
+        warmup_steps=warmup_steps,
+        warmup_densities=tuple(warmup_densities),
+        variant=variant,
+        axis_name=axis_name,
+        error_feedback=None,
+        min_size=min_size,
+        seed=seed,
+    )

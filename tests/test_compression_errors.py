@@ -1,0 +1,138 @@
+"""Bad inputs raise one-line ValueErrors naming the fix, before anything runs."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import adaptjax
+from adaptjax import compression as ajc
+
+
+def _one_line(excinfo):
+    msg = str(excinfo.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("factory", [ajc.topk, ajc.randomk, ajc.dgc])
+@pytest.mark.parametrize("ratio", [0.0, -0.1, 1.5, float("nan")])
+def test_ratio_outside_zero_one(factory, ratio):
+    with pytest.raises(ValueError, match=r"ratio must be in \(0, 1\]") as e:
+        factory(ratio)
+    _one_line(e)
+
+
+def test_ratio_not_a_number():
+    with pytest.raises(ValueError, match=r"ratio must be a number in \(0, 1\]") as e:
+        ajc.topk("lots")
+    _one_line(e)
+
+
+@pytest.mark.parametrize("rank", [0, -1, 2.5, True])
+def test_rank_below_one(rank):
+    with pytest.raises(ValueError, match="rank must be an integer >= 1") as e:
+        ajc.powersgd(rank)
+    _one_line(e)
+
+
+def test_rank_above_min_n_m():
+    codec = ajc.powersgd(8, min_size=16)
+    params = {"w": jnp.zeros((100, 5))}
+    with pytest.raises(ValueError, match=r"rank 8 > min\(n, m\) = 5 .*\['w'\]") as e:
+        codec.init(params)
+    _one_line(e)
+    with pytest.raises(ValueError, match=r"rank 8 > min\(n, m\) = 5"):
+        ajc.plan(params, codec, 8, show=False)
+    with pytest.raises(ValueError, match=r"rank 8 > min\(n, m\) = 5"):
+        codec.encode(jnp.zeros((100, 5)))
+    # the same leaf under min_size goes dense: no error
+    ajc.powersgd(8).init(params)
+
+
+@pytest.mark.parametrize("levels", [0, -3, 1.5, 128])
+def test_levels_out_of_range(levels):
+    with pytest.raises(ValueError, match=r"levels must be an integer in \[1, 127\]") as e:
+        ajc.qsgd(levels)
+    _one_line(e)
+
+
+def test_integer_leaves():
+    params = {"w": jnp.zeros((4, 4)), "steps": jnp.zeros((), jnp.int32)}
+    match = r"floating-point parameters, got int32 at \['steps'\]"
+    with pytest.raises(ValueError, match=match) as e:
+        ajc.onebit().init(params)
+    _one_line(e)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    codec = ajc.topk(0.1)
+    state = codec.init({"w": jnp.zeros(8)})
+    f = jax.shard_map(
+        lambda g: codec.sync({"w": g}, state)[0]["w"], mesh=mesh, in_specs=P("data"),
+        out_specs=P(), check_vma=False,
+    )
+    with pytest.raises(ValueError, match=r"floating-point gradients, got int32 at \['w'\]") as e:
+        jax.jit(f)(jnp.zeros(8, jnp.int32))
+    _one_line(e)
+
+
+def test_axis_not_in_the_mesh():
+    mesh = Mesh(np.array(jax.devices()), ("batch",))
+    codec = ajc.onebit(axis_name="data")
+    state = adaptjax.stack_replicas(codec.init({"w": jnp.zeros(2048)}), 8)
+    specs = adaptjax.state_partition_specs(state, "batch")
+
+    @functools.partial(
+        jax.shard_map, mesh=mesh, in_specs=(P("batch"), specs), out_specs=P(), check_vma=False
+    )
+    def f(g, s):
+        return codec.update({"w": g}, adaptjax.to_local(s))[0]["w"]
+
+    match = r"axis 'data' is not bound here.*mesh with a 'data' axis"
+    with pytest.raises(ValueError, match=match) as e:
+        jax.jit(f)(jnp.zeros(8 * 2048), state)
+    _one_line(e)
+
+
+def test_fast_axis_not_in_axis_name():
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    codec = ajc.onebit(fast_axis="local", min_size=8)
+    state = codec.init({"w": jnp.zeros(64)})
+    f = jax.shard_map(
+        lambda g: codec.sync({"w": g}, state)[0]["w"], mesh=mesh, in_specs=P("data"),
+        out_specs=P(), check_vma=False,
+    )
+    with pytest.raises(ValueError, match=r"fast_axis 'local' is not in axis_name \('data',\)") as e:
+        jax.jit(f)(jnp.zeros(8 * 64))
+    _one_line(e)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: ajc.onebit(block=48), "block must be a positive multiple of 32"),
+        (lambda: ajc.topk(0.1, variant="fast"), "variant must be one of"),
+        (lambda: ajc.onebit(error_feedback="ef99"), "error_feedback must be None, 'ef14'"),
+        (lambda: ajc.topk(0.1, min_size=0), "min_size must be an integer >= 1"),
+        (lambda: ajc.topk(0.1, axis_name=3), "axis_name must be a str or a tuple of str"),
+        (lambda: ajc.dgc(0.01, momentum=1.0), r"momentum must be in \[0, 1\)"),
+        (lambda: ajc.dgc(0.01, warmup_steps=-1), "warmup_steps must be an integer >= 0"),
+        (lambda: ajc.dgc(0.01, warmup_densities=(2.0,)), r"warmup density must be in \(0, 1\]"),
+        (lambda: ajc.plan({"w": jnp.zeros(3)}, "onebit", 8), "plan needs a codec"),
+        (lambda: ajc.plan({"w": jnp.zeros(3)}, ajc.onebit(), 0), "n must be an integer >= 1"),
+    ],
+)
+def test_other_bad_configs(make, match):
+    with pytest.raises(ValueError, match=match) as e:
+        make()
+    _one_line(e)
+
+
+def test_sync_gradients_accepts_every_codec():
+    for codec in (ajc.bf16(), ajc.onebit(), ajc.topk(0.01), ajc.randomk(0.01), ajc.dgc(0.01),
+                  ajc.powersgd(2), ajc.qsgd(), ajc.terngrad(), ajc.natural(), ajc.fp16()):
+        assert isinstance(codec, adaptjax.GradientCodec)
+        adaptjax.sync_gradients("data", codec=codec)

@@ -1,0 +1,185 @@
+"""What crosses the wire: ``adaptjax.wire_bytes`` of each codec against its formula.
+
+Formulas (bytes per device per step, ``N`` replicas, ring collectives):
+all-reduce of ``S`` bytes ``2(N−1)/N·S``, all-gather of ``S`` per device ``(N−1)·S``,
+all-to-all of ``S`` ``(N−1)/N·S``. Hence owner-compute (all-to-all of ``N`` rows
+plus all-gather of one row) is ``2(N−1)·row``; top-k ``8k(N−1)``; random-k
+``8k(N−1)/N``; PowerSGD ``8r(n+m)(N−1)/N`` for P and Q together.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import adaptjax
+from adaptjax import compression as ajc
+
+# w: a matrix, v: an odd length (not divisible by N nor by a block), b: small (dense f32)
+SHAPES = {"b": (7,), "v": (10001,), "w": (256, 96)}
+COMPRESSED = ("v", "w")
+CODECS = {
+    "bf16": "ajc.bf16()",
+    "fp16": "ajc.fp16()",
+    "onebit": "ajc.onebit()",
+    "terngrad": "ajc.terngrad()",
+    "qsgd": "ajc.qsgd(7)",
+    "natural": "ajc.natural()",
+    "topk": "ajc.topk(0.01)",
+    "dgc": "ajc.dgc(0.01)",
+    "randomk": "ajc.randomk(0.01)",
+    "powersgd": "ajc.powersgd(4)",
+    "powersgd2": "ajc.powersgd(4, alternate=False)",
+}
+
+
+def _report(codec, mesh, axis):
+    params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+    n = mesh.size
+    state = adaptjax.stack_replicas(codec.init(params), n)
+    specs = adaptjax.state_partition_specs(state, axis)
+
+    def f(g, s):
+        g = jax.tree.map(lambda x: x[0], g)
+        out, s = codec.sync(g, adaptjax.to_local(s), axis_name=axis, step=jnp.int32(0))
+        return out, adaptjax.to_global(s)
+
+    fn = jax.jit(
+        jax.shard_map(f, mesh=mesh, in_specs=(P(axis), specs), out_specs=(P(), specs),
+                      check_vma=False)
+    )
+    grads = {k: jax.ShapeDtypeStruct((n, *s), jnp.float32) for k, s in SHAPES.items()}
+    sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    return adaptjax.wire_bytes(fn, grads, sds)
+
+
+def _rows(report):
+    return [
+        {"kind": c.kind, "dtype": c.dtype, "elements": c.elements, "bytes": c.bytes,
+         "compiled_bytes": c.compiled_bytes}
+        for c in report.collectives
+    ]
+
+
+def _small_psum(n):
+    return 2 * (n - 1) / n * 4 * 7  # the 7-element leaf in one float32 all-reduce
+
+
+def _owner_compute(fmt, n, sizes):
+    nb = sum(math.ceil(d / fmt.block) for d in sizes)
+    cb = math.ceil(nb / n)
+    row = cb * (fmt.block * fmt.bits // 8 + (4 if fmt.has_scale else 0))  # bytes
+    return 2 * (n - 1) * row
+
+
+def expected_bytes(name, n):
+    """Bytes per device per step of codec ``name`` at ``n`` replicas, from the formulas."""
+    codec = eval(CODECS[name])
+    sizes = [math.prod(SHAPES[k]) for k in COMPRESSED]
+    total = _small_psum(n)
+    if name in ("bf16", "fp16", "onebit", "terngrad", "qsgd", "natural"):
+        return total + _owner_compute(codec.fmt, n, sizes)
+    if name in ("topk", "dgc"):
+        k = sum(math.ceil(0.01 * d) for d in sizes)
+        return total + 8 * k * (n - 1)
+    if name == "randomk":
+        k = 0
+        for d in sizes:
+            s = math.ceil(d / math.ceil(0.01 * d))
+            k += math.ceil(d / s)
+        return total + 8 * k * (n - 1) / n
+    # powersgd: w as 256x96 at rank 4 (P and Q all-reduces), v is 1-D: bf16 owner-compute
+    r, (rows, cols) = 4, SHAPES["w"]
+    bf16 = ajc.bf16().fmt
+    return total + 8 * r * (rows + cols) * (n - 1) / n + _owner_compute(bf16, n, [sizes[0]])
+
+
+def _check(name, n, rows):
+    got = sum(r["bytes"] for r in rows)
+    assert got == pytest.approx(expected_bytes(name, n), rel=1e-9), (name, n, rows)
+    smallest = min(math.prod(SHAPES[k]) for k in COMPRESSED)
+    for r in rows:
+        # no float32 collective of a compressed leaf's size is left
+        if r["dtype"] in ("f32", "s32"):
+            assert r["elements"] < smallest, (name, r)
+    if name in ("bf16", "fp16", "onebit", "terngrad", "qsgd", "natural", "topk", "dgc"):
+        # payloads are integers: XLA sends what the program asked for (no widening)
+        assert all(r["bytes"] == r["compiled_bytes"] for r in rows), (name, rows)
+        assert any(r["dtype"] in ("u32", "s32") for r in rows)
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_wire_bytes_match_formula_on_8_devices(name):
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    _check(name, 8, _rows(_report(eval(CODECS[name]), mesh, "data")))
+
+
+def test_ratios_against_fp32_psum_on_the_model_sizes():
+    """onebit and terngrad clear 28x and 14x of an fp32 psum (scales included)."""
+    for n in (8, 16):
+        d = 8_000_000
+        fp32 = 8 * d * (n - 1) / n
+        assert fp32 / _owner_compute(ajc.onebit().fmt, n, [d]) >= 28
+        assert fp32 / _owner_compute(ajc.terngrad().fmt, n, [d]) >= 14
+
+
+def test_two_level_sends_bf16_on_the_fast_axis_and_bits_on_the_slow_one():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("slow", "fast"))
+    codec = ajc.onebit(fast_axis="fast")
+    report = _report(codec, mesh, ("slow", "fast"))
+    f, s = 4, 2
+    fmt = codec.fmt
+    nb = sum(math.ceil(math.prod(SHAPES[k]) / fmt.block) for k in COMPRESSED)
+    cb = math.ceil(nb / (f * s))
+    length = f * s * cb * fmt.block  # the padded flat vector
+    fast = (f - 1) / f * 2 * length + (f - 1) * 2 * length / f  # bf16 (as u16) a2a + gather
+    slow = 2 * (s - 1) * cb * (fmt.block // 8 + 4)
+    by_group = {}
+    for c in report.collectives:
+        by_group.setdefault(c.group_size, 0.0)
+        by_group[c.group_size] += c.bytes
+    assert by_group[4] == pytest.approx(fast)
+    assert by_group[2] == pytest.approx(slow)
+    assert by_group[8] == pytest.approx(_small_psum(8))
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    sys.path.insert(0, {here!r})
+    import test_compression_wire as t
+    from adaptjax import compression as ajc  # noqa: F401 (used by eval)
+    assert jax.device_count() == 16
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    out = {{name: t._rows(t._report(eval(src), mesh, "data")) for name, src in t.CODECS.items()}}
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+def test_wire_bytes_match_formula_on_16_devices():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=16"
+    env["JAX_PLATFORMS"] = "cpu"
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT.format(here=here)],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, rows in results.items():
+        _check(name, 16, rows)
