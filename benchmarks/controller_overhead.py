@@ -1,13 +1,13 @@
 """Controller overhead: ``Controller.run`` vs a bare loop of the same compiled step.
 
 8 simulated CPU devices, the ~2M-parameter MLP of ``monitor_overhead.py``, 32
-samples per device (global batch 256), Adam. Both loops call the *same*
+samples per device by default (global batch 256), Adam. Both loops call the *same*
 :class:`adaptjax.DataParallelStep` (the controller's own compiled step for its
 configuration, so the same optimizer chain, monitors and executable) on
 batches from the same kind of source (an :class:`adaptjax.ArrayDataset` over
 the same arrays, each loop with its own cursor):
 
-* ``bare``: ``state, _ = step(state, data.next_batch(256))`` in a Python loop;
+* ``bare``: ``state, _ = step(state, data.next_batch(b))`` in a Python loop;
   metrics are never read.
 * ``controller``: ``Controller.run`` as a user runs it: metrics read one step
   behind, ``metrics.jsonl``/``events.jsonl`` written, a cheap policy asked
@@ -36,7 +36,7 @@ controller's own host work (reading metrics, logs, policy, progress bar).
 
 Usage:
   python benchmarks/controller_overhead.py [--blocks 30] [--block-steps 5]
-      [--variants user,quiet]
+      [--variants user,quiet] [--per-device-batch 32]
 
 The last line is ``controller_overhead_ratio=<x>`` for the first variant
 (default ``user``: progress bar and TensorBoard on). Target: <= 1.02.
@@ -140,6 +140,7 @@ class Alternate:
 
 
 def measure(variant, args, arrays):
+    per_device = args.per_device_batch
     show = VARIANTS[variant]
     hook = Alternate(args.block_steps, adaptjax.ArrayDataset(arrays, seed=0))
     with tempfile.TemporaryDirectory() as run_dir:
@@ -150,7 +151,7 @@ def measure(variant, args, arrays):
             hyperparams={"learning_rate": 1e-3},
             data=adaptjax.ArrayDataset(arrays, seed=0),
             devices=DEVICES,
-            batch_size=DEVICES * PER_DEVICE,
+            batch_size=DEVICES * per_device,
             policies=[ajp.ReduceLROnPlateau("loss", patience=10**9)],
             policy_every=10,
             checkpoint_every=None,
@@ -191,6 +192,9 @@ def main():
     parser.add_argument("--block-steps", type=int, default=5, help="steps per block")
     parser.add_argument("--warmup-blocks", type=int, default=2, help="block pairs dropped first")
     parser.add_argument(
+        "--per-device-batch", type=int, default=PER_DEVICE, help="samples per device per step"
+    )
+    parser.add_argument(
         "--variants",
         default="user,quiet",
         help="comma list of user (progress bar + TensorBoard, the defaults) and quiet (both off); "
@@ -201,13 +205,13 @@ def main():
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
         parser.error(f"--variants takes a comma list of {sorted(VARIANTS)}, got {args.variants!r}")
-    if args.blocks < 1 or args.block_steps < 1 or args.warmup_blocks < 1:
-        parser.error("--blocks, --block-steps and --warmup-blocks must be >= 1")
+    if min(args.blocks, args.block_steps, args.warmup_blocks, args.per_device_batch) < 1:
+        parser.error("--blocks, --block-steps, --warmup-blocks and --per-device-batch must be >= 1")
 
     arrays = make_arrays()
     n_params = sum(x.size for x in jax.tree.leaves(init_params()))
     print(
-        f"params={n_params} devices={DEVICES} per_device_batch={PER_DEVICE} "
+        f"params={n_params} devices={DEVICES} per_device_batch={args.per_device_batch} "
         f"block_steps={args.block_steps} blocks={args.blocks} warmup_blocks={args.warmup_blocks} "
         f"policy=ReduceLROnPlateau(never acts) every 10 steps, checkpoints off, eval off"
     )

@@ -23,7 +23,10 @@ For each codec of ``adaptjax.compression``, on an MLP of about 8M parameters
 
 Usage::
 
-    python benchmarks/compression.py [--json FILE] [--quick]
+    python benchmarks/compression_codecs.py [--json FILE] [--quick]
+
+(Not named ``compression.py``: a file of that name beside the other scripts would
+shadow Python 3.14's standard-library ``compression`` package, which jax imports.)
 
 The N = 16 part runs in a subprocess with ``XLA_FLAGS`` set to 16 devices.
 """
@@ -36,11 +39,6 @@ import os
 import subprocess
 import sys
 import time
-
-# This file is named like the standard library's ``compression`` package (Python 3.14),
-# which jax probes for on import: drop the script's own folder from the import path.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 if __name__ == "__main__" and "--_wire" not in sys.argv:
     _FLAG = "--xla_force_host_platform_device_count=8"
