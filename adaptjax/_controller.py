@@ -23,7 +23,7 @@ from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
 from adaptjax._run_log import RunLog
 from adaptjax._state import abstract_state, init_state, merge_model
 from adaptjax._step import DataParallelStep, data_parallel_step, make_mesh
-from adaptjax._sync import CODEC_MONITOR_EVERY, SyncState, sync_gradients
+from adaptjax._sync import SyncState, sync_gradients
 
 _CKPT = "checkpoints"
 
@@ -518,27 +518,13 @@ class Controller:
         return self._comm_bytes[config]
 
     def _comm_time(self, config: RunConfig) -> float | None:
-        """Modelled seconds per step on the link: HLO bytes per device / bandwidth.
-
-        With a codec and monitors, the compiled step holds both the codec's
-        collectives and the dense psum it runs on measuring steps (one step in
-        ``monitor_every``); the bytes are amortised over that cycle, the dense
-        part taken from the same configuration without a codec.
-        """
+        """Modelled seconds per step on the link: HLO bytes per device / bandwidth."""
         if self.link_bandwidth is None:
             return None
         total = self._wire_total(config)
         if total is None:
             return None
-        if config.codec is not None and self.monitors:
-            dense = self._wire_total(dataclasses.replace(config, codec=None))
-            every = self._monitor_every(config.codec)
-            total = dense / every + max(total - dense, 0.0) * (every - 1) / every
         return total / float(self.link_bandwidth)
-
-    @staticmethod
-    def _monitor_every(codec_key: str | None) -> int:
-        return CODEC_MONITOR_EVERY if codec_key is not None else 1
 
     def _after_sync_point(self) -> None:
         step = self.step

@@ -38,6 +38,10 @@ class GradStats(NamedTuple):
       local_batch_size: examples per replica per step, or ``None`` if unknown.
       summed: the psum over replicas of every scalar returned by a monitor's
         ``local_scalars``, keyed like the monitor returned them.
+      mean_sample: with a codec, ``(indices, exact mean values, weight)`` per
+        leaf (leaf order) at coordinates shared by all replicas; ``mean_sq`` is
+        then estimated from them (``mean_grads`` is the codec's output). ``None``
+        when the sync is dense.
     """
 
     local_grads: Any
@@ -48,6 +52,7 @@ class GradStats(NamedTuple):
     samples_per_replica: int
     local_batch_size: int | None
     summed: dict
+    mean_sample: tuple | None = None
 
 
 def _check_decay(decay: float) -> None:
@@ -186,7 +191,15 @@ class GradientNoiseScale:
             mean_g = jax.tree.map(lambda x, p: x.astype(jnp.float32) / p, stats.mean_grads, pre)
             local_g = jax.tree.map(lambda x, p: x.astype(jnp.float32) / p, stats.local_grads, pre)
             s_bar = stats.summed["sq"] / n_rep
-            mean_sq = tree_sq_norm(mean_g)
+            if stats.mean_sample is None:
+                mean_sq = tree_sq_norm(mean_g)
+            else:  # a codec: the exact mean at shared coordinates
+                mean_sq = sum(
+                    scale * jnp.sum(jnp.square(v / p.reshape(-1)[idx]))
+                    for (idx, v, scale), p in zip(
+                        stats.mean_sample, jax.tree.leaves(pre), strict=True
+                    )
+                )
             n, sample_b = n_rep, b
             nu = jax.tree.map(
                 lambda v, g: self.b2 * v + (1 - self.b2) * jnp.square(g.astype(jnp.float32)),

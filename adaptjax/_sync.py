@@ -7,14 +7,35 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from adaptjax._monitors import GradStats
 from adaptjax._tree import axis_size, check_float_tree, tree_sq_norm_sampled
 
 _LOCAL_SQ = "__local_sq__"
-# With a codec, monitors measure on one dense step in this many (see sync_gradients).
-CODEC_MONITOR_EVERY = 16
+# With a codec, monitors see the exact mean at this fraction of coordinates.
+_MIN_SAMPLE = 1024
+
+
+def _sample_coordinates(tree, count, fraction: float):
+    """Coordinates shared by every replica (the key depends on the step only).
+
+    Leaves of up to ``_MIN_SAMPLE`` elements are taken whole; larger ones give
+    ``max(_MIN_SAMPLE, fraction·d)`` coordinates drawn uniformly with
+    replacement, each weighted ``d / k`` so that sums of squares stay unbiased.
+    """
+    key = jax.random.fold_in(jax.random.key(0x5A17), count)
+    out = []
+    for i, x in enumerate(jax.tree.leaves(tree)):
+        d = int(np.prod(np.shape(x)))
+        k = max(_MIN_SAMPLE, int(np.ceil(fraction * d)))
+        if d <= k:
+            out.append((jnp.arange(d, dtype=jnp.int32), 1.0))
+        else:
+            idx = jax.random.randint(jax.random.fold_in(key, i), (k,), 0, d, dtype=jnp.int32)
+            out.append((idx, d / k))
+    return out
 _WIRE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -77,8 +98,9 @@ def sync_gradients(
     wire_dtype=None,
     codec=None,
     monitors: Sequence[Any] = (),
-    monitor_every: int | None = None,
+    monitor_every: int = 1,
     norm_chunks: int = 1,
+    codec_sample: float = 0.01,
 ) -> optax.GradientTransformationExtraArgs:
     """Averages per-replica gradients over ``axis_name`` with one collective.
 
@@ -104,11 +126,16 @@ def sync_gradients(
       codec: a :class:`adaptjax.GradientCodec` (see ``adaptjax.compression``);
         it then owns the collective.
       monitors: monitors such as :class:`adaptjax.GradientNoiseScale`.
-      monitor_every: measure every this many steps (default 1, or 16 with a
-        codec); between measurements the monitors' norm passes are skipped
-        (``lax.cond``) and their last values are kept. With a codec, measuring
-        steps synchronise densely (plain psum, codec state untouched) so the
-        monitors see the exact averaged gradient; the other steps use the codec.
+      monitor_every: measure every this many steps; between measurements the
+        monitors' norm passes are skipped (``lax.cond``) and their last values
+        are kept.
+      codec_sample: with a codec, the monitors must not see the *compressed*
+        mean (its error would inflate ‖Ḡ‖²). Each step, every replica also sends
+        its exact gradient at this fraction of coordinates (at least 1024 per
+        leaf, the same random coordinates on every replica, drawn anew each
+        step) in the small all-reduce that carries the monitors' scalars;
+        ``‖Ḡ‖²`` is estimated from them without bias. That costs
+        ``codec_sample`` of a dense fp32 psum (1% by default).
       norm_chunks: read only one of this many rotating chunks of each large
         gradient leaf for ``‖g_i‖²`` and ``‖Ḡ‖²`` (scaled up, unbiased; see
         :func:`adaptjax.tree_sq_norm_sampled`). The norm passes then cost
@@ -136,8 +163,8 @@ def sync_gradients(
             f"codec {codec!r} does not follow adaptjax.GradientCodec (needs init and sync); "
             "build one with adaptjax.compression"
         )
-    if monitor_every is None:
-        monitor_every = CODEC_MONITOR_EVERY if (codec is not None and monitors) else 1
+    if not 0.0 < float(codec_sample) <= 1.0:
+        raise ValueError(f"codec_sample must be in (0, 1], got {codec_sample}")
     if int(norm_chunks) < 1:
         raise ValueError(f"norm_chunks must be >= 1, got {norm_chunks}")
     if int(monitor_every) < 1:
@@ -187,27 +214,29 @@ def sync_gradients(
         else:
             scalars = {}
 
-        def dense(_):
+        samples = None
+        if codec is None:
             wire = updates if wdt is None else jax.tree.map(lambda g: g.astype(wdt), updates)
             summed, summed_scalars = jax.lax.psum((wire, scalars), axis_name)
             mean = jax.tree.map(lambda s, g: (s / n).astype(g.dtype), summed, updates)
-            return mean, state.codec_state, summed_scalars
-
-        def compressed(_):
+            codec_state = ()
+        else:
             mean, codec_state = codec.sync(
                 updates, state.codec_state, axis_name=axis_name, step=state.count
             )
-            summed_scalars = jax.lax.psum(scalars, axis_name) if scalars else {}
-            return mean, codec_state, summed_scalars
-
-        if codec is None:
-            mean, codec_state, summed_scalars = dense(None)
-        elif monitors:
-            # Monitors measure on dense steps only: a compressed mean would add the
-            # codec's error to ‖Ḡ‖². Between them the codec runs and monitors hold.
-            mean, codec_state, summed_scalars = jax.lax.cond(measure_now, dense, compressed, None)
-        else:
-            mean, codec_state, summed_scalars = compressed(None)
+            if monitors:
+                coords = _sample_coordinates(updates, state.count, codec_sample)
+                local = [
+                    x.reshape(-1)[idx].astype(jnp.float32)
+                    for x, (idx, _) in zip(jax.tree.leaves(updates), coords, strict=True)
+                ]
+                summed_scalars, summed_local = jax.lax.psum((scalars, local), axis_name)
+                samples = tuple(
+                    (idx, v / n, scale)
+                    for (idx, scale), v in zip(coords, summed_local, strict=True)
+                )
+            else:
+                summed_scalars = {}
 
         if not monitors:
             return mean, SyncState(state.count + 1, codec_state, (), {})
@@ -217,11 +246,16 @@ def sync_gradients(
                 local_grads=updates,
                 mean_grads=mean,
                 local_sq=summed_scalars[_LOCAL_SQ],
-                mean_sq=tree_sq_norm_sampled(mean, state.count, norm_chunks),
+                mean_sq=(
+                    tree_sq_norm_sampled(mean, state.count, norm_chunks)
+                    if samples is None
+                    else sum(scale * jnp.sum(jnp.square(v)) for _, v, scale in samples)
+                ),
                 n_replicas=n,
                 samples_per_replica=k if (micro_sq is not None and k > 1) else 1,
                 local_batch_size=extra.get("local_batch_size"),
                 summed={},
+                mean_sample=samples,
             )
             new_states, metrics = [], {}
             for i, (m, s) in enumerate(zip(monitors, monitor_states, strict=True)):

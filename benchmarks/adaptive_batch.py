@@ -247,7 +247,7 @@ def main():
     parser.add_argument("--cooldown", type=int, default=20, help="steps between batch changes")
     parser.add_argument("--prior", choices=("measured", "default"), default="measured")
     parser.add_argument("--lr-rule", choices=("sqrt", "adascale"), default="sqrt")
-    parser.add_argument("--timing-rounds", type=int, default=7)
+    parser.add_argument("--timing-rounds", type=int, default=15)
     args = parser.parse_args()
     if args.small < DEVICES or args.small % DEVICES or args.large < 2 * args.small:
         parser.error(f"--small must be a multiple of {DEVICES} and --large >= 2 x --small")

@@ -65,3 +65,26 @@ def test_bf16_wire_halves_the_gradient_collective():
     assert abs(out["f32"].bytes - 2 * 7 / 8 * _grad_bytes()) <= scalars
     assert abs(out["bf16"].bytes - 2 * 7 / 8 * _grad_bytes() / 2) <= scalars
     assert "bf16" in out["bf16"].dtype
+
+
+def test_monitors_with_a_codec_add_no_gradient_sized_collective():
+    from adaptjax import compression as ajc
+
+    mesh = adaptjax.make_mesh(8)
+    monitors = (adaptjax.GradientNoiseScale(), adaptjax.GradientSNR())
+    out = {}
+    for name, mons in (("bare", ()), ("monitored", monitors)):
+        tx = optax.chain(adaptjax.sync_gradients("data", codec=ajc.onebit(), monitors=mons),
+                         optax.sgd(0.1))
+        step = adaptjax.data_parallel_step(_loss, tx, mesh)
+        state = adaptjax.init_state(_params(), tx, mesh)
+        batch = {"x": np.zeros((64, D_IN), np.float32), "y": np.zeros((64, 4), np.float32)}
+        out[name] = adaptjax.wire_bytes(step.jitted, state, batch)
+    dense = 2 * 7 / 8 * _grad_bytes()
+    assert all(c.bytes < 0.2 * dense for c in out["monitored"].collectives), str(out["monitored"])
+    # The monitors' extra: exact values at 1% of coordinates (>= 1024 per leaf, whole
+    # leaves below that) and a few scalars, in one fp32 all-reduce.
+    sizes = [x.size for x in _params().values()]
+    sampled = sum(min(s, max(1024, int(np.ceil(0.01 * s)))) for s in sizes)
+    extra = out["monitored"].total - out["bare"].total
+    assert 2 * 7 / 8 * 4 * sampled <= extra <= 2 * 7 / 8 * 4 * (sampled + 16)
