@@ -158,6 +158,34 @@ def _check_train_state(state, name: str) -> None:
         )
 
 
+def _handler_registry():
+    """Orbax handlers for our two items, with replica-parallel saving off in one process.
+
+    Orbax's replica-parallel save slices every replicated array so that each
+    replica writes a part; in a single process that means compiling dozens of
+    small slice programs the first time a mesh saves (measured: 4.4 of 6 s of a
+    rescale). Orbax already turns it off on GPU; here it is off whenever the
+    job is one process, and on across processes, where it spreads the writing.
+    """
+    array = ocp.type_handlers.ArrayHandler(use_replica_parallel=jax.process_count() > 1)
+    types = ocp.type_handlers.create_type_handler_registry(
+        (int, ocp.type_handlers.ScalarHandler()),
+        (float, ocp.type_handlers.ScalarHandler()),
+        (np.number, ocp.type_handlers.ScalarHandler()),
+        (np.ndarray, ocp.type_handlers.NumpyHandler()),
+        (jax.Array, array),
+        (str, ocp.type_handlers.StringHandler()),
+    )
+    state = ocp.PyTreeCheckpointHandler(type_handler_registry=types)
+    meta = ocp.JsonCheckpointHandler()
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add("state", ocp.args.PyTreeSave, state)
+    registry.add("state", ocp.args.PyTreeRestore, state)
+    registry.add("meta", ocp.args.JsonSave, meta)
+    registry.add("meta", ocp.args.JsonRestore, meta)
+    return registry
+
+
 class CheckpointManager:
     """Saves and restores whole training snapshots with Orbax.
 
@@ -212,7 +240,9 @@ class CheckpointManager:
         )
         # Constructing the Orbax manager reads the directory (if it exists) and
         # writes nothing: no root metadata is passed and create=False.
-        self._manager = ocp.CheckpointManager(self._directory, options=options)
+        self._manager = ocp.CheckpointManager(
+            self._directory, options=options, handler_registry=_handler_registry()
+        )
 
     @property
     def directory(self) -> str:

@@ -498,8 +498,9 @@ class Controller:
         flat["devices"] = float(config.devices)
         self.latest_metrics = flat
         self.log.metrics(step, flat)
-        if step % self.policy_every == 0:
-            self._decide(step, flat)
+        evaluates_here = self.eval_fn is not None and step % self.eval_every == 0
+        if step % self.policy_every == 0 and not evaluates_here:
+            self._decide(step, flat)  # eval steps decide once, after the evaluation
 
     def _wire_total(self, config: RunConfig) -> float | None:
         if config not in self._comm_bytes:
@@ -534,11 +535,13 @@ class Controller:
             self.latest_metrics.update(results)
             self.log.metrics(step, results)
             self.log.event("eval", step=step, latency_s=time.perf_counter() - t0, **results)
-            if step % self.policy_every == 0 and results:
+            if step % self.policy_every == 0:
                 self._decide(step, self.latest_metrics)
         if self.checkpoint_every and step % self.checkpoint_every == 0:
             if self.checkpoints.latest_step() != step:
                 self.save_checkpoint()
+        # Evaluation and checkpoint time is not step time: restart the clock.
+        self._last_ready = None
 
     # ------------------------------------------------------------------ decisions
     def context(self) -> ajp.Context:
@@ -590,6 +593,48 @@ class Controller:
             self.log.event(
                 "action", step=self.step, action=repr(action), latency_s=time.perf_counter() - t0
             )
+
+    def precompile(
+        self,
+        devices: int | None = None,
+        batch_size: int | None = None,
+        microbatches: int | None = None,
+        codec=...,
+    ) -> float:
+        """Compiles the step of a configuration ahead of time; returns the seconds it took.
+
+        Use it before a scheduled rescale or batch change (or in a background
+        thread) so the first step after the change does not wait for XLA: the
+        compiled program lands in JAX's compilation cache and the step's first
+        call finds it. Arguments default to the current configuration.
+
+        Example:
+          >>> # ctrl.precompile(devices=4)   # before ElasticScale's 8 -> 4
+        """
+        config = RunConfig(
+            devices=self.config.devices if devices is None else int(devices),
+            batch_size=self.config.batch_size if batch_size is None else int(batch_size),
+            microbatches=self.config.microbatches if microbatches is None else int(microbatches),
+            codec=self.config.codec if codec is ... else codec_key(codec),
+        )
+        if codec is not ... and config.codec not in self._codecs:
+            self._codecs[config.codec] = codec
+        self._check_batch(config.batch_size, config.devices, config.microbatches)
+        if not hasattr(self.data, "batch_at"):
+            raise ValueError("precompile needs a dataset with batch_at (e.g. ArrayDataset)")
+        t0 = time.perf_counter()
+        batch = self.data.batch_at(0, config.batch_size)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch
+        )
+        mesh = self._mesh(config.devices)
+        target = abstract_state(self._model, self._tx(config.codec), mesh)
+        self._step_fn(config).jitted.lower(target, abstract).compile()
+        seconds = time.perf_counter() - t0
+        self.log.event(
+            "precompile", step=self.step, latency_s=seconds, config=dataclasses.asdict(config)
+        )
+        return seconds
 
     # ------------------------------------------------------------------ actions
     def set_hyperparams(self, values: Mapping[str, float]) -> None:

@@ -224,7 +224,7 @@ def _mlp_loss(p, b):
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
 
-def _train(codec, steps, x, y, target=None, monitors=(), monitor_every=None, lr=0.5):
+def _train(codec, steps, x, y, target=None, monitors=(), monitor_every=1, lr=0.5):
     k1, k2 = jax.random.split(jax.random.key(0))
     params = {"w1": jax.random.normal(k1, (64, 128)) / 8, "b1": jnp.zeros(128),
               "w2": jax.random.normal(k2, (128, 10)) / np.sqrt(128), "b2": jnp.zeros(10)}

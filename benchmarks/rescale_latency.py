@@ -28,10 +28,10 @@ starts from cold caches as a real job does), and compares:
 
 The first rescale in a process also pays one-time costs a process pays once
 (the first Orbax save from each mesh compiles JAX slicing ops); they are
-counted, since a job meets them on its first rescale. ``--precompile`` is a
-what-if: the 4-device step is compiled ahead of time (AOT from abstract
-shapes, as a ``Controller.precompile`` could before a scheduled rescale) and
-the rescale then finds it compiled. The restart is charged no checkpoint
+counted, since a job meets them on its first rescale. ``--precompile`` calls
+``Controller.precompile(devices=4)`` before the rescale (AOT from abstract
+shapes, what a job does ahead of a scheduled rescale); the rescale then finds
+the step compiled. The restart is charged no checkpoint
 save (the brief's definition: from the checkpoint to the first step), though a
 restart-based rescale must write one in the old process first.
 
@@ -181,19 +181,8 @@ def cold_restart(run_dir):
 
 # ------------------------------------------------------------------ the in-process rescales
 def precompile(ctrl, devices):
-    """Compiles the controller's step for ``devices`` ahead of time (AOT, from shapes only).
-
-    What a ``Controller.precompile`` could do before a scheduled rescale: the
-    jitted step's cache then holds the executable the first step on the new
-    mesh needs. Uses the controller's private step and optimizer builders.
-    """
-    config = adaptjax.RunConfig(devices=devices, batch_size=BATCH)
-    state = adaptjax.abstract_state(init_params(), ctrl._tx(config.codec), ctrl._mesh(devices))
-    batch = {
-        "x": jax.ShapeDtypeStruct((BATCH, SIZES[0]), np.float32),
-        "y": jax.ShapeDtypeStruct((BATCH,), np.int32),
-    }
-    ctrl._step_fn(config).jitted.lower(state, batch).compile()
+    """Compiles the controller's step for ``devices`` ahead of time (``Controller.precompile``)."""
+    ctrl.precompile(devices=devices)
 
 
 class Rescaler:

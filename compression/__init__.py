@@ -38,10 +38,10 @@ its buffers in the optax state as :class:`adaptjax.PerReplica` (merge rule
 ``"mean"``; server buffers :class:`SumToAll`), so they are checkpointed and a
 rescale keeps the debt owed to the averaged gradient.
 
-With monitors, :func:`adaptjax.sync_gradients` synchronises densely every
-``monitor_every`` steps (16 by default with a codec) and lets the monitors
-measure then, so they see the exact averaged gradient; the codec runs on the
-other steps.
+With monitors, :func:`adaptjax.sync_gradients` runs the codec on every step
+and lets each replica send its exact gradient at 1% of shared random
+coordinates (``codec_sample``) in the monitors' small all-reduce, so the
+noise scale is estimated from the exact averaged gradient, not the compressed one.
 """
 
 if __name__ != "adaptjax.compression":  # pragma: no cover - guards against shadowing
