@@ -43,13 +43,7 @@ The last line is ``controller_overhead_ratio=<x>`` for the first variant
 """
 
 import os
-import sys
 
-# Run as a script, this folder is sys.path[0]; a sibling file named like a
-# package a dependency probes (jax tries `from compression import zstd`) would
-# shadow it. Nothing here imports a sibling.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
@@ -57,36 +51,18 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+
+# The ~2.1M-parameter MLP of monitor_overhead.py (this folder is sys.path[0] when run).
+from monitor_overhead import SIZES, init_params, loss_fn  # noqa: E402
 
 import adaptjax  # noqa: E402
 from adaptjax import policies as ajp  # noqa: E402
 
-SIZES = (784, 1024, 1024, 256, 10)  # ≈ 2.1M parameters, as in monitor_overhead.py
 DEVICES = 8
 PER_DEVICE = 32
 VARIANTS = {"user": True, "quiet": False}  # progress bar and TensorBoard on / off
-
-
-def init_params(seed=0):
-    rng = np.random.default_rng(seed)
-    params = {}
-    for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:], strict=True)):
-        params[f"w{i}"] = jnp.asarray(rng.normal(size=(a, b)).astype(np.float32) / np.sqrt(a))
-        params[f"b{i}"] = jnp.zeros(b, jnp.float32)
-    return params
-
-
-def loss_fn(params, batch):
-    h = batch["x"]
-    n = len(SIZES) - 1
-    for i in range(n):
-        h = h @ params[f"w{i}"] + params[f"b{i}"]
-        if i < n - 1:
-            h = jax.nn.relu(h)
-    return optax.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
 
 
 def make_arrays(n=4096, seed=0):
