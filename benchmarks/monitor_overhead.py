@@ -7,7 +7,7 @@ hand-written shard_map function; only the sync transformation differs. Runs
 are interleaved (A, B, A, B, ...) and the medians compared.
 
 Usage:
-  python benchmarks/monitor_overhead.py [--steps 40] [--monitor-every 1]
+  python benchmarks/monitor_overhead.py [--steps 250] [--norm-chunks 16]
 
 The last line is ``monitor_overhead_ratio=<monitored median / plain median>``.
 """
@@ -71,7 +71,7 @@ def build_step(tx, mesh, local_batch):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--monitor-every", type=int, default=1)
     parser.add_argument(
         "--norm-chunks",
