@@ -52,11 +52,6 @@ the lowest mean). Target: <= 0.8 (at least 20% less), at equal final accuracy.
 import os
 import sys
 
-# Run as a script, this folder is sys.path[0]; a sibling file named like a
-# package a dependency probes (jax tries `from compression import zstd`) would
-# shadow it. Nothing here imports a sibling.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
@@ -70,39 +65,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
 
 import adaptjax  # noqa: E402
 from adaptjax import policies as ajp  # noqa: E402
 
+# The main job's model, loss and split (examples/digits.py), so both measure the same thing.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from digits import MLP, load, loss_fn  # noqa: E402
+
 DEVICES = 8
 POLICY_EVERY = 10
 BLOCK = 10  # steps per timing block
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, hidden: int = 256):
-        self.l1 = nnx.Linear(64, hidden, rngs=rngs)
-        self.l2 = nnx.Linear(hidden, hidden, rngs=rngs)
-        self.l3 = nnx.Linear(hidden, 10, rngs=rngs)
-
-    def __call__(self, x):
-        x = nnx.relu(self.l1(x))
-        x = nnx.relu(self.l2(x))
-        return self.l3(x)
-
-
-def loss_fn(model, batch):
-    logits = model(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-
-def load():
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.int32)
-    return train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
 
 
 @nnx.jit
