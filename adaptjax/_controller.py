@@ -482,7 +482,9 @@ class Controller:
         # Step time: the interval between two consecutive completions, skipping
         # the first step of a configuration (compilation, changed shapes).
         if self._last_ready is not None and not self._fresh_config:
-            self._step_times.setdefault(config, []).append(now - self._last_ready)
+            times = self._step_times.setdefault(config, [])
+            times.append(now - self._last_ready)
+            del times[:-32]  # the median of the last 32 is all that is read
         self._fresh_config = False
         self._last_ready = now
         times = self._step_times.get(config)
