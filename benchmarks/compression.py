@@ -12,7 +12,8 @@ For each codec of ``adaptjax.compression``, on an MLP of about 8M parameters
 * encode + decode throughput on the model's 7.9M gradient elements as a fraction
   of a same-size float32 copy (``throughput_vs_copy``: copy time / (encode time +
   decode time), each timed on its own since the wire sits between them; best
-  wall time of interleaved repeats, as the shared 2-core machine's load drifts).
+  wall time of each over calls interleaved with the copy's, as the shared
+  2-core machine's speed drifts).
 * steps to reach the dense run's final loss (``steps_ratio``, codec steps / dense
   steps), on a small real problem (sklearn digits, 64-128-10 MLP, 8 replicas,
   SGD), since training the 8M model for every codec takes too long on 2 cores;
@@ -183,20 +184,24 @@ def wire_rows(n):
 # ------------------------------------------------------------------------ throughput
 
 
-def _timeit(fn, *args, repeats):
-    """Best wall time of ``fn`` over ``repeats`` calls.
+def _interleaved_best(calls, repeats):
+    """Best wall time of each ``(fn, arg)`` in ``calls``, timed in turn ``repeats`` times.
 
-    Wall time, not process CPU time: XLA runs a fusion on both cores, and the
-    CPU time of the other thread is not always accounted when the call returns,
-    so the best CPU time of a short call can read far too low (0.12 ms for a
-    reduction over 32 MB, whose wall time is 0.7 ms).
+    One call of each in turn, so that all of them see the same spells of a
+    shared machine's speed (a copy's time here drifts between 1.3 and 3.5 ms
+    over seconds). Wall time, not process CPU time: XLA runs a fusion on both
+    cores, and the CPU time of the other thread is not always accounted when the
+    call returns, so the best CPU time of a short call can read far too low
+    (0.12 ms for a reduction over 32 MB, whose wall time is 0.7 ms).
     """
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
+    for fn, arg in calls:
+        jax.block_until_ready(fn(arg))
+    best = [float("inf")] * len(calls)
     for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t)
+        for i, (fn, arg) in enumerate(calls):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(arg))
+            best[i] = min(best[i], time.perf_counter() - t)
     return best
 
 
@@ -225,12 +230,10 @@ def throughput_rows(repeats):
             dec = jax.jit(lambda p, c=codec: {k: c.decode(v, MODEL[k], seed=1)
                                               for k, v in p.items()})
         payload = jax.block_until_ready(enc(arg))
-        t_codec, t_copy = [], []
-        for _ in range(3):  # interleave with the copy: the machine's speed drifts
-            t_copy.append(_timeit(copy, flat, repeats=repeats))
-            t_codec.append(_timeit(enc, arg, repeats=repeats)
-                           + _timeit(dec, payload, repeats=repeats))
-        out[name] = min(t_copy) / min(t_codec)
+        t_copy, t_enc, t_dec = _interleaved_best(
+            [(copy, flat), (enc, arg), (dec, payload)], repeats=repeats
+        )
+        out[name] = t_copy / (t_enc + t_dec)
     return out
 
 
@@ -374,7 +377,7 @@ def main(argv=None):
     print(f"# wire bytes from the compiled HLO: {time.time() - t0:.0f}s", file=sys.stderr)
 
     t0 = time.time()
-    thr = throughput_rows(repeats=5 if args.quick else 15)
+    thr = throughput_rows(repeats=15 if args.quick else 60)
     print(f"# throughput: {time.time() - t0:.0f}s", file=sys.stderr)
     t0 = time.time()
     conv, target = convergence_rows(60 if args.quick else 100)
