@@ -13,7 +13,11 @@ For each codec of ``adaptjax.compression``, on an MLP of about 8M parameters
   of a same-size float32 copy (``throughput_vs_copy``: copy time / (encode time +
   decode time), each timed on its own since the wire sits between them; best
   wall time of each over calls interleaved with the copy's, as the shared
-  2-core machine's speed drifts).
+  2-core machine's speed drifts). For TernGrad, QSGD and natural compression
+  also ``floor_vs_copy``: the same ratio for the passes they cannot avoid (the
+  block statistic read before any code is drawn, a bare read pass writing one
+  uint8 per element, and the decode), i.e. the most they could reach if drawing
+  and packing the codes were free.
 * steps to reach the dense run's final loss (``steps_ratio``, codec steps / dense
   steps), on a small real problem (sklearn digits, 64-128-10 MLP, 8 replicas,
   SGD), since training the 8M model for every codec takes too long on 2 cores;
@@ -205,17 +209,33 @@ def _interleaved_best(calls, repeats):
     return best
 
 
+# Block statistic a stochastic quantiser reads before it can draw any code.
+_BLOCK_STAT = {
+    "Ternary": lambda x: jnp.max(jnp.abs(x), axis=-1),
+    "Levels": lambda x: jnp.sqrt(jnp.sum(x * x, axis=-1)),
+    "Natural": lambda x: jnp.max(jnp.abs(x), axis=-1),
+}
+
+
 def throughput_rows(repeats):
-    """encode+decode time vs a copy of the same float32 elements (one device)."""
+    """encode+decode time vs a copy of the same float32 elements (one device).
+
+    Returns ``{codec: (throughput_vs_copy, floor_vs_copy)}``. The floor, for the
+    block-scaled stochastic quantisers, is what their unavoidable passes alone
+    allow: ``copy / (block statistic + a bare read pass writing uint8 + decode)``,
+    as if drawing and packing the codes cost nothing (None for other codecs).
+    """
     d = sum(_size(s) for s in MODEL.values())
     rng = np.random.default_rng(0)
     flat = jax.device_put(jnp.asarray(rng.normal(size=d).astype(np.float32)), jax.devices()[0])
     leaves = {k: jax.device_put(jnp.asarray(rng.normal(size=s).astype(np.float32)),
                                 jax.devices()[0]) for k, s in MODEL.items()}
     copy = jax.jit(jnp.copy)
+    bare = jax.jit(lambda x: (x > 0).astype(jnp.uint8))
     out = {}
     for name, src in CODECS.items():
         codec = eval(src)
+        stat = None
         if name in ELEMENTWISE:
             fmt = codec.fmt
             nb = -(-d // fmt.block)
@@ -223,6 +243,8 @@ def throughput_rows(repeats):
             arg = jnp.pad(flat, (0, nb * fmt.block - d)).reshape(1, nb, fmt.block)
             enc = jax.jit(lambda x, fmt=fmt: fmt.encode(x, jnp.uint32(1)))
             dec = jax.jit(lambda r, fmt=fmt, nb=nb: fmt.decode(r, nb))
+            if type(fmt).__name__ in _BLOCK_STAT:
+                stat = jax.jit(_BLOCK_STAT[type(fmt).__name__])
         else:
             arg = leaves
             keep = [k for k, s in MODEL.items() if codec.method(s, 8) == "codec"]
@@ -230,10 +252,12 @@ def throughput_rows(repeats):
             dec = jax.jit(lambda p, c=codec: {k: c.decode(v, MODEL[k], seed=1)
                                               for k, v in p.items()})
         payload = jax.block_until_ready(enc(arg))
-        t_copy, t_enc, t_dec = _interleaved_best(
-            [(copy, flat), (enc, arg), (dec, payload)], repeats=repeats
-        )
-        out[name] = t_copy / (t_enc + t_dec)
+        calls = [(copy, flat), (enc, arg), (dec, payload)]
+        if stat is not None:
+            calls += [(stat, arg), (bare, arg)]
+        t = _interleaved_best(calls, repeats=repeats)
+        floor = t[0] / (t[3] + t[4] + t[2]) if stat is not None else None
+        out[name] = (t[0] / (t[1] + t[2]), floor)
     return out
 
 
@@ -387,7 +411,7 @@ def main(argv=None):
     print(f"# noise scale: {time.time() - t0:.0f}s", file=sys.stderr)
 
     for r in rows:
-        r["throughput_vs_copy"] = thr.get(r["codec"])
+        r["throughput_vs_copy"], r["floor_vs_copy"] = thr.get(r["codec"], (None, None))
         r["steps_ratio"] = conv.get(r["codec"])
     d = sum(_size(s) for s in MODEL.values())
     print(f"model: MLP 784-2048-2048-1024-10, {d:,} parameters; "
@@ -398,6 +422,9 @@ def main(argv=None):
           f"mean at 1% shared coordinates) vs a 1024-step dense reference "
           f"({ns['dense'][1]:.0f}): "
           + ", ".join(f"{k} {v:.1%} ({ns[k][0]:.0f})" for k, v in ns_err.items()))
+    print("stochastic quantisers, their passes alone (statistic, bare read, decode) vs a copy: "
+          + ", ".join(f"{k} {v[1]:.0%} (codec {v[0]:.0%})"
+                      for k, v in thr.items() if v[1] is not None))
     two = [r for r in rows if r["codec"] == "onebit(2-level)"]
     print("onebit(2-level) on a 2 x N/2 mesh: bytes on the slow axis "
           + ", ".join(f"N={r['n']}: {r['slow_axis_bytes']:,.0f} "
