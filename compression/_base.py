@@ -53,6 +53,7 @@ from adaptjax.compression._collectives import (
     bound_size,
     owner_compute,
     psum_mean,
+    replica_index,
 )
 from adaptjax.compression._layout import make_layout, prod
 
@@ -324,11 +325,8 @@ class Codec:
                 self.check_leaf(s, jax.tree_util.keystr(p) or "the root")
         methods = [self.method(s, n) for s in shapes]
         stateful = [self.stateful(s) for s in shapes]
-        replica = (
-            jax.lax.axis_index(names[0] if len(names) == 1 else names) if n > 1 else 0
-        )
         residual = self.error_feedback is not None or self._always_residual()
-        ctx = Ctx(names, n, step, jnp.asarray(replica, jnp.int32), residual, self.seed)
+        ctx = Ctx(names, n, step, replica_index(names, n), residual, self.seed)
 
         def up_to(tree):
             try:
@@ -359,7 +357,6 @@ class Codec:
 
         wide = [i for i, m in enumerate(methods) if m == "bf16"]
         if wide:
-            use_res = residual and all(stateful[i] for i in wide)
             lay = make_layout([prod(shapes[i]) for i in wide], BF16.block, n)
             out, r, _ = owner_compute(
                 lay.flatten([xs[i] for i in wide]),
@@ -368,13 +365,13 @@ class Codec:
                 slow_size=n,
                 seed_worker=ctx.seed_for(7),
                 seed_server=ctx.seed_for(8),
-                residual=use_res,
-                server_mode="fold" if use_res else None,
+                residual=residual,
+                server_mode="fold" if residual else None,
             )
             sh = [shapes[i] for i in wide]
             for i, y in zip(wide, lay.unflatten(out, sh), strict=True):
                 outs[i] = y
-            if use_res:
+            if residual:
                 for i, y in zip(wide, lay.unflatten(r, sh), strict=True):
                     res[i] = y
 

@@ -66,10 +66,7 @@ def allgather_sparse(values, indices, total: int, names: tuple[str, ...], n: int
     """Mean over replicas of sparse vectors given as (values f32, indices int32)."""
     k = values.shape[0]
     payload = jnp.concatenate([jax.lax.bitcast_convert_type(values, jnp.int32), indices])
-    if n > 1:
-        gathered = jax.lax.all_gather(payload, axis_arg(names), to="invarying")
-    else:
-        gathered = payload[None]
+    gathered = _gather(payload, names, n)
     vals = jax.lax.bitcast_convert_type(gathered[:, :k], jnp.float32).reshape(-1)
     idx = gathered[:, k:].reshape(-1)
     return jnp.zeros((total,), jnp.float32).at[idx].add(vals, mode="drop") / n
@@ -89,7 +86,7 @@ def _gather(row, names, size):
     return jax.lax.all_gather(row, axis_arg(names), to="invarying")
 
 
-def _index(names, size):
+def replica_index(names, size):
     if size == 1:
         return jnp.zeros((), jnp.int32)
     return jax.lax.axis_index(axis_arg(names)).astype(jnp.int32)
@@ -152,7 +149,7 @@ def owner_compute(
     if fast_size > 1:
         rows16, xb = _bf16_rows(x, fast_size)
         y = jnp.sum(_from_bf16(_a2a(rows16, fast, fast_size)), axis=0) / fast_size
-        f_idx = _index(fast, fast_size)
+        f_idx = replica_index(fast, fast_size)
         if residual:
             res = x - xb
     else:
@@ -161,7 +158,7 @@ def owner_compute(
     rows = fmt.encode(y.reshape(slow_size, nb, fmt.block), seed_worker)
     recv = _a2a(rows, slow, slow_size)
     mean_chunk = jnp.sum(fmt.decode(recv, nb), axis=0).reshape(s_len) / slow_size
-    s_idx = _index(slow, slow_size)
+    s_idx = replica_index(slow, slow_size)
     own = f_idx * f_len + s_idx * s_len  # start of the chunk this replica owns
     z = mean_chunk
     if server_mode == "buffer":
@@ -177,9 +174,8 @@ def owner_compute(
         if server_mode == "buffer":
             new_server = jax.lax.dynamic_update_slice(jnp.zeros_like(x), r_srv, (own,))
         else:  # fold: N times it on the owned chunk
-            n = fast_size * slow_size
             r_fast = r_fast + jax.lax.dynamic_update_slice(
-                jnp.zeros((f_len,), jnp.float32), n / fast_size * r_srv, (s_idx * s_len,)
+                jnp.zeros((f_len,), jnp.float32), slow_size * r_srv, (s_idx * s_len,)
             )
     if fast_size > 1:
         rows16, yb = _bf16_rows(yhat, 1)

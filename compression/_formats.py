@@ -59,13 +59,6 @@ class Format:
     bits: int
     block: int
     has_scale: bool = True
-    stochastic: bool = False
-
-    def row_words(self, nb: int) -> int:
-        return nb * self.block * self.bits // 32 + (nb if self.has_scale else 0)
-
-    def row_bytes(self, nb: int) -> int:
-        return 4 * self.row_words(nb)
 
     @property
     def bits_per_element(self) -> float:

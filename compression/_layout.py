@@ -32,15 +32,6 @@ class Layout:
     align: int
     groups: int
 
-    @property
-    def blocks(self) -> int:
-        return self.total // self.align
-
-    @property
-    def chunk(self) -> int:
-        """Elements per chunk (one of ``groups``)."""
-        return self.total // self.groups
-
     def flatten(self, leaves) -> jax.Array:
         parts = []
         for x, size, nxt in zip(leaves, self.sizes, self._ends(), strict=True):

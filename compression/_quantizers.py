@@ -145,7 +145,6 @@ class Quantizer(Codec):
 class _Cast(Quantizer):
     dtype: str = "bfloat16"
     block: int = 32
-    randomness: ClassVar[str] = "none"
 
     @property
     def name(self):  # type: ignore[override]
@@ -172,7 +171,7 @@ class _TernGrad(Quantizer):
 
     @property
     def fmt(self) -> Format:
-        return Ternary(bits=2, block=self.block, stochastic=True)
+        return Ternary(bits=2, block=self.block)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -194,7 +193,7 @@ class _QSGD(Quantizer):
     @property
     def fmt(self) -> Format:
         return Levels(
-            bits=qsgd_bits(self.levels), block=self.block, stochastic=True, levels=self.levels
+            bits=qsgd_bits(self.levels), block=self.block, levels=self.levels
         )
 
 
@@ -205,7 +204,7 @@ class _Natural(Quantizer):
 
     @property
     def fmt(self) -> Format:
-        return Natural(bits=8, block=self.block, stochastic=True)
+        return Natural(bits=8, block=self.block)
 
 
 

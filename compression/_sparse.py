@@ -31,6 +31,8 @@ from adaptjax.compression._bits import mix_seed, random_bits, uniform
 from adaptjax.compression._collectives import allgather_sparse, psum_mean
 from adaptjax.compression._layout import prod
 
+from adaptjax import tree_sq_norm
+
 _VARIANTS = ("exact", "sampled", "approx")
 
 
@@ -153,7 +155,7 @@ def _strata(ratio: float, size: int) -> tuple[int, int]:
     return s, -(-size // s)
 
 
-def _randk_indices(seed, size: int, s: int, count: int):
+def _randk_indices(seed, s: int, count: int):
     u = uniform(seed, (count,))
     return jnp.arange(count, dtype=jnp.int32) * s + jnp.minimum(
         (u * s).astype(jnp.int32), s - 1
@@ -192,7 +194,7 @@ class _RandomK(Codec):
         for j, (x, shape) in enumerate(zip(xs, shapes, strict=True)):
             size = prod(shape)
             s, count = _strata(self.ratio, size)
-            idx = _randk_indices(ctx.seed_for(32 + j, shared=True), size, s, count)
+            idx = _randk_indices(ctx.seed_for(32 + j, shared=True), s, count)
             f = jnp.ravel(x)
             vals.append(jnp.where(idx < size, f[jnp.minimum(idx, size - 1)], 0.0))
             idxs.append(idx)
@@ -221,13 +223,13 @@ class _RandomK(Codec):
         f = jnp.ravel(jnp.asarray(x)).astype(jnp.float32)
         size = f.shape[0]
         s, count = _strata(self.ratio, size)
-        idx = _randk_indices(mix_seed(seed), size, s, count)
+        idx = _randk_indices(mix_seed(seed), s, count)
         return {"values": jnp.where(idx < size, f[jnp.minimum(idx, size - 1)], 0.0)}
 
     def decode(self, payload, shape, *, seed=0):
         size = prod(shape)
         s, count = _strata(self.ratio, size)
-        idx = _randk_indices(mix_seed(seed), size, s, count)
+        idx = _randk_indices(mix_seed(seed), s, count)
         v = payload["values"] * self._scale(size)
         return jnp.zeros((size,), jnp.float32).at[idx].add(v, mode="drop").reshape(shape)
 
@@ -274,8 +276,7 @@ class _DGC(_TopK):
         scale = 1.0
         if self.clip_norm is not None:
             # Local clipping at clip_norm / sqrt(N), so the mean stays under clip_norm.
-            sq = sum(jnp.sum(g * g) for g, s in zip(grads, stateful, strict=True) if s)
-            norm = jnp.sqrt(jnp.asarray(sq, jnp.float32))
+            norm = jnp.sqrt(tree_sq_norm([g for g, s in zip(grads, stateful, strict=True) if s]))
             limit = self.clip_norm / math.sqrt(ctx.n)
             scale = jnp.minimum(1.0, limit / jnp.maximum(norm, 1e-30))
         us, xs = [], []
