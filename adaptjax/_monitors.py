@@ -30,8 +30,9 @@ class GradStats(NamedTuple):
     Attributes:
       local_grads: this replica's gradient (mean over its local batch).
       mean_grads: the gradient averaged over replicas (what the optimizer sees).
-      local_sq: sum over this replica's gradient samples of ``‖g‖²`` (one sample
-        per micro-batch when micro-batch norms were supplied, else one).
+      local_sq: the psum over replicas of each replica's sum of ``‖g‖²`` over its
+        gradient samples (one sample per micro-batch when micro-batch norms were
+        supplied, else one).
       mean_sq: ``‖mean_grads‖²``.
       n_replicas: replicas on the axis (static).
       samples_per_replica: gradient samples per replica (``k`` micro-batches, static).
@@ -209,7 +210,7 @@ class GradientNoiseScale:
             nu_count = nu_count + 1
         else:
             mean_g, local_g = stats.mean_grads, stats.local_grads
-            s_bar = stats.summed["__local_sq__"] / (n_rep * k)
+            s_bar = stats.local_sq / (n_rep * k)
             mean_sq = stats.mean_sq
             n, sample_b = n_rep * k, b / k
         prev = state.prev_grads
@@ -307,10 +308,6 @@ class GradientSNR:
         snr = jnp.maximum(g2, 0.0) * global_batch / jnp.maximum(var, _TINY)
         return {self.name: jnp.where(var > 0, snr, 0.0)}
 
-    def metrics(self, state: SNRState) -> dict:
-        del state
-        return {self.name: jnp.zeros((), jnp.float32)}
-
 
 class GradientNorm:
     """Norm of the averaged gradient, ``‖Ḡ‖`` (free: the sync already has ``‖Ḡ‖²``).
@@ -336,7 +333,3 @@ class GradientNorm:
 
     def update(self, stats: GradStats, state, **_):
         return state, {self.name: jnp.sqrt(stats.mean_sq)}
-
-    def metrics(self, state) -> dict:
-        del state
-        return {self.name: jnp.zeros((), jnp.float32)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -174,14 +174,7 @@ def data_parallel_step(
         return loss, aux, grads
 
     def local_step(state: TrainState, batch):
-        state = TrainState(
-            state.step,
-            state.params,
-            to_local(state.opt_state),
-            state.nonfinite_count,
-            state.model_state,
-            state.graphdef,
-        )
+        state = dataclasses.replace(state, opt_state=to_local(state.opt_state))
         params = state.params
         b = jax.tree.leaves(batch)[0].shape[0]
         if k == 1:
@@ -230,13 +223,12 @@ def data_parallel_step(
         metrics.update(collect_metrics(opt_state))
         if has_aux:
             metrics["aux"] = aux
-        new_state = TrainState(
+        new_state = dataclasses.replace(
+            state,
             step=state.step + 1,
             params=new_params,
             opt_state=to_global(opt_state),
             nonfinite_count=state.nonfinite_count + (~ok).astype(jnp.int32),
-            model_state=state.model_state,
-            graphdef=state.graphdef,
         )
         return new_state, metrics
 
@@ -252,5 +244,4 @@ def data_parallel_step(
         return fn(state, batch)
 
     jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
-    functools.update_wrapper(DataParallelStep.__call__, DataParallelStep.__call__)
     return DataParallelStep(jitted, mesh=mesh, axis_name=axis_name, microbatches=k, n_replicas=n)

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from adaptjax._monitors import GradStats
+from adaptjax._codec import GradientCodec
+from adaptjax._monitors import GradientNoiseScale, GradStats
 from adaptjax._tree import axis_size, check_float_tree, tree_sq_norm_sampled
 
 _LOCAL_SQ = "__local_sq__"
@@ -158,7 +159,7 @@ def sync_gradients(
     """
     wdt = _wire_dtype(wire_dtype)
     monitors = tuple(monitors)
-    if codec is not None and not (hasattr(codec, "init") and hasattr(codec, "sync")):
+    if codec is not None and not isinstance(codec, GradientCodec):
         raise ValueError(
             f"codec {codec!r} does not follow adaptjax.GradientCodec (needs init and sync); "
             "build one with adaptjax.compression"
@@ -178,11 +179,7 @@ def sync_gradients(
             count=jnp.zeros((), jnp.int32),
             codec_state=codec.init(params) if codec is not None else (),
             monitor_states=tuple(m.init(params) for m in monitors),
-            metrics={
-                k: jnp.zeros((), jnp.float32) for m in monitors for k in m.metrics(m.init(params))
-            }
-            if monitors
-            else {},
+            metrics={k: jnp.zeros((), jnp.float32) for m in monitors for k in m.metric_names()},
         )
 
     def update_fn(updates, state, params=None, **extra):
@@ -264,7 +261,6 @@ def sync_gradients(
                     for key, v in summed_scalars.items()
                     if key.startswith(f"{i}/")
                 }
-                own[_LOCAL_SQ] = summed_scalars[_LOCAL_SQ]
                 s, vals = m.update(stats._replace(summed=own), s, params=params)
                 new_states.append(s)
                 metrics.update(vals)
@@ -299,8 +295,6 @@ def noise_scale(
       >>> import optax, adaptjax
       >>> tx = optax.chain(adaptjax.noise_scale("data", decay=0.9), optax.sgd(0.1))
     """
-    from adaptjax._monitors import GradientNoiseScale
-
     return sync_gradients(
         axis_name,
         wire_dtype=wire_dtype,
