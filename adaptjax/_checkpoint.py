@@ -26,7 +26,6 @@ the result with :func:`adaptjax.train_state_shardings`.
 from __future__ import annotations
 
 import json
-import operator
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +36,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from adaptjax._data import check_count
 from adaptjax._per_replica import merge_replicas, state_partition_specs
 from adaptjax._state import TrainState, train_state_shardings, train_state_specs
 
@@ -136,18 +136,6 @@ def _check_writable(directory: str) -> None:
             f"checkpoint directory {directory} is not writable ({probe} denies write access); "
             f"{_FIX} (a writable directory) or fix its permissions"
         )
-
-
-def _check_step(step) -> int:
-    try:
-        if isinstance(step, bool):
-            raise TypeError
-        s = operator.index(step)
-    except TypeError:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}") from None
-    if s < 0:
-        raise ValueError(f"step must be a non-negative integer, got {s}")
-    return s
 
 
 def _check_train_state(state, name: str) -> None:
@@ -283,7 +271,7 @@ class CheckpointManager:
             Orbax finishes writing in the background (the next call to any
             method of this manager waits for it).
         """
-        step = _check_step(step)
+        step = check_count(step, "step")
         _check_train_state(state, "state")
         if not isinstance(meta, Mapping):
             raise ValueError(f"meta must be a dict, got {type(meta).__name__}")
@@ -328,7 +316,7 @@ class CheckpointManager:
                     f"no complete checkpoint in {self._directory}; save one first or {_FIX}"
                 )
             return steps[-1]
-        step = _check_step(step)
+        step = check_count(step, "step")
         if step not in steps:
             raise ValueError(
                 f"no complete checkpoint for step {step} in {self._directory}; "

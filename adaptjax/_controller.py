@@ -18,10 +18,11 @@ from jax.sharding import PartitionSpec as P
 
 from adaptjax import policies as ajp
 from adaptjax._checkpoint import CheckpointManager
+from adaptjax._codec import GradientCodec
 from adaptjax._metrics import update_norm
 from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
 from adaptjax._run_log import RunLog
-from adaptjax._state import abstract_state, init_state, merge_model
+from adaptjax._state import abstract_state, init_state, merge_model, shape_struct
 from adaptjax._step import DataParallelStep, data_parallel_step, make_mesh
 from adaptjax._sync import SyncState, sync_gradients
 
@@ -85,7 +86,7 @@ def _find_codecs(obj, found: dict, depth: int = 0) -> None:
         if obj.codec is not None:
             found[codec_key(obj.codec)] = obj.codec
         return
-    if hasattr(obj, "sync") and hasattr(obj, "init") and not isinstance(obj, type):
+    if isinstance(obj, GradientCodec) and not isinstance(obj, type):
         found[codec_key(obj)] = obj
         return
     if isinstance(obj, Mapping):
@@ -256,12 +257,13 @@ class Controller:
         _check_writable_dir(run_dir)
         ckpt_dir = os.path.join(run_dir, _CKPT)
         self.checkpoints = CheckpointManager(ckpt_dir, max_to_keep=max_to_keep)
-        if not resume and self.checkpoints.latest_step() is not None:
+        latest = self.checkpoints.latest_step()
+        if not resume and latest is not None:
             raise ValueError(
                 f"run_dir {run_dir} already holds checkpoints; use Controller.resume(...) "
                 "to continue that run or choose a new run_dir"
             )
-        if resume and self.checkpoints.latest_step() is None:
+        if resume and latest is None:
             raise ValueError(f"no complete checkpoint in {ckpt_dir} to resume from")
         self.policy = ajp.any_of(*policies) if policies else _NoPolicy()
         self._codecs: dict[str | None, Any] = {None: None}
@@ -301,7 +303,7 @@ class Controller:
         self._meshes: dict[int, Any] = {}
         self._txs: dict[str | None, optax.GradientTransformation] = {}
         self._steps: dict[RunConfig, DataParallelStep] = {}
-        self._comm_bytes: dict[RunConfig, float] = {}
+        self._comm_bytes: dict[RunConfig, float | None] = {}
         self._step_times: dict[RunConfig, list[float]] = {}
         self.compilations = 0
         self.step = 0
@@ -408,7 +410,7 @@ class Controller:
             while self.step < steps and self._stop_reason is None:
                 self._dispatch()
                 bar.update(1)
-                if self.latest_metrics:
+                if self._progress and self.latest_metrics:
                     bar.set_postfix(
                         loss=f"{self.latest_metrics.get('loss', float('nan')):.4f}",
                         bs=self.config.batch_size,
@@ -418,9 +420,7 @@ class Controller:
                 if self._is_sync_point(self.step) or self.step >= steps:
                     self._drain()
                     self._after_sync_point()
-            self._drain()
-            if self.checkpoints.latest_step() != self.step:
-                self.save_checkpoint()
+            self._checkpoint_here()
         finally:
             bar.close()
             self.log.flush()
@@ -489,7 +489,7 @@ class Controller:
         self._last_ready = now
         times = self._step_times.get(config)
         if times:
-            step_time = float(np.median(times[-32:]))
+            step_time = float(np.median(times))
             flat["step_time"] = step_time
             flat["throughput"] = config.batch_size / step_time
             comm = self._comm_time(config)
@@ -504,20 +504,20 @@ class Controller:
         if step % self.policy_every == 0 and not evaluates_here:
             self._decide(step, flat)  # eval steps decide once, after the evaluation
 
+    def _abstract_args(self, config: RunConfig):
+        """The step's (state, batch) arguments at ``config``, as ShapeDtypeStructs."""
+        batch = jax.tree.map(shape_struct, self.data.batch_at(0, config.batch_size))
+        mesh = self._mesh(config.devices)
+        return abstract_state(self._model, self._tx(config.codec), mesh), batch
+
     def _wire_total(self, config: RunConfig) -> float | None:
         if config not in self._comm_bytes:
             from adaptjax._wire import wire_bytes
 
-            if not hasattr(self.data, "batch_at"):
-                return None
-            batch = self.data.batch_at(0, config.batch_size)
-            abstract = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch
-            )
-            mesh = self._mesh(config.devices)
-            target = abstract_state(self._model, self._tx(config.codec), mesh)
-            report = wire_bytes(self._step_fn(config).jitted, target, abstract)
-            self._comm_bytes[config] = report.total
+            total = None
+            if hasattr(self.data, "batch_at"):
+                total = wire_bytes(self._step_fn(config).jitted, *self._abstract_args(config)).total
+            self._comm_bytes[config] = total
         return self._comm_bytes[config]
 
     def _comm_time(self, config: RunConfig) -> float | None:
@@ -540,8 +540,7 @@ class Controller:
             if step % self.policy_every == 0:
                 self._decide(step, self.latest_metrics)
         if self.checkpoint_every and step % self.checkpoint_every == 0:
-            if self.checkpoints.latest_step() != step:
-                self.save_checkpoint()
+            self._checkpoint_here()
         # Evaluation and checkpoint time is not step time: restart the clock.
         self._last_ready = None
 
@@ -585,9 +584,7 @@ class Controller:
             elif isinstance(action, ajp.SetCodec):
                 self.set_codec(action.codec)
             elif isinstance(action, ajp.Checkpoint):
-                self._drain()
-                if self.checkpoints.latest_step() != self.step:
-                    self.save_checkpoint()
+                self._checkpoint_here()
             elif isinstance(action, ajp.Stop):
                 self._stop_reason = action.reason or "stopped by a policy"
             elif isinstance(action, ajp.Rollback):
@@ -625,13 +622,7 @@ class Controller:
         if not hasattr(self.data, "batch_at"):
             raise ValueError("precompile needs a dataset with batch_at (e.g. ArrayDataset)")
         t0 = time.perf_counter()
-        batch = self.data.batch_at(0, config.batch_size)
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), batch
-        )
-        mesh = self._mesh(config.devices)
-        target = abstract_state(self._model, self._tx(config.codec), mesh)
-        self._step_fn(config).jitted.lower(target, abstract).compile()
+        self._step_fn(config).jitted.lower(*self._abstract_args(config)).compile()
         seconds = time.perf_counter() - t0
         self.log.event(
             "precompile", step=self.step, latency_s=seconds, config=dataclasses.asdict(config)
@@ -729,9 +720,7 @@ class Controller:
             return
         t0 = time.perf_counter()
         old_devices = self.config.devices
-        self._drain()
-        if self.checkpoints.latest_step() != self.step:
-            self.save_checkpoint()
+        self._checkpoint_here()
         batch = self._round_batch(self.config.batch_size, devices, self.config.microbatches)
         self.config = dataclasses.replace(self.config, devices=devices, batch_size=batch)
         target = abstract_state(self._model, self._tx(self.config.codec), mesh)
@@ -781,6 +770,12 @@ class Controller:
             "data": self.data.state_dict(),
             "policy": json.loads(json.dumps(self.policy.state_dict())),
         }
+
+    def _checkpoint_here(self) -> None:
+        """Saves a checkpoint at the current step unless the latest one is already there."""
+        self._drain()
+        if self.checkpoints.latest_step() != self.step:
+            self.save_checkpoint()
 
     def save_checkpoint(self) -> None:
         """Writes a consistent checkpoint (state, data cursor, config, policy state)."""

@@ -36,28 +36,18 @@ _ARRAY_KIND = "ArrayDataset"
 _ITER_KIND = "IterableDataset"
 
 
-def _check_batch_size(batch_size) -> int:
+def check_count(value, name: str, *, positive: bool = False) -> int:
+    """``value`` as an int, or a one-line ValueError naming ``name`` (bools refused)."""
+    kind = "positive" if positive else "non-negative"
     try:
-        if isinstance(batch_size, bool):
+        if isinstance(value, bool):
             raise TypeError
-        b = operator.index(batch_size)
+        v = operator.index(value)
     except TypeError:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}") from None
-    if b < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {b}")
-    return b
-
-
-def _check_cursor(cursor, name: str = "cursor") -> int:
-    try:
-        if isinstance(cursor, bool):
-            raise TypeError
-        c = operator.index(cursor)
-    except TypeError:
-        raise ValueError(f"{name} must be a non-negative integer, got {cursor!r}") from None
-    if c < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {c}")
-    return c
+        raise ValueError(f"{name} must be a {kind} integer, got {value!r}") from None
+    if v < int(positive):
+        raise ValueError(f"{name} must be a {kind} integer, got {v}")
+    return v
 
 
 def _check_state(state, kind: str, keys: tuple[str, ...]) -> None:
@@ -117,8 +107,6 @@ class ArrayDataset:
             self._container = "dict"
             self._keys = list(arrays[0].keys())
         else:
-            if not arrays:
-                raise ValueError("ArrayDataset needs at least one array (or a dict of arrays)")
             names = [f"arrays[{i}]" for i in range(len(arrays))]
             values = list(arrays)
             self._container = "single" if len(arrays) == 1 else "tuple"
@@ -140,7 +128,7 @@ class ArrayDataset:
             raise ValueError("ArrayDataset needs at least one sample; the arrays are empty")
         self._arrays = arrs
         self._n = n
-        self._seed = _check_cursor(seed, "seed")
+        self._seed = check_count(seed, "seed")
         self._shuffle = bool(shuffle)
         self._cursor = 0
         self._fingerprint = " ".join(
@@ -180,7 +168,7 @@ class ArrayDataset:
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The order in which epoch ``epoch`` visits the ``n`` sample indices."""
-        epoch = _check_cursor(epoch, "epoch")
+        epoch = check_count(epoch, "epoch")
         perm = self._perm_cache.get(epoch)
         if perm is None:
             if self._shuffle:
@@ -197,8 +185,8 @@ class ArrayDataset:
 
         Pure: the dataset's own cursor does not move.
         """
-        cursor = _check_cursor(cursor)
-        b = _check_batch_size(batch_size)
+        cursor = check_count(cursor, "cursor")
+        b = check_count(batch_size, "batch_size", positive=True)
         positions = cursor + np.arange(b, dtype=np.int64)
         epochs = positions // self._n
         offsets = positions % self._n
@@ -245,7 +233,7 @@ class ArrayDataset:
 
     def seek(self, cursor: int) -> None:
         """Moves the stream to position ``cursor`` (the next batch starts there)."""
-        self._cursor = _check_cursor(cursor)
+        self._cursor = check_count(cursor, "cursor")
 
     # -- saving the position -------------------------------------------------------
 
@@ -280,8 +268,8 @@ class ArrayDataset:
                 f"this data cursor was saved for another dataset ({state['fingerprint']}), "
                 f"not this one ({self._fingerprint}); load it into the dataset it was saved for"
             )
-        cursor = _check_cursor(state["cursor"])
-        self._seed = _check_cursor(state["seed"], "seed")
+        cursor = check_count(state["cursor"], "cursor")
+        self._seed = check_count(state["seed"], "seed")
         self._shuffle = bool(state["shuffle"])
         self._perm_cache.clear()
         self._cursor = cursor
@@ -446,7 +434,7 @@ class IterableDataset:
         Returns:
           The batch: the examples' pytree structure with a leading batch axis.
         """
-        b = _check_batch_size(batch_size)
+        b = check_count(batch_size, "batch_size", positive=True)
         self._resume()
         parts = self._take(b, keep=True)
         self._cursor += b
@@ -491,9 +479,9 @@ class IterableDataset:
                 f"this data cursor was saved with batched={bool(state['batched'])}, this "
                 f"dataset has batched={self._batched}; use the same setting"
             )
-        cursor = _check_cursor(state["cursor"])
-        epoch = _check_cursor(state["epoch"], "epoch")
-        offset = _check_cursor(state["offset"], "offset")
+        cursor = check_count(state["cursor"], "cursor")
+        epoch = check_count(state["epoch"], "epoch")
+        offset = check_count(state["offset"], "offset")
         self._cursor, self._epoch, self._offset = cursor, epoch, 0
         self._iter = None
         self._buf.clear()

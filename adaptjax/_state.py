@@ -83,11 +83,9 @@ def train_state_shardings(state: TrainState, mesh, axis_name="data") -> TrainSta
 
 def split_model(model_or_params):
     """Returns ``(graphdef, params, model_state)``; NNX modules are split on ``nnx.Param``."""
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency
-        nnx = None
-    if nnx is not None and isinstance(model_or_params, nnx.Module):
+    from flax import nnx
+
+    if isinstance(model_or_params, nnx.Module):
         graphdef, params, rest = nnx.split(model_or_params, nnx.Param, ...)
         return graphdef, params, rest
     return None, model_or_params, ()
@@ -102,12 +100,10 @@ def merge_model(graphdef, params, model_state):
     return nnx.merge(graphdef, params, model_state)
 
 
-def _mesh_replicas(mesh, axis_name) -> int:
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    n = 1
-    for name in names:
-        n *= mesh.shape[name]
-    return n
+def shape_struct(x) -> jax.ShapeDtypeStruct:
+    """The ``ShapeDtypeStruct`` of an array or array-like, without copying it to the host."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    return jax.ShapeDtypeStruct(np.shape(x), dtype)
 
 
 def init_state(model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...] = "data"):
@@ -134,10 +130,10 @@ def init_state(model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...] = 
     """
     from adaptjax._step import check_mesh
 
-    check_mesh(mesh, axis_name)
+    n = check_mesh(mesh, axis_name)
     graphdef, params, model_state = split_model(model_or_params)
     check_float_tree(params, "parameters")
-    opt_state = stack_replicas(tx.init(params), _mesh_replicas(mesh, axis_name))
+    opt_state = stack_replicas(tx.init(params), n)
     state = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
@@ -189,13 +185,8 @@ def abstract_state(model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...
         ),
         params,
     )
-    shapes = TrainState(
-        shapes.step,
-        shapes.params,
-        shapes.opt_state,
-        shapes.nonfinite_count,
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), model_state),
-        graphdef,
+    shapes = dataclasses.replace(
+        shapes, model_state=jax.tree.map(shape_struct, model_state), graphdef=graphdef
     )
     shardings = train_state_shardings(shapes, mesh, axis_name)
     return jax.tree.map(
