@@ -55,7 +55,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 # The ~2.1M-parameter MLP of monitor_overhead.py (this folder is sys.path[0] when run).
-from monitor_overhead import SIZES, init_params, loss_fn  # noqa: E402
+from monitor_overhead import init_params, loss_fn, make_arrays  # noqa: E402
 
 import adaptjax  # noqa: E402
 from adaptjax import policies as ajp  # noqa: E402
@@ -63,14 +63,6 @@ from adaptjax import policies as ajp  # noqa: E402
 DEVICES = 8
 PER_DEVICE = 32
 VARIANTS = {"user": True, "quiet": False}  # progress bar and TensorBoard on / off
-
-
-def make_arrays(n=4096, seed=0):
-    rng = np.random.default_rng(seed)
-    return {
-        "x": rng.normal(size=(n, SIZES[0])).astype(np.float32),
-        "y": rng.integers(0, SIZES[-1], size=n).astype(np.int32),
-    }
 
 
 class Alternate:

@@ -30,6 +30,15 @@ import adaptjax  # noqa: E402
 SIZES = (784, 1024, 1024, 256, 10)  # 784*1024 + 1024*1024 + 1024*256 + 256*10 ≈ 2.1M
 
 
+def make_arrays(n=4096, seed=0):
+    """``n`` random samples for the MLP: ``{"x": float32 (n, SIZES[0]), "y": int32 labels}``."""
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.normal(size=(n, SIZES[0])).astype(np.float32),
+        "y": rng.integers(0, SIZES[-1], size=n).astype(np.int32),
+    }
+
+
 def init_params(seed=0):
     rng = np.random.default_rng(seed)
     params = {}
@@ -101,12 +110,7 @@ def main():
             optax.adam(1e-3),
         ),
     }
-    rng = np.random.default_rng(0)
-    batch = {
-        "x": rng.normal(size=(global_batch, SIZES[0])).astype(np.float32),
-        "y": rng.integers(0, SIZES[-1], size=global_batch).astype(np.int32),
-    }
-    batch = jax.device_put(batch, jax.NamedSharding(mesh, P("data")))
+    batch = jax.device_put(make_arrays(global_batch), jax.NamedSharding(mesh, P("data")))
     steps, states = {}, {}
     for name, tx in variants.items():
         steps[name] = build_step(tx, mesh, per_device)

@@ -68,19 +68,10 @@ import adaptjax  # noqa: E402
 _T_IMPORTED = time.time()
 
 # The ~2.1M-parameter MLP of monitor_overhead.py (this folder is sys.path[0] when run).
-from monitor_overhead import SIZES, init_params, loss_fn  # noqa: E402
+from monitor_overhead import init_params, loss_fn, make_arrays  # noqa: E402
 
 BATCH = 256
 RESULT_TAG = "BENCH_RESULT "
-
-
-def make_data(n=4096, seed=0):
-    rng = np.random.default_rng(seed)
-    arrays = {
-        "x": rng.normal(size=(n, SIZES[0])).astype(np.float32),
-        "y": rng.integers(0, SIZES[-1], size=n).astype(np.int32),
-    }
-    return adaptjax.ArrayDataset(arrays, seed=0)
 
 
 def controller_kwargs(on_step):
@@ -90,7 +81,7 @@ def controller_kwargs(on_step):
         loss_fn=loss_fn,
         optimizer=optax.adam,
         hyperparams={"learning_rate": 1e-3},
-        data=make_data(),
+        data=adaptjax.ArrayDataset(make_arrays(), seed=0),
         devices=8,
         batch_size=BATCH,
         max_to_keep=None,
@@ -157,11 +148,6 @@ def cold_restart(run_dir):
 
 
 # ------------------------------------------------------------------ the in-process rescales
-def precompile(ctrl, devices):
-    """Compiles the controller's step for ``devices`` ahead of time (``Controller.precompile``)."""
-    ctrl.precompile(devices=devices)
-
-
 class Rescaler:
     """The ``on_step`` hook: at chosen steps, rescale with the device idle; time to next result."""
 
@@ -174,9 +160,7 @@ class Rescaler:
 
     def __call__(self, ctrl):
         if self.precompile_devices is not None and self.precompile_s is None:
-            t0 = time.perf_counter()
-            precompile(ctrl, self.precompile_devices)
-            self.precompile_s = time.perf_counter() - t0
+            self.precompile_s = ctrl.precompile(devices=self.precompile_devices)
         if self.open is not None:
             jax.block_until_ready(ctrl.state)
             label, t0 = self.open

@@ -12,7 +12,7 @@ References:
 import math
 from collections.abc import Sequence
 
-from adaptjax.policies._checks import check_float
+from adaptjax.policies._checks import check_choice, check_float
 
 LR_RULES = ("adascale", "sqrt", "linear", "none")
 OPTIMIZER_KINDS = ("adam", "sgd")
@@ -102,19 +102,17 @@ def lr_scale(
       >>> lr_scale("adascale", 4.0, optimizer_kind="adam", sigma_sq=1.0, mu_sq=0.0)
       2.0
     """
+    check_choice(rule, LR_RULES, owner="lr_scale", name="rule")
     if rule == "linear":
         return float(scale)
     if rule == "sqrt":
         return math.sqrt(scale)
     if rule == "none":
         return 1.0
-    if rule == "adascale":
-        if sigma_sq is None or mu_sq is None:
-            raise ValueError("lr_scale: rule 'adascale' needs sigma_sq and mu_sq")
-        gain = adascale_gain(scale, sigma_sq=sigma_sq, mu_sq=mu_sq)
-        return gain if optimizer_kind == "sgd" else math.sqrt(gain)
-    allowed = ", ".join(repr(r) for r in LR_RULES)
-    raise ValueError(f"lr_scale: unknown rule {rule!r}; use one of {allowed}")
+    if sigma_sq is None or mu_sq is None:  # "adascale"
+        raise ValueError("lr_scale: rule 'adascale' needs sigma_sq and mu_sq")
+    gain = adascale_gain(scale, sigma_sq=sigma_sq, mu_sq=mu_sq)
+    return gain if optimizer_kind == "sgd" else math.sqrt(gain)
 
 
 def _sse(xs: Sequence[float], ys: Sequence[float], alpha: float, beta: float) -> float:
