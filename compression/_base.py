@@ -52,7 +52,7 @@ from adaptjax.compression._collectives import (
     axis_tuple,
     bound_size,
     owner_compute,
-    psum_mean,
+    psum_mean_leaves,
     replica_index,
 )
 from adaptjax.compression._layout import make_layout, prod
@@ -350,9 +350,8 @@ class Codec:
 
         dense = [i for i, m in enumerate(methods) if m == "f32"]
         if dense:
-            lay = make_layout([prod(shapes[i]) for i in dense])
-            mean = psum_mean(lay.flatten([xs[i] for i in dense]), names, n)
-            for i, y in zip(dense, lay.unflatten(mean, [shapes[i] for i in dense]), strict=True):
+            means = psum_mean_leaves([xs[i] for i in dense], names, n)
+            for i, y in zip(dense, means, strict=True):
                 outs[i] = y
 
         wide = [i for i, m in enumerate(methods) if m == "bf16"]

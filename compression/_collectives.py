@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from adaptjax.compression._formats import Cast, Format
+from adaptjax.compression._layout import make_layout
 
 __all__ = [
     "BF16",
@@ -60,6 +61,13 @@ def psum_mean(x, names: tuple[str, ...], n: int):
     if n == 1:
         return x
     return jax.lax.psum(x, axis_arg(names)) / n
+
+
+def psum_mean_leaves(leaves, names: tuple[str, ...], n: int) -> list:
+    """Mean over replicas of a list of float32 arrays, in one all-reduce."""
+    lay = make_layout([x.size for x in leaves])
+    mean = psum_mean(lay.flatten(leaves), names, n)
+    return lay.unflatten(mean, [x.shape for x in leaves])
 
 
 def allgather_sparse(values, indices, total: int, names: tuple[str, ...], n: int):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from adaptjax.compression._base import Codec
 from adaptjax.compression._bits import mix_seed
-from adaptjax.compression._collectives import psum_mean
+from adaptjax.compression._collectives import psum_mean_leaves
 from adaptjax.compression._layout import prod
 
 
@@ -42,17 +42,6 @@ def matrix_shape(shape) -> tuple[int, int]:
 def orthonormal(a):
     """Orthonormal columns spanning ``a``'s (reduced QR; safe on zero matrices)."""
     return jnp.linalg.qr(a)[0]
-
-
-def _psum_list(mats, ctx):
-    """Mean over replicas of a list of matrices in one all-reduce."""
-    flat = jnp.concatenate([jnp.ravel(x) for x in mats])
-    mean = psum_mean(flat, ctx.names, ctx.n)
-    out, off = [], 0
-    for x in mats:
-        out.append(jax.lax.slice(mean, (off,), (off + x.size,)).reshape(x.shape))
-        off += x.size
-    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,23 +98,23 @@ class _PowerSGD(Codec):
 
         def p_step():
             local = [m @ q for m, q in zip(ms, qs, strict=True)]
-            p_hat = _psum_list(local, ctx)
+            p_hat = psum_mean_leaves(local, ctx.names, ctx.n)
             outs = [p @ q.T for p, q in zip(p_hat, qs, strict=True)]
             own = [lp @ q.T for lp, q in zip(local, qs, strict=True)] if want else []
             return outs, own, [orthonormal(p) for p in p_hat], qs
 
         def q_step():
             local = [m.T @ p for m, p in zip(ms, ps, strict=True)]
-            q_hat = _psum_list(local, ctx)
+            q_hat = psum_mean_leaves(local, ctx.names, ctx.n)
             outs = [p @ q.T for p, q in zip(ps, q_hat, strict=True)]
             own = [p @ lq.T for p, lq in zip(ps, local, strict=True)] if want else []
             return outs, own, ps, [orthonormal(q) for q in q_hat]
 
         def both():
-            p_hat = _psum_list([m @ q for m, q in zip(ms, qs, strict=True)], ctx)
+            p_hat = psum_mean_leaves([m @ q for m, q in zip(ms, qs, strict=True)], ctx.names, ctx.n)
             p_new = [orthonormal(p) for p in p_hat]
             local = [m.T @ p for m, p in zip(ms, p_new, strict=True)]
-            q_hat = _psum_list(local, ctx)
+            q_hat = psum_mean_leaves(local, ctx.names, ctx.n)
             outs = [p @ q.T for p, q in zip(p_new, q_hat, strict=True)]
             own = [p @ lq.T for p, lq in zip(p_new, local, strict=True)] if want else []
             return outs, own, p_new, q_hat
