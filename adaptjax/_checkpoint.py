@@ -16,6 +16,12 @@ checkpoints. A process killed mid-save leaves a temporary directory that
 :meth:`CheckpointManager.latest_step` and :meth:`CheckpointManager.restore`
 ignore; the previous complete checkpoint is restored.
 
+Every leaf's bytes are hashed at save (BLAKE2b of its global value) and the
+digests travel in ``meta``; a restore recomputes them and refuses a checkpoint
+whose arrays changed on disk (:class:`CorruptCheckpointError`), as it refuses
+one that Orbax cannot read. Step directories without both items (a stray
+``checkpoints/999/``) are not checkpoints: they are ignored with a warning.
+
 Restoring onto a mesh with a different replica count reads replicated leaves
 straight onto the new mesh and per-replica leaves at their saved count (as host
 arrays), maps them to the new count with :func:`adaptjax.merge_replicas`
@@ -25,8 +31,12 @@ the result with :func:`adaptjax.train_state_shardings`.
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import os
+import shutil
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +60,47 @@ def _is_spec(x) -> bool:
 
 def _fmt(dtype: str, shape) -> str:
     return f"{dtype}[{', '.join(str(int(d)) for d in shape)}]"
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint on disk is damaged or incomplete: unreadable, or its bytes changed.
+
+    Example:
+      >>> import adaptjax
+      >>> issubclass(adaptjax.CorruptCheckpointError, ValueError)
+      True
+    """
+
+
+def leaf_checksum(x) -> str:
+    """A hex BLAKE2b digest of an array's global value: its dtype, shape and bytes.
+
+    Example:
+      >>> import numpy as np
+      >>> from adaptjax._checkpoint import leaf_checksum
+      >>> leaf_checksum(np.zeros(3, np.float32)) == leaf_checksum(np.zeros(3, np.float32))
+      True
+      >>> leaf_checksum(np.zeros(3, np.float32)) == leaf_checksum(np.ones(3, np.float32))
+      False
+    """
+    if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    a = np.ascontiguousarray(np.asarray(x))
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{a.dtype.str}{a.shape}".encode())
+    h.update(a.reshape(-1).view(np.uint8).data)
+    return h.hexdigest()
+
+
+def tree_checksums(tree) -> dict[str, str]:
+    """``{path: leaf_checksum}`` for every leaf of ``tree`` (paths as ``jax.tree_util.keystr``)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): leaf_checksum(leaf) for path, leaf in flat}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:160] if text else ''}".rstrip(": ")
 
 
 def tree_fingerprint(tree, prefix: str = "", per_replica=None) -> list[list]:
@@ -220,11 +271,12 @@ class CheckpointManager:
                 "(e.g. with gcsfuse) or use orbax.checkpoint directly"
             )
         self._directory = os.path.abspath(directory)
+        self._max_to_keep = None if max_to_keep is None else int(max_to_keep)
+        self._warned: set[str] = set()
         options = ocp.CheckpointManagerOptions(
             create=False,  # created by save(), after the writability check
-            preservation_policy=ocp.checkpoint_managers.LatestN(
-                n=None if max_to_keep is None else int(max_to_keep)
-            ),
+            # Retention is ours (_retain): Orbax's would count a stray "999/" as a checkpoint.
+            preservation_policy=ocp.checkpoint_managers.LatestN(n=None),
         )
         # Constructing the Orbax manager reads the directory (if it exists) and
         # writes nothing: no root metadata is passed and create=False.
@@ -243,9 +295,25 @@ class CheckpointManager:
         self._manager.reload()
 
     def all_steps(self) -> list[int]:
-        """Steps of the complete checkpoints on disk, ascending (waits for a pending save)."""
+        """Steps of the complete checkpoints on disk, ascending (waits for a pending save).
+
+        A step directory without both items (``state`` and ``meta``) is not a
+        checkpoint: it is left alone and ignored, with a warning naming it once.
+        """
         self._settle()
-        return sorted(int(s) for s in self._manager.all_steps())
+        steps = []
+        for step in sorted(int(s) for s in self._manager.all_steps()):
+            where = os.path.join(self._directory, str(step))
+            if all(os.path.isdir(os.path.join(where, item)) for item in ("state", "meta")):
+                steps.append(step)
+            elif where not in self._warned:
+                self._warned.add(where)
+                warnings.warn(
+                    f"{where} is not an adaptjax checkpoint (no state/meta items); ignored",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        return steps
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or ``None`` (waits for a pending save)."""
@@ -289,6 +357,7 @@ class CheckpointManager:
                 f"checkpoint step {step} is not after the latest step {latest} in "
                 f"{self._directory}; save a later step or {_FIX}"
             )
+        self._retain(keep=None if self._max_to_keep is None else self._max_to_keep - 1)
         payload = {
             "format": _FORMAT,
             "meta": dict(meta),
@@ -296,6 +365,7 @@ class CheckpointManager:
             "model": tree_fingerprint(state.params, "params"),
             "opt_state": _opt_fingerprint(state.opt_state),
             "model_state": tree_fingerprint(state.model_state, "model_state"),
+            "checksums": tree_checksums(state),
         }
         os.makedirs(self._directory, exist_ok=True)
         self._manager.save(
@@ -331,9 +401,15 @@ class CheckpointManager:
                 f"checkpoint at {where} was not written by adaptjax.CheckpointManager (it has "
                 f"no 'meta' item); {_FIX}"
             )
-        payload = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-            "meta"
-        ]
+        try:
+            payload = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )["meta"]
+        except Exception as e:  # Orbax/JSON errors name neither the step nor a fix
+            raise CorruptCheckpointError(
+                f"checkpoint at {where} has an unreadable meta item ({_first_line(e)}); "
+                "restore an earlier step or move this one away"
+            ) from e
         if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
             raise ValueError(
                 f"checkpoint at {where} has meta format "
@@ -420,23 +496,99 @@ class CheckpointManager:
                 restore_args.append(
                     ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
                 )
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    item=treedef.unflatten(abstract),
-                    restore_args=treedef.unflatten(restore_args),
-                )
-            ),
-        )["state"]
+        try:
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item=treedef.unflatten(abstract),
+                        restore_args=treedef.unflatten(restore_args),
+                    )
+                ),
+            )["state"]
+        except Exception as e:  # TensorStore/Orbax errors name neither the step nor a fix
+            raise CorruptCheckpointError(
+                f"checkpoint at {where} has unreadable arrays ({_first_line(e)}); "
+                "restore an earlier step or move this one away"
+            ) from e
+        self._verify(restored, payload, where)
         if rescale:
             restored = merge_replicas(restored, n_new)
             restored = jax.device_put(restored, train_state_shardings(restored, mesh, axis_name))
         return restored, payload["meta"]
 
+    @staticmethod
+    def _verify(restored, payload: dict, where: str) -> None:
+        saved = payload.get("checksums")
+        if saved is None:
+            raise CorruptCheckpointError(
+                f"checkpoint at {where} has no checksums, so its arrays cannot be verified; "
+                "restore an earlier step or move this one away"
+            )
+        for path, digest in tree_checksums(restored).items():
+            if saved.get(path) != digest:
+                raise CorruptCheckpointError(
+                    f"checkpoint at {where} is corrupt: {path} does not match the checksum "
+                    "written at save; restore an earlier step or move this one away"
+                )
+
+    def _retain(self, keep: int | None) -> None:
+        """Deletes the oldest complete checkpoints beyond the newest ``keep``."""
+        if keep is None:
+            return
+        steps = self.all_steps()
+        for step in steps[: max(0, len(steps) - keep)]:
+            self._manager.delete(step)
+
+    def delete(self, step: int) -> None:
+        """Deletes the checkpoint of ``step`` (waits for a pending save first)."""
+        self._settle()
+        self._manager.delete(step)
+
+    def is_saving(self) -> bool:
+        """Whether a save is still being written in the background (does not wait)."""
+        return bool(self._manager.is_saving_in_progress())
+
+    def wait(self) -> None:
+        """Blocks until a pending save is complete on disk (or has failed: it raises)."""
+        self._manager.wait_until_finished()
+
+    def discard_incomplete(self) -> list[str]:
+        """Removes the temporary directories of saves that never completed; returns them.
+
+        Call it only when no save is in flight (after :meth:`wait`): an interrupted
+        process leaves ``<step>.orbax-checkpoint-tmp*`` behind, which no restore reads.
+        """
+        pattern = os.path.join(glob.escape(self._directory), "*.orbax-checkpoint-tmp*")
+        gone = sorted(glob.glob(pattern))
+        for path in gone:
+            shutil.rmtree(path, ignore_errors=True)
+        return gone
+
+    def quarantine(self, step: int, into: str | os.PathLike) -> str:
+        """Moves checkpoint ``step`` out of the directory (into ``into``) and returns its new path.
+
+        Used for a checkpoint that failed verification: it is kept for
+        inspection, never deleted, and no longer counts as a checkpoint.
+        """
+        into = os.fspath(into)
+        os.makedirs(into, exist_ok=True)
+        target = os.path.join(into, str(step))
+        n = 1
+        while os.path.exists(target):
+            target = os.path.join(into, f"{step}.{n}")
+            n += 1
+        shutil.move(os.path.join(self._directory, str(step)), target)
+        self._manager.reload()
+        return target
+
     def close(self) -> None:
-        """Waits for a pending save and releases Orbax's resources."""
-        self._manager.close()
+        """Waits for a pending save, applies ``max_to_keep`` and releases Orbax's resources."""
+        try:
+            self._manager.wait_until_finished()
+            self._retain(self._max_to_keep)
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -414,7 +414,6 @@ def test_bad_restore_arguments(tmp_path, mesh4, trained8):
             target_state=target, mesh=jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
         )
     shutil.rmtree(tmp_path / "empty" / "1" / "meta")
-    with pytest.raises(
-        ValueError, match=r"^checkpoint at .*empty/1 was not written by adaptjax.CheckpointManager"
-    ):
-        ckpt.restore(target_state=target, mesh=mesh4)
+    with pytest.warns(UserWarning, match=r"empty/1 is not an adaptjax checkpoint \(no state/meta"):
+        with pytest.raises(ValueError, match=r"^no complete checkpoint in .*empty; save one"):
+            ckpt.restore(target_state=target, mesh=mesh4)
