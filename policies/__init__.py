@@ -46,7 +46,7 @@ from adaptjax.policies._goodput import (
     statistical_efficiency,
 )
 from adaptjax.policies._plateau import EarlyStop, ReduceLROnPlateau
-from adaptjax.policies._policy import Policy, validate_actions
+from adaptjax.policies._policy import Policy, required_metrics, validate_actions
 from adaptjax.policies._schedule import Schedule
 from adaptjax.policies._switch_compression import SwitchCompression
 
@@ -76,6 +76,7 @@ __all__ = [
     "hysteresis",
     "lr_scale",
     "read_metric",
+    "required_metrics",
     "statistical_efficiency",
     "validate_actions",
     "when",

@@ -20,6 +20,7 @@ from adaptjax.policies._policy import (
     check_policy,
     load_policy_state,
     policy_state,
+    required_metrics,
     validate_actions,
 )
 
@@ -28,6 +29,9 @@ class _Wrapper(StatefulPolicy):
     """A stateful policy around one inner policy stored in the field ``policy``."""
 
     policy: Any
+
+    def required_metrics(self) -> frozenset[str]:
+        return required_metrics(self.policy)
 
     def state_dict(self) -> dict:
         return {**copy.deepcopy(self._state), "policy": policy_state(self.policy)}
@@ -261,6 +265,9 @@ class AnyOf(Policy):
                     if extra:
                         out[index] = SetHyperparams({**kept, **extra})
         return out
+
+    def required_metrics(self) -> frozenset[str]:
+        return frozenset().union(*(required_metrics(p) for p in self.policies))
 
     def state_dict(self) -> dict:
         return {"policies": [policy_state(p) for p in self.policies]}

@@ -81,6 +81,10 @@ class ReduceLROnPlateau(StatefulPolicy):
     def _initial_state(self) -> dict:
         return {"best": None, "best_step": None, "reductions": 0}
 
+    def required_metrics(self) -> frozenset[str]:
+        """``{metric}``: the metric this policy watches."""
+        return frozenset({self.metric})
+
     def decide(self, metrics: Mapping[str, float], ctx: Context) -> list[Action]:
         """Returns ``[SetHyperparams({key: reduced})]`` after a plateau, else ``[]``."""
         if self.key not in ctx.hyperparams:
@@ -157,6 +161,10 @@ class EarlyStop(StatefulPolicy):
 
     def _initial_state(self) -> dict:
         return {"best": None, "best_step": None}
+
+    def required_metrics(self) -> frozenset[str]:
+        """``{metric}``: the metric this policy watches."""
+        return frozenset({self.metric})
 
     def decide(self, metrics: Mapping[str, float], ctx: Context) -> list[Action]:
         """Returns ``[Stop(reason)]`` once the target is reached or patience runs out."""

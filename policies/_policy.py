@@ -52,6 +52,14 @@ class Policy(abc.ABC):
           A list of actions, each an instance of one of ``ACTION_TYPES``.
         """
 
+    def required_metrics(self) -> frozenset[str]:
+        """Metrics without which this policy never acts (``frozenset()`` when none).
+
+        The controller warns in one line at construction when a policy needs a
+        metric it will never produce (e.g. ``comm_share`` without a link model).
+        """
+        return frozenset()
+
     def state_dict(self) -> dict:
         """The policy's state, JSON-serialisable (``{}`` for a stateless policy)."""
         return {}
@@ -59,6 +67,18 @@ class Policy(abc.ABC):
     def load_state_dict(self, state: dict) -> None:
         """Restores the state returned by :meth:`state_dict` (no-op when stateless)."""
         del state
+
+
+def required_metrics(policy: Any) -> frozenset[str]:
+    """The metrics ``policy`` needs in order to act (policies without the method need none).
+
+    Example:
+      >>> from adaptjax.policies import SwitchCompression, any_of, cooldown, required_metrics
+      >>> sorted(required_metrics(any_of(cooldown(SwitchCompression("c"), steps=5))))
+      ['comm_share']
+    """
+    method = getattr(policy, "required_metrics", None)
+    return frozenset(method()) if callable(method) else frozenset()
 
 
 def _type_names(types: Iterable[type]) -> str:

@@ -62,6 +62,10 @@ class SwitchCompression(Policy):
             )
             object.__setattr__(self, "off_below", below)
 
+    def required_metrics(self) -> frozenset[str]:
+        """``{"comm_share"}``: without it this policy never acts."""
+        return frozenset({"comm_share"})
+
     def decide(self, metrics: Mapping[str, float], ctx: Context) -> list[Action]:
         """Returns ``[SetCodec(codec)]``, ``[SetCodec(None)]`` or ``[]``."""
         share = read_metric(metrics, "comm_share")
