@@ -5,9 +5,9 @@ measure them while they do (noise scale, SNR, variance), a data-parallel step
 builder, per-replica state, and collective accounting from the compiled HLO.
 """
 
-from adaptjax._checkpoint import CheckpointManager
+from adaptjax._checkpoint import CheckpointManager, CorruptCheckpointError
 from adaptjax._codec import GradientCodec
-from adaptjax._controller import Controller, RunConfig, codec_key
+from adaptjax._controller import EXIT_PREEMPTED, Controller, NonFiniteTraining
 from adaptjax._data import ArrayDataset, IterableDataset
 from adaptjax._metrics import UpdateNormState, collect_metrics, read_metrics, update_norm
 from adaptjax._monitors import (
@@ -28,6 +28,8 @@ from adaptjax._per_replica import (
     to_global,
     to_local,
 )
+from adaptjax._run_config import RunConfig, codec_key
+from adaptjax._run_lock import RunDirectoryLocked
 from adaptjax._run_log import RunLog
 from adaptjax._state import (
     TrainState,
@@ -44,6 +46,10 @@ from adaptjax._wire import Collective, WireReport, wire_bytes
 __all__ = [
     "abstract_state",
     "Controller",
+    "CorruptCheckpointError",
+    "EXIT_PREEMPTED",
+    "NonFiniteTraining",
+    "RunDirectoryLocked",
     "RunConfig",
     "RunLog",
     "codec_key",

@@ -1,12 +1,17 @@
-"""The host-side controller: runs the step, reads metrics, asks policies, carries out actions."""
+"""The host-side controller: one linear loop of dispatch, record, decide, apply."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import json
+import math
 import os
-import re
+import signal
+import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -17,65 +22,32 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from adaptjax import policies as ajp
-from adaptjax._checkpoint import CheckpointManager
 from adaptjax._codec import GradientCodec
-from adaptjax._metrics import update_norm
+from adaptjax._data import check_count
+from adaptjax._metrics_reader import MetricsReader, Snapshot
 from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
-from adaptjax._run_log import RunLog
-from adaptjax._state import abstract_state, init_state, merge_model, shape_struct
-from adaptjax._step import DataParallelStep, data_parallel_step, make_mesh
-from adaptjax._sync import SyncState, sync_gradients
+from adaptjax._run_config import RunConfig, codec_key
+from adaptjax._run_dir import RunDirectory, check_writable_dir, elapsed
+from adaptjax._state import merge_model
+from adaptjax._step import make_mesh
+from adaptjax._step_cache import OPTIMIZER, SYNC, StepCache
+from adaptjax._transition import Transition, plan_transition
 
-_CKPT = "checkpoints"
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """The configuration that decides which compiled step runs.
-
-    Attributes:
-      devices: replicas on the 1-D ``"data"`` mesh.
-      batch_size: global batch (samples per step).
-      microbatches: gradient accumulation steps per replica.
-      codec: the codec's key (see :func:`codec_key`), or ``None`` for a dense sync.
-
-    Example:
-      >>> from adaptjax import RunConfig
-      >>> RunConfig(devices=8, batch_size=64)
-      RunConfig(devices=8, batch_size=64, microbatches=1, codec=None)
-    """
-
-    devices: int
-    batch_size: int
-    microbatches: int = 1
-    codec: str | None = None
+#: Exit code after SIGTERM: a checkpoint of the current step was written; start again to resume.
+EXIT_PREEMPTED = 75
 
 
-def codec_key(codec) -> str | None:
-    """A stable name for a codec object: its ``repr`` without memory addresses.
+class NonFiniteTraining(RuntimeError):
+    """Every step of a long stretch produced non-finite updates (all of them were skipped).
+
+    Raised by :meth:`Controller.run` after ``max_nonfinite_steps`` consecutive
+    skipped steps, instead of finishing a run that learned nothing.
 
     Example:
-      >>> from adaptjax import codec_key
-      >>> codec_key(None) is None
+      >>> import adaptjax
+      >>> issubclass(adaptjax.NonFiniteTraining, RuntimeError)
       True
     """
-    if codec is None:
-        return None
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(codec))
-
-
-def _check_writable_dir(path: str) -> None:
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"run_dir {path} is not writable ({probe} is not a writable directory); "
-            "choose a run_dir you can write to"
-        )
 
 
 def _find_codecs(obj, found: dict, depth: int = 0) -> None:
@@ -90,17 +62,13 @@ def _find_codecs(obj, found: dict, depth: int = 0) -> None:
         found[codec_key(obj)] = obj
         return
     if isinstance(obj, Mapping):
-        for v in obj.values():
-            _find_codecs(v, found, depth + 1)
-        return
-    if isinstance(obj, list | tuple):
-        for v in obj:
-            _find_codecs(v, found, depth + 1)
-        return
-    attrs = getattr(obj, "__dict__", None)
-    if attrs:
-        for v in attrs.values():
-            _find_codecs(v, found, depth + 1)
+        values = obj.values()
+    elif isinstance(obj, list | tuple):
+        values = obj
+    else:
+        values = (getattr(obj, "__dict__", None) or {}).values()
+    for v in values:
+        _find_codecs(v, found, depth + 1)
 
 
 class _NoPolicy(ajp.Policy):
@@ -110,47 +78,107 @@ class _NoPolicy(ajp.Policy):
         return []
 
 
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "adaptjax", "jax-compilation-cache")
+
+
+def _enable_compilation_cache(where) -> None:
+    if where is None:
+        return
+    if where == "auto":
+        if jax.config.jax_compilation_cache_dir:  # the user's own setting wins
+            return
+        where = _default_cache_dir()
+    jax.config.update("jax_compilation_cache_dir", os.fspath(where))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
+def _check_hyperparams(optimizer, hyperparams) -> dict:
+    """Checks ``hyperparams`` against ``optimizer``'s signature and values; returns a dict."""
+    if not isinstance(hyperparams, Mapping):
+        raise ValueError(
+            f"hyperparams must be a dict of the optimizer's arguments, got "
+            f"{type(hyperparams).__name__}"
+        )
+    name = getattr(optimizer, "__qualname__", repr(optimizer))
+    try:
+        params = inspect.signature(optimizer).parameters
+    except (TypeError, ValueError):
+        params = None
+    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        names = [
+            k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
+        for key in hyperparams:
+            if key not in names:
+                raise ValueError(
+                    f"hyperparams has {key!r}, which {name} does not take; its arguments are "
+                    f"{', '.join(names)}"
+                )
+        for k, p in params.items():
+            if p.default is p.empty and p.kind is not p.VAR_POSITIONAL and k not in hyperparams:
+                raise ValueError(f"hyperparams needs {k!r}: {name} has no default for it")
+    for key, value in hyperparams.items():
+        if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+            continue
+        if not math.isfinite(float(value)):
+            raise ValueError(f"hyperparams[{key!r}] must be finite, got {value}")
+        if key == "learning_rate" and not float(value) > 0:
+            raise ValueError(f"learning_rate must be > 0, got {value}")
+    return dict(hyperparams)
+
+
 class Controller:
     """Runs adaptive data-parallel training: step, measure, decide, act.
 
     Every step runs :func:`adaptjax.data_parallel_step` on a 1-D ``"data"``
-    mesh with ``optax.chain(sync_gradients(codec, monitors), optimizer,
-    update_norm())``. The optimizer is wrapped in ``optax.inject_hyperparams``
-    so hyperparameters live in the state and change without recompiling.
+    mesh with ``optax.named_chain(("sync", sync_gradients(codec, monitors)),
+    ("optimizer", inject_hyperparams(optimizer)), ("update_norm", ...))``, so
+    hyperparameters live in the state (``state.opt_state["optimizer"]``) and
+    change without recompiling.
 
-    The host reads each step's metrics one step behind (dispatch never waits
-    on the device) except at *sync points* — checkpoint and evaluation steps,
-    and the last step — where it drains them first, so what a policy sees and
-    when its actions take effect depends only on step numbers: a resumed run
-    makes the same decisions as an uninterrupted one. Policies are asked
-    every ``policy_every`` steps; their actions are carried out before the
-    next step is dispatched:
+    **The loop.** Each turn runs, in this order and with no path back:
+    *dispatch* step *t* -> *record* the metrics of earlier steps into
+    ``metrics.jsonl`` (read one step behind, so dispatch never waits on the
+    device; drained at checkpoint, evaluation and final steps) -> *decide*
+    once, on the snapshot of step *t-1* when ``(t-1) % policy_every == 0``
+    (``Context.step`` is *t-1*, the step the metrics belong to) -> *apply* the
+    actions. A decision on step *s* always takes effect before step *s+2* is
+    dispatched, so what policies see and when their actions act depends on
+    step numbers only: a resumed run makes the decisions the uninterrupted one
+    made. Recording never decides and applying never records a decision.
 
-    * ``SetHyperparams``: written into the state (no compilation).
-    * ``SetBatchSize``: the next batch has the new size (compiled once per
-      shape, then cached); the data cursor is a sample index, so no sample is
-      skipped or repeated. A size that doesn't divide by replicas x
-      microbatches is rounded to the nearest multiple (logged as
-      ``batch_rounded``).
-    * ``Rescale``: checkpoint through Orbax, build the new mesh, restore onto
-      it (per-replica state merged by its rule), continue; the global batch is
-      rounded to a multiple of the new replica count if needed.
-    * ``SetCodec``: the sync uses the new codec (``None``: dense); the codec's
-      own state (e.g. error-feedback residuals) starts fresh, optimizer and
-      monitor states carry over.
-    * ``Checkpoint``, ``Stop``; ``Rollback`` returns params and optimizer
-      state to the latest checkpoint while the step count, data cursor and
-      policy state go on forward (see :meth:`rollback`).
+    **Actions.** ``SetHyperparams`` writes into the state (no compilation);
+    ``SetBatchSize`` changes the next batch (compiled once per shape, then
+    cached; rounded to a multiple of replicas x micro-batches, logged as
+    ``batch_rounded``); ``SetCodec`` swaps the sync's codec (its own state
+    starts fresh; optimizer and monitor states carry over); ``Rescale`` goes
+    through an Orbax checkpoint that records the new configuration, then a
+    restore onto the new mesh; ``Checkpoint``; ``Stop``; ``Rollback`` returns
+    params and optimizer state to the latest checkpoint while the step count,
+    data cursor and policy state go on forward. A configuration change is a
+    transition: a checkpoint written for it holds the configuration the run
+    continues in together with the policy state that chose it, so a kill at
+    any instant resumes in a state the uninterrupted run also passed through.
 
-    Compiled steps are cached per :class:`RunConfig`, so returning to a
-    configuration seen before never compiles. ``run_dir`` receives
-    ``metrics.jsonl``, ``events.jsonl``, ``tensorboard/`` and ``checkpoints/``.
+    **Promises under faults.** One controller per ``run_dir`` (an advisory
+    lock; a second gets a one-line error naming the holder's pid). Logs are
+    fsynced at every checkpoint and truncated to the checkpoint on resume, so
+    every step and event is logged once. Checkpoints carry checksums; a resume
+    skips (and moves to ``run_dir/quarantine/``) any that fail verification,
+    newest first. On an exception or Ctrl-C the in-flight checkpoint is
+    finished or discarded before the exception leaves :meth:`run`; on SIGTERM
+    (preemption) the current step is checkpointed and the process exits with
+    :data:`EXIT_PREEMPTED` (75). Every argument is checked before anything
+    touches the disk.
 
     Args:
       model: a flax NNX module or a pytree of float parameters (the initial values).
       loss_fn: ``loss_fn(model_or_params, batch) -> loss`` (or ``(loss, aux)``).
       optimizer: an optax optimizer factory such as ``optax.adamw``.
-      hyperparams: its keyword arguments (numbers live in the state).
+      hyperparams: its keyword arguments, checked against its signature
+        (numbers live in the state).
       data: an :class:`adaptjax.ArrayDataset` (or anything with ``next_batch``,
         ``state_dict`` and ``load_state_dict``).
       devices: initial replica count.
@@ -164,24 +192,29 @@ class Controller:
         scale, SNR and gradient norm).
       norm_chunks: see :func:`adaptjax.sync_gradients`.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      policy_every: ask the policies every this many steps.
+      policy_every: ask the policies about every this many steps.
       checkpoint_every: periodic checkpoints (``None``: only on rescale and at the end).
       max_to_keep: checkpoints kept on disk.
-      eval_fn: ``eval_fn(model_or_params) -> {name: float}``, run at sync points
-        every ``eval_every`` steps; names are prefixed ``eval_``.
+      eval_fn: ``eval_fn(model_or_params) -> {name: float}``, run every
+        ``eval_every`` steps on the model after that step; its values join
+        that step's metrics, prefixed ``eval_``.
       eval_every: evaluation interval in steps.
       max_devices: the most replicas a policy may ask for (default: all devices).
       link_bandwidth: bytes/s of the modelled interconnect. When set, the
         controller reads the bytes each compiled step sends (from its HLO, via
         :func:`adaptjax.wire_bytes`) and reports ``comm_time`` (= bytes /
-        bandwidth) and ``comm_share`` (= comm / (measured step time + comm)).
-        Simulated CPU devices have no real link, so this is a model, stated
-        as such.
+        bandwidth) and ``comm_share`` (= comm / (measured step time + comm)),
+        which ``SwitchCompression`` needs.
       progress: show a tqdm progress bar.
       tensorboard: write TensorBoard event files.
-      compilation_cache_dir: enable JAX's persistent compilation cache there.
-      resume: continue from the latest complete checkpoint in ``run_dir``.
+      compilation_cache_dir: JAX's persistent compilation cache, so a resume or
+        relaunch compiles nothing it compiled before: ``"auto"`` (default) uses
+        ``$XDG_CACHE_HOME/adaptjax/jax-compilation-cache`` unless JAX already
+        has a cache directory; a path uses that; ``None`` leaves JAX as it is.
+      resume: continue from the newest intact checkpoint in ``run_dir``.
       on_step: optional hook ``on_step(controller)`` called after each dispatch.
+      max_nonfinite_steps: stop with :class:`NonFiniteTraining` after this many
+        consecutive skipped (non-finite) steps; ``None`` never stops.
 
     Example:
       >>> import tempfile, numpy as np, jax.numpy as jnp, optax, adaptjax
@@ -197,6 +230,7 @@ class Controller:
       >>> ctrl.run(steps=20)
       >>> ctrl.step, ctrl.config.devices, ctrl.data.cursor
       (20, 2, 640)
+      >>> ctrl.close()
     """
 
     def __init__(
@@ -225,166 +259,175 @@ class Controller:
         link_bandwidth: float | None = None,
         progress: bool = True,
         tensorboard: bool = True,
-        compilation_cache_dir: str | None = None,
+        compilation_cache_dir: str | os.PathLike | None = "auto",
         resume: bool = False,
         on_step: Callable[[Controller], None] | None = None,
+        max_nonfinite_steps: int | None = 100,
     ):
-        # --- everything is checked before anything touches the disk ----------------
+        # ---- every argument is checked before anything touches the disk ----------------
         run_dir = os.fspath(run_dir)
+        self.config = RunConfig(devices, batch_size, microbatches, codec_key(codec))
         available = len(jax.devices())
-        self.max_devices = available if max_devices is None else int(max_devices)
+        self.max_devices = (
+            available
+            if max_devices is None
+            else check_count(max_devices, "max_devices", positive=True)
+        )
         if self.max_devices > available:
             raise ValueError(
                 f"max_devices={self.max_devices} but only {available} devices exist; "
                 f"use max_devices <= {available}"
             )
-        make_mesh(devices)  # more devices than exist -> one-line error
-        for name, value in (("policy_every", policy_every), ("microbatches", microbatches)):
-            if int(value) < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        for name, value in (("checkpoint_every", checkpoint_every), ("eval_every", eval_every)):
-            if value is not None and int(value) < 1:
-                raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if self.max_devices < self.config.devices:
+            raise ValueError(
+                f"max_devices={self.max_devices} is below devices={self.config.devices}; "
+                f"use max_devices >= {self.config.devices}"
+            )
+        make_mesh(self.config.devices)  # more devices than exist -> one-line error
+        self.policy_every = check_count(policy_every, "policy_every", positive=True)
+        self.checkpoint_every = (
+            None
+            if checkpoint_every is None
+            else check_count(checkpoint_every, "checkpoint_every", positive=True)
+        )
+        self.eval_every = (
+            None if eval_every is None else check_count(eval_every, "eval_every", positive=True)
+        )
+        self.max_nonfinite_steps = (
+            None
+            if max_nonfinite_steps is None
+            else check_count(max_nonfinite_steps, "max_nonfinite_steps", positive=True)
+        )
         if eval_fn is not None and eval_every is None:
             raise ValueError("eval_fn needs eval_every (evaluate every this many steps)")
-        self._check_batch(int(batch_size), int(devices), int(microbatches))
+        if link_bandwidth is not None and not (
+            isinstance(link_bandwidth, int | float)
+            and math.isfinite(link_bandwidth)
+            and link_bandwidth > 0
+        ):
+            raise ValueError(
+                f"link_bandwidth must be a positive number of bytes/s, got {link_bandwidth!r}"
+            )
+        hyperparams = _check_hyperparams(optimizer, hyperparams)
         for attr in ("next_batch", "state_dict", "load_state_dict"):
             if not hasattr(data, attr):
                 raise ValueError(
                     f"data has no {attr}(); wrap arrays in adaptjax.ArrayDataset or an "
                     "iterable in adaptjax.IterableDataset"
                 )
-        _check_writable_dir(run_dir)
-        ckpt_dir = os.path.join(run_dir, _CKPT)
-        self.checkpoints = CheckpointManager(ckpt_dir, max_to_keep=max_to_keep)
-        latest = self.checkpoints.latest_step()
-        if not resume and latest is not None:
+        check_writable_dir(run_dir)
+        ckpt_dir = os.path.join(run_dir, "checkpoints")
+        has_checkpoints = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+        if not resume and has_checkpoints:
             raise ValueError(
                 f"run_dir {run_dir} already holds checkpoints; use Controller.resume(...) "
                 "to continue that run or choose a new run_dir"
             )
-        if resume and latest is None:
+        if resume and not has_checkpoints:
             raise ValueError(f"no complete checkpoint in {ckpt_dir} to resume from")
         self.policy = ajp.any_of(*policies) if policies else _NoPolicy()
-        self._codecs: dict[str | None, Any] = {None: None}
-        if codec is not None:
-            self._codecs[codec_key(codec)] = codec
-        _find_codecs(list(policies), self._codecs)
-
-        if compilation_cache_dir is not None:
-            jax.config.update("jax_compilation_cache_dir", os.fspath(compilation_cache_dir))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-        self.loss_fn = loss_fn
-        self.optimizer = optimizer
-        self.data = data
-        self.run_dir = run_dir
-        self.has_aux = has_aux
-        self.norm_chunks = int(norm_chunks)
-        self.monitors = (
+        monitors = (
             (GradientNoiseScale(), GradientSNR(), GradientNorm())
             if monitors is None
-            else tuple(monitors)
+            else (tuple(monitors))
         )
-        self.policy_every = int(policy_every)
-        self.checkpoint_every = checkpoint_every
+        self.steps = StepCache(
+            model=model,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            hyperparams=hyperparams,
+            monitors=monitors,
+            norm_chunks=int(norm_chunks),
+            has_aux=has_aux,
+        )
+        self.steps.add_codec(codec)
+        _find_codecs(list(policies), self.steps.codecs)
+        self._warn_unproducible_metrics(monitors, link_bandwidth, eval_fn)
+        _enable_compilation_cache(compilation_cache_dir)
+
+        self.data = data
         self.eval_fn = eval_fn
-        self.eval_every = eval_every
         self.link_bandwidth = link_bandwidth
         self.on_step = on_step
-        self._model = model
-        self.hyperparams = {k: v for k, v in hyperparams.items()}
-        self._hyper_numeric = {
-            k: float(v)
-            for k, v in self.hyperparams.items()
-            if isinstance(v, int | float | np.number) and not isinstance(v, bool)
-        }
-        self.config = RunConfig(int(devices), int(batch_size), int(microbatches), codec_key(codec))
-        self._meshes: dict[int, Any] = {}
-        self._txs: dict[str | None, optax.GradientTransformation] = {}
-        self._steps: dict[RunConfig, DataParallelStep] = {}
-        self._comm_bytes: dict[RunConfig, float | None] = {}
-        self._step_times: dict[RunConfig, list[float]] = {}
+        self._progress = progress
+        self.reader = MetricsReader(self._comm_time)
         self.compilations = 0
         self.step = 0
         self.samples_seen = 0
-        self.nonfinite_count = 0
         self.latest_metrics: dict[str, float] = {}
+        self._to_decide: list[Snapshot] = []
         self._stop_reason: str | None = None
-        self._pending: list[tuple[int, RunConfig, Any]] = []
-        self._last_ready: float | None = None
-        self._fresh_config = True
+        self._preempted = threading.Event()
 
-        os.makedirs(run_dir, exist_ok=True)
-        self.log = RunLog(run_dir, tensorboard=tensorboard)
-        self._progress = progress
-        if resume:
-            self._resume_latest()
-        else:
-            self.state = init_state(model, self._tx(self.config.codec), self._mesh(devices))
+        # ---- the disk: lock first, then logs and state ---------------------------------
+        self._dir = RunDirectory(run_dir, max_to_keep=max_to_keep)
+        try:
+            if resume:
+                self._resume(
+                    dict(
+                        devices=devices,
+                        batch_size=batch_size,
+                        microbatches=microbatches,
+                        codec=codec_key(codec),
+                    ),
+                    hyperparams,
+                    tensorboard,
+                )
+            else:
+                # Rows left by an earlier attempt that never checkpointed are recomputed.
+                self._dir.open_log(tensorboard=tensorboard, resume_from=0)
+                self.state = self.steps.init_state(self.config)
+        except BaseException:
+            self._dir.close()
+            raise
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def resume(cls, run_dir: str | os.PathLike, **kwargs) -> Controller:
-        """Continues the run in ``run_dir`` from its latest complete checkpoint.
+    def resume(cls, run_dir: str | os.PathLike | None = None, **kwargs) -> Controller:
+        """Continues the run in ``run_dir`` from its newest intact checkpoint.
 
         Pass the same model, loss, optimizer, data, policies and codecs as the
-        original run (the code can't be read from disk); the configuration in
-        force, the data cursor, the optimizer and policy states come from the
-        checkpoint, so the run continues exactly where it was.
+        original run (code can't be read from disk); ``run_dir`` may be given
+        here or among those arguments. The configuration in force, the
+        hyperparameters, the data cursor, the optimizer and policy states come
+        from the checkpoint, so the run continues exactly where it was; a
+        passed value the checkpoint overrides is named in a one-line warning.
         """
-        return cls(run_dir=run_dir, resume=True, **kwargs)
-
-    @staticmethod
-    def _check_batch(batch_size: int, devices: int, microbatches: int) -> None:
-        if batch_size < devices:
+        if run_dir is None and "run_dir" not in kwargs:
+            raise ValueError("Controller.resume needs run_dir")
+        kwargs.setdefault("run_dir", run_dir)
+        if run_dir is not None and os.fspath(kwargs["run_dir"]) != os.fspath(run_dir):
             raise ValueError(
-                f"batch_size {batch_size} is smaller than the replica count {devices}; "
-                f"use batch_size >= {devices}"
+                f"Controller.resume got two run_dirs ({run_dir} and {kwargs['run_dir']}); pass one"
             )
-        if batch_size % (devices * microbatches):
-            raise ValueError(
-                f"batch_size {batch_size} is not divisible by replicas x microbatches = "
-                f"{devices} x {microbatches}; use a multiple of {devices * microbatches}"
-            )
+        kwargs["resume"] = True
+        return cls(**kwargs)
 
-    def _mesh(self, devices: int):
-        if devices not in self._meshes:
-            self._meshes[devices] = make_mesh(devices)
-        return self._meshes[devices]
-
-    def _tx(self, key: str | None) -> optax.GradientTransformation:
-        if key not in self._txs:
-            if key not in self._codecs:
-                raise ValueError(
-                    f"codec {key!r} is not known to this controller; pass it as codec= "
-                    "or inside a policy (e.g. SwitchCompression(codec))"
-                )
-            opt = optax.inject_hyperparams(self.optimizer, hyperparam_dtype=np.float32)(
-                **self.hyperparams
+    def _warn_unproducible_metrics(self, monitors, link_bandwidth, eval_fn) -> None:
+        produced_by = {
+            "comm_share": link_bandwidth is not None,
+            "comm_time": link_bandwidth is not None,
+        }
+        builtin = (GradientNoiseScale, GradientSNR, GradientNorm)
+        if all(isinstance(m, builtin) for m in monitors):  # a user's monitor may produce any
+            for key, cls in (("noise_scale", GradientNoiseScale), ("grad_snr", GradientSNR)):
+                produced_by[key] = any(isinstance(m, cls) for m in monitors)
+        needed = ajp.required_metrics(self.policy)
+        for metric in sorted(needed):
+            if metric.startswith("eval_") and eval_fn is None:
+                reason = "no eval_fn was given"
+            elif produced_by.get(metric, True):
+                continue
+            elif metric.startswith("comm_"):
+                reason = "it needs link_bandwidth= (bytes/s of the link)"
+            else:
+                reason = "no monitor produces it"
+            warnings.warn(
+                f"a policy needs the metric {metric!r}, which this controller never produces "
+                f"({reason}); that policy cannot act",
+                UserWarning,
+                stacklevel=3,
             )
-            self._txs[key] = optax.chain(
-                sync_gradients(
-                    "data",
-                    codec=self._codecs[key],
-                    monitors=self.monitors,
-                    norm_chunks=self.norm_chunks,
-                ),
-                opt,
-                update_norm(),
-            )
-        return self._txs[key]
-
-    def _step_fn(self, config: RunConfig) -> DataParallelStep:
-        if config not in self._steps:
-            self._steps[config] = data_parallel_step(
-                self.loss_fn,
-                self._tx(config.codec),
-                self._mesh(config.devices),
-                microbatches=config.microbatches,
-                has_aux=self.has_aux,
-            )
-        return self._steps[config]
 
     # ------------------------------------------------------------------ the loop
     @property
@@ -392,11 +435,41 @@ class Controller:
         """The current model (NNX module) or params, on the host's view of the mesh."""
         return merge_model(self.state.graphdef, self.state.params, self.state.model_state)
 
+    @property
+    def run_dir(self) -> str:
+        """The run directory's path."""
+        return self._dir.path
+
+    @property
+    def log(self):
+        """The run's :class:`adaptjax.RunLog` (``log.events`` lists this session's events)."""
+        return self._dir.log
+
+    @property
+    def checkpoints(self):
+        """The run's :class:`adaptjax.CheckpointManager`."""
+        return self._dir.checkpoints
+
+    @property
+    def nonfinite_count(self) -> int:
+        """Steps skipped so far for non-finite values (recorded steps)."""
+        return self.reader.nonfinite_count
+
     def run(self, steps: int) -> None:
         """Trains until ``self.step == steps`` (absolute) or a policy stops the run.
 
-        A final checkpoint is written at the end.
+        A checkpoint of the last step is written at the end. On SIGTERM the
+        current step is checkpointed and ``SystemExit(EXIT_PREEMPTED)`` is
+        raised; on any exception (Ctrl-C included) the in-flight checkpoint is
+        finished or discarded, the logs are synced and the run directory is
+        released before the exception propagates.
         """
+        steps = check_count(steps, "steps")
+        if steps < self.step:
+            raise ValueError(
+                f"run(steps={steps}) counts absolute steps, and this run is already at step "
+                f"{self.step}; pass steps >= {self.step}"
+            )
         from tqdm.auto import tqdm
 
         bar = tqdm(
@@ -407,300 +480,196 @@ class Controller:
             dynamic_ncols=True,
         )
         try:
-            while self.step < steps and self._stop_reason is None:
-                self._dispatch()
-                bar.update(1)
-                if self._progress and self.latest_metrics:
-                    bar.set_postfix(
-                        loss=f"{self.latest_metrics.get('loss', float('nan')):.4f}",
-                        bs=self.config.batch_size,
-                        dev=self.config.devices,
-                        refresh=False,
-                    )
-                if self._is_sync_point(self.step) or self.step >= steps:
-                    self._drain()
-                    self._after_sync_point()
-            self._checkpoint_here()
+            with self._sigterm_checkpoints():
+                while self.step < steps and self._stop_reason is None:
+                    self._turn(final=self.step + 1 >= steps)
+                    bar.update(1)
+                    if self._progress and self.latest_metrics:
+                        bar.set_postfix(
+                            loss=f"{self.latest_metrics.get('loss', math.nan):.4f}",
+                            bs=self.config.batch_size,
+                            dev=self.config.devices,
+                            refresh=False,
+                        )
+                    if self._preempted.is_set():
+                        self._preempt()
+                self._record(lag=0)
+                self._checkpoint()
+                self._dir.confirm(block=True)
+        except BaseException:
+            self.close()
+            raise
         finally:
             bar.close()
-            self.log.flush()
 
-    def close(self) -> None:
-        """Flushes logs and waits for pending checkpoint writes."""
-        self._drain()
-        self.log.close()
-        self.checkpoints.close()
-
-    def _is_sync_point(self, step: int) -> bool:
-        return bool(
-            (self.checkpoint_every and step % self.checkpoint_every == 0)
-            or (self.eval_every and step % self.eval_every == 0)
+    def _turn(self, final: bool) -> None:
+        """One turn: dispatch -> record -> decide -> apply (-> periodic checkpoint)."""
+        self._dispatch()
+        t = self.step
+        if self.on_step is not None:
+            self.on_step(self)
+        sync_point = (
+            final or self._every(self.checkpoint_every, t) or self._every(self.eval_every, t)
         )
+        self._record(lag=0 if sync_point else 1)
+        while self._to_decide and self._to_decide[0].step < t:
+            snapshot = self._to_decide.pop(0)
+            self._decide(snapshot)
+        if self._every(self.checkpoint_every, self.step):
+            self._checkpoint()
+        if sync_point:
+            self.reader.restart_clock()  # evaluation and checkpoints are not step time
+        self._dir.confirm(block=False)
+
+    @staticmethod
+    def _every(n: int | None, step: int) -> bool:
+        return bool(n) and step % n == 0
 
     def _dispatch(self) -> None:
         config = self.config
-        fn = self._step_fn(config)
+        fn = self.steps.step(config)
         batch = self.data.next_batch(config.batch_size)
         before = fn.jitted._cache_size()
         t0 = time.perf_counter()
         self.state, metrics = fn(self.state, batch)
-        if fn.jitted._cache_size() > before:
-            self.compilations += 1
-            self.log.event(
-                "compile",
-                step=self.step + 1,
-                latency_s=time.perf_counter() - t0,
-                config=dataclasses.asdict(config),
-            )
-            self._fresh_config = True
+        compiled = fn.jitted._cache_size() > before
         self.step += 1
         self.samples_seen += config.batch_size
-        self._pending.append((self.step, config, metrics))
-        if self.on_step is not None:
-            self.on_step(self)
-        # Read the previous step's metrics: it is done (or nearly) while this one runs.
-        while len(self._pending) > 1:
-            self._consume(self._pending.pop(0))
+        if compiled:
+            self.compilations += 1
+            self.log.event(
+                "compile", step=self.step, latency_s=elapsed(t0), config=dataclasses.asdict(config)
+            )
+        self.reader.push(self.step, config, metrics, compiled=compiled)
 
-    def _drain(self) -> None:
-        while self._pending:
-            self._consume(self._pending.pop(0))
+    def drain(self) -> None:
+        """Records the metrics of every dispatched step now (waits for the device)."""
+        self._record(lag=0)
 
-    def _consume(self, item) -> None:
-        step, config, metrics = item
-        values = jax.device_get(metrics)
-        now = time.perf_counter()
-        flat = {}
-        for key, value in values.items():
-            if key == "aux":
-                for k, v in jax.tree_util.tree_leaves_with_path(value):
-                    flat["aux" + jax.tree_util.keystr(k)] = float(np.asarray(v))
-            else:
-                flat[key] = float(np.asarray(value))
-        self.nonfinite_count += int(flat.get("nonfinite", 0.0) > 0)
-        flat["nonfinite_count"] = float(self.nonfinite_count)
-        # Step time: the interval between two consecutive completions, skipping
-        # the first step of a configuration (compilation, changed shapes).
-        if self._last_ready is not None and not self._fresh_config:
-            times = self._step_times.setdefault(config, [])
-            times.append(now - self._last_ready)
-            del times[:-32]  # the median of the last 32 is all that is read
-        self._fresh_config = False
-        self._last_ready = now
-        times = self._step_times.get(config)
-        if times:
-            step_time = float(np.median(times))
-            flat["step_time"] = step_time
-            flat["throughput"] = config.batch_size / step_time
-            comm = self._comm_time(config)
-            if comm is not None:
-                flat["comm_time"] = comm
-                flat["comm_share"] = comm / (step_time + comm)
-        flat["batch_size"] = float(config.batch_size)
-        flat["devices"] = float(config.devices)
-        self.latest_metrics = flat
-        self.log.metrics(step, flat)
-        evaluates_here = self.eval_fn is not None and step % self.eval_every == 0
-        if step % self.policy_every == 0 and not evaluates_here:
-            self._decide(step, flat)  # eval steps decide once, after the evaluation
-
-    def _abstract_args(self, config: RunConfig):
-        """The step's (state, batch) arguments at ``config``, as ShapeDtypeStructs."""
-        batch = jax.tree.map(shape_struct, self.data.batch_at(0, config.batch_size))
-        mesh = self._mesh(config.devices)
-        return abstract_state(self._model, self._tx(config.codec), mesh), batch
-
-    def _wire_total(self, config: RunConfig) -> float | None:
-        if config not in self._comm_bytes:
-            from adaptjax._wire import wire_bytes
-
-            total = None
-            if hasattr(self.data, "batch_at"):
-                total = wire_bytes(self._step_fn(config).jitted, *self._abstract_args(config)).total
-            self._comm_bytes[config] = total
-        return self._comm_bytes[config]
-
-    def _comm_time(self, config: RunConfig) -> float | None:
-        """Modelled seconds per step on the link: HLO bytes per device / bandwidth."""
-        if self.link_bandwidth is None:
-            return None
-        total = self._wire_total(config)
-        if total is None:
-            return None
-        return total / float(self.link_bandwidth)
-
-    def _after_sync_point(self) -> None:
-        step = self.step
-        if self.eval_every and step % self.eval_every == 0 and self.eval_fn is not None:
-            t0 = time.perf_counter()
-            results = {f"eval_{k}": float(v) for k, v in self.eval_fn(self.model).items()}
-            self.latest_metrics.update(results)
-            self.log.metrics(step, results)
-            self.log.event("eval", step=step, latency_s=time.perf_counter() - t0, **results)
-            if step % self.policy_every == 0:
-                self._decide(step, self.latest_metrics)
-        if self.checkpoint_every and step % self.checkpoint_every == 0:
-            self._checkpoint_here()
-        # Evaluation and checkpoint time is not step time: restart the clock.
-        self._last_ready = None
+    def _record(self, lag: int) -> None:
+        """Reads finished steps' metrics into the log; queues the ones policies will see."""
+        for snap in self.reader.read(lag):
+            if self.eval_fn is not None and self._every(self.eval_every, snap.step):
+                assert snap.step == self.step, "evaluation runs on the model of its own step"
+                t0 = time.perf_counter()
+                results = {f"eval_{k}": float(v) for k, v in self.eval_fn(self.model).items()}
+                snap.metrics.update(results)
+                self.log.event("eval", step=snap.step, latency_s=elapsed(t0), **results)
+            self.latest_metrics = snap.metrics
+            self.log.metrics(snap.step, snap.metrics)
+            if snap.step % self.policy_every == 0:
+                self._to_decide.append(snap)
+        limit = self.max_nonfinite_steps
+        if limit is not None and self.reader.nonfinite_streak >= limit:
+            self.log.event("nonfinite_stop", step=self.step, streak=self.reader.nonfinite_streak)
+            raise NonFiniteTraining(
+                f"the last {self.reader.nonfinite_streak} recorded steps all had non-finite "
+                "updates and were skipped; lower the learning rate or check the data"
+            )
 
     # ------------------------------------------------------------------ decisions
-    def context(self) -> ajp.Context:
-        """The :class:`adaptjax.policies.Context` policies see now."""
+    def context(self, step: int | None = None) -> ajp.Context:
+        """The :class:`adaptjax.policies.Context` policies see (``step``: the metrics' step)."""
         return ajp.Context(
-            step=self.step,
+            step=self.step if step is None else step,
             batch_size=self.config.batch_size,
             microbatches=self.config.microbatches,
             devices=self.config.devices,
             max_devices=self.max_devices,
-            hyperparams=dict(self._hyper_numeric),
-            codec=self._codecs.get(self.config.codec),
+            hyperparams=self.hyperparams,
+            codec=self.steps.codecs.get(self.config.codec),
             samples_seen=self.samples_seen,
         )
 
-    def _decide(self, step: int, metrics: Mapping[str, float]) -> None:
+    def _decide(self, snapshot: Snapshot) -> None:
         actions = ajp.validate_actions(
-            self.policy.decide(dict(metrics), self.context()), source=self.policy
+            self.policy.decide(dict(snapshot.metrics), self.context(snapshot.step)),
+            source=self.policy,
         )
         if actions:
-            self.log.event("decision", step=step, actions=[repr(a) for a in actions])
+            self.log.event(
+                "decision",
+                step=self.step,
+                metrics_step=snapshot.step,
+                actions=[repr(a) for a in actions],
+            )
             self.apply(actions)
 
     def apply(self, actions: Sequence[ajp.Action]) -> None:
-        """Carries out actions now (policies' actions go through here too)."""
+        """Carries out actions now, as one transition (policies' actions go through here too)."""
         actions = ajp.validate_actions(list(actions))
-        order = {ajp.Rollback: 0, ajp.Rescale: 1, ajp.SetCodec: 2, ajp.SetBatchSize: 3}
-        for action in sorted(actions, key=lambda a: order.get(type(a), 4)):
-            t0 = time.perf_counter()
-            if isinstance(action, ajp.SetHyperparams):
-                self.set_hyperparams(dict(action.values))
-            elif isinstance(action, ajp.SetBatchSize):
-                self.set_batch_size(action.batch_size, action.microbatches)
-            elif isinstance(action, ajp.Rescale):
-                devices = action.devices
-                if devices is None:
-                    devices = int(np.prod(action.mesh_shape))
-                self.rescale(devices)
-            elif isinstance(action, ajp.SetCodec):
-                self.set_codec(action.codec)
-            elif isinstance(action, ajp.Checkpoint):
-                self._checkpoint_here()
-            elif isinstance(action, ajp.Stop):
-                self._stop_reason = action.reason or "stopped by a policy"
-            elif isinstance(action, ajp.Rollback):
-                self.rollback(action.reason)
-            self.log.event(
-                "action", step=self.step, action=repr(action), latency_s=time.perf_counter() - t0
-            )
-
-    def precompile(
-        self,
-        devices: int | None = None,
-        batch_size: int | None = None,
-        microbatches: int | None = None,
-        codec=...,
-    ) -> float:
-        """Compiles the step of a configuration ahead of time; returns the seconds it took.
-
-        Use it before a scheduled rescale or batch change (or in a background
-        thread) so the first step after the change does not wait for XLA: the
-        compiled program lands in JAX's compilation cache and the step's first
-        call finds it. Arguments default to the current configuration.
-
-        Example:
-          >>> # ctrl.precompile(devices=4)   # before ElasticScale's 8 -> 4
-        """
-        config = RunConfig(
-            devices=self.config.devices if devices is None else int(devices),
-            batch_size=self.config.batch_size if batch_size is None else int(batch_size),
-            microbatches=self.config.microbatches if microbatches is None else int(microbatches),
-            codec=self.config.codec if codec is ... else codec_key(codec),
+        names = self.hyperparams.keys()
+        plan = plan_transition(
+            actions, self.config, max_devices=self.max_devices, hyperparam_names=names
         )
-        if codec is not ... and config.codec not in self._codecs:
-            self._codecs[config.codec] = codec
-        self._check_batch(config.batch_size, config.devices, config.microbatches)
-        if not hasattr(self.data, "batch_at"):
-            raise ValueError("precompile needs a dataset with batch_at (e.g. ArrayDataset)")
-        t0 = time.perf_counter()
-        self._step_fn(config).jitted.lower(*self._abstract_args(config)).compile()
-        seconds = time.perf_counter() - t0
-        self.log.event(
-            "precompile", step=self.step, latency_s=seconds, config=dataclasses.asdict(config)
-        )
-        return seconds
-
-    # ------------------------------------------------------------------ actions
-    def set_hyperparams(self, values: Mapping[str, float]) -> None:
-        """Writes hyperparameters into the optimizer state: no compilation."""
-        inject = self._inject_state(self.state.opt_state)
-        unknown = sorted(set(values) - set(inject.hyperparams))
-        if unknown:
-            raise ValueError(
-                f"unknown hyperparameter {unknown[0]!r}; this optimizer has "
-                f"{sorted(inject.hyperparams)}"
+        if plan.rollback is not None:
+            self.rollback(plan.rollback)
+            plan = plan_transition(
+                actions, self.config, max_devices=self.max_devices, hyperparam_names=names
             )
-        new = dict(inject.hyperparams)
-        sharding = NamedSharding(self._mesh(self.config.devices), P())
-        for key, value in values.items():
-            old = inject.hyperparams[key]
-            new[key] = jax.device_put(np.asarray(value, dtype=old.dtype), sharding)
-            self._hyper_numeric[key] = float(value)
-        opt_state = self._replace_inject(self.state.opt_state, inject._replace(hyperparams=new))
-        self.state = dataclasses.replace(self.state, opt_state=opt_state)
+        self._carry_out(plan)
 
-    @staticmethod
-    def _inject_state(opt_state):
-        return opt_state[1]
-
-    @staticmethod
-    def _replace_inject(opt_state, inject):
-        return (opt_state[0], inject, *opt_state[2:])
-
-    def _round_batch(self, batch_size: int, devices: int, microbatches: int) -> int:
-        unit = devices * microbatches
-        rounded = max(unit, int(round(batch_size / unit)) * unit)
-        if rounded != batch_size:
+    def _carry_out(self, plan: Transition) -> None:
+        if plan.hyperparams:
+            self.set_hyperparams(plan.hyperparams)
+        if plan.codec_changed:
+            self._swap_codec(plan.codec)
+        new = plan.config
+        if plan.requested_batch is not None:
             self.log.event(
                 "batch_rounded",
                 step=self.step,
-                requested=batch_size,
-                batch_size=rounded,
-                replicas=devices,
-                microbatches=microbatches,
+                requested=plan.requested_batch,
+                batch_size=new.batch_size,
+                replicas=new.devices,
+                microbatches=new.microbatches,
             )
-        return rounded
+        if new.devices != self.config.devices:
+            self._rescale_to(new)
+        else:
+            self.config = new
+        if plan.checkpoint:
+            self._checkpoint()
+        if plan.stop is not None:
+            self._stop_reason = plan.stop
+            self.log.event("stop", step=self.step, reason=plan.stop)
+
+    # ------------------------------------------------------------------ actions
+    @property
+    def hyperparams(self) -> dict[str, float]:
+        """The optimizer's numeric hyperparameters as the state holds them now."""
+        inject = self.state.opt_state[OPTIMIZER]
+        return {k: float(v) for k, v in jax.device_get(inject.hyperparams).items()}
+
+    def set_hyperparams(self, values: Mapping[str, float]) -> None:
+        """Writes hyperparameters into the optimizer state: no compilation."""
+        inject = self.state.opt_state[OPTIMIZER]
+        plan_transition(
+            [ajp.SetHyperparams(dict(values))],
+            self.config,
+            max_devices=self.max_devices,
+            hyperparam_names=inject.hyperparams.keys(),
+        )
+        sharding = NamedSharding(self.steps.mesh(self.config.devices), P())
+        new = dict(inject.hyperparams)
+        for key, value in values.items():
+            new[key] = jax.device_put(np.asarray(value, dtype=new[key].dtype), sharding)
+        opt_state = dict(self.state.opt_state)
+        opt_state[OPTIMIZER] = inject._replace(hyperparams=new)
+        self.state = dataclasses.replace(
+            self.state, opt_state=type(self.state.opt_state)(opt_state)
+        )
+        self.log.event(
+            "set_hyperparams", step=self.step, **{k: float(v) for k, v in values.items()}
+        )
 
     def set_batch_size(self, batch_size: int, microbatches: int | None = None) -> None:
-        """Changes the global batch (and optionally the micro-batch count).
-
-        The next batch starts at the next sample of the stream. A size that
-        isn't a multiple of replicas x microbatches is rounded to the nearest
-        one (an event records it).
-        """
-        k = self.config.microbatches if microbatches is None else int(microbatches)
-        if int(batch_size) < 1 or k < 1:
-            raise ValueError(f"batch_size and microbatches must be >= 1, got {batch_size}, {k}")
-        batch_size = self._round_batch(int(batch_size), self.config.devices, k)
-        self.config = dataclasses.replace(self.config, batch_size=batch_size, microbatches=k)
+        """Changes the global batch (and optionally the micro-batch count) from the next step."""
+        self.apply([ajp.SetBatchSize(batch_size, microbatches)])
 
     def set_codec(self, codec) -> None:
         """Switches the sync's codec (``None``: dense). Optimizer and monitor states carry over."""
-        key = codec_key(codec)
-        if key not in self._codecs:
-            self._codecs[key] = codec
-        if key == self.config.codec:
-            return
-        old = self.state
-        fresh = init_state(self._model, self._tx(key), self._mesh(self.config.devices))
-        old_sync: SyncState = old.opt_state[0]
-        new_sync = fresh.opt_state[0]._replace(
-            count=old_sync.count,
-            monitor_states=old_sync.monitor_states,
-            metrics=old_sync.metrics,
-        )
-        opt_state = (new_sync, *old.opt_state[1:])
-        self.state = dataclasses.replace(old, opt_state=opt_state)
-        self.config = dataclasses.replace(self.config, codec=key)
+        self.apply([ajp.SetCodec(codec)])
 
     def rescale(self, devices: int) -> None:
         """Moves training to ``devices`` replicas through an Orbax checkpoint.
@@ -709,30 +678,39 @@ class Controller:
         asked for than exist or than ``max_devices``. The global batch is rounded
         to a multiple of the new replica count x microbatches if needed.
         """
-        devices = int(devices)
-        if devices > self.max_devices:
-            raise ValueError(
-                f"cannot rescale to {devices} devices: max_devices is {self.max_devices}; "
-                f"use devices <= {self.max_devices}"
-            )
-        mesh = self._mesh(devices)  # raises for more devices than exist
-        if devices == self.config.devices:
-            return
-        t0 = time.perf_counter()
-        old_devices = self.config.devices
-        self._checkpoint_here()
-        batch = self._round_batch(self.config.batch_size, devices, self.config.microbatches)
-        self.config = dataclasses.replace(self.config, devices=devices, batch_size=batch)
-        target = abstract_state(self._model, self._tx(self.config.codec), mesh)
-        self.state, _ = self.checkpoints.restore(self.step, target_state=target, mesh=mesh)
-        self._last_ready = None
-        self.log.event(
-            "rescale",
-            step=self.step,
-            latency_s=time.perf_counter() - t0,
-            devices_from=old_devices,
-            devices_to=devices,
+        self.apply([ajp.Rescale(devices=check_count(devices, "devices", positive=True))])
+
+    def _swap_codec(self, codec) -> None:
+        key = self.steps.add_codec(codec)
+        old = self.state
+        fresh = self.steps.init_state(self.config.replace(codec=key))
+        sync = fresh.opt_state[SYNC]._replace(
+            count=old.opt_state[SYNC].count,
+            monitor_states=old.opt_state[SYNC].monitor_states,
+            metrics=old.opt_state[SYNC].metrics,
         )
+        opt_state = dict(old.opt_state)
+        opt_state[SYNC] = sync
+        self.state = dataclasses.replace(old, opt_state=type(old.opt_state)(opt_state))
+        self.config = self.config.replace(codec=key)
+        self.log.event("set_codec", step=self.step, codec=key)
+
+    def _rescale_to(self, new: RunConfig) -> None:
+        """A transition to another mesh: checkpoint with ``new`` as the config, restore onto it."""
+        t0 = time.perf_counter()
+        old = self.config
+        self.config = new
+        event = {"kind": "rescale", "devices_from": old.devices, "devices_to": new.devices}
+        self._checkpoint(transition=event)
+        self._dir.checkpoints.wait()
+        self.state, _ = self._dir.checkpoints.restore(
+            self.step,
+            target_state=self.steps.abstract_state(new),
+            mesh=self.steps.mesh(new.devices),
+        )
+        self.reader.restart_clock()
+        event["latency_s"] = elapsed(t0)  # logged with the checkpoint it went through
+        self._dir.confirm(block=True)
 
     def rollback(self, reason: str = "") -> None:
         """Returns params and optimizer state to the latest checkpoint.
@@ -743,74 +721,181 @@ class Controller:
         the decision that led here. The configuration (mesh, batch, codec) is
         the checkpoint's.
         """
-        latest = self.checkpoints.latest_step()
+        latest = self._dir.latest_step()
         if latest is None:
             raise ValueError(
                 "Rollback needs a checkpoint; set checkpoint_every or return Checkpoint() first"
             )
         t0 = time.perf_counter()
-        self._pending = []  # metrics of steps being undone
-        self._restore(latest, state_only=True)
-        self.log.event(
-            "rollback",
-            step=self.step,
-            latency_s=time.perf_counter() - t0,
-            reason=reason,
-            to_checkpoint=latest,
+        meta = self._dir.checkpoints.read_meta(latest)
+        self.config = self._config_from(meta)
+        self.state, _ = self._dir.checkpoints.restore(
+            latest,
+            target_state=self.steps.abstract_state(self.config),
+            mesh=self.steps.mesh(self.config.devices),
         )
+        self.reader.discard()  # metrics of the steps being undone
+        self.log.event(
+            "rollback", step=self.step, latency_s=elapsed(t0), reason=reason, to_checkpoint=latest
+        )
+
+    def precompile(
+        self,
+        devices: int | None = None,
+        batch_size: int | None = None,
+        microbatches: int | None = None,
+        codec=...,
+    ) -> float:
+        """Compiles the step of a configuration ahead of time; returns the seconds it took.
+
+        Use it before a scheduled rescale or batch change so the first step
+        after the change does not wait for XLA: the compiled program lands in
+        JAX's compilation cache and the step's first call finds it. Arguments
+        default to the current configuration.
+
+        Example:
+          >>> # ctrl.precompile(devices=4)   # before ElasticScale's 8 -> 4
+        """
+        config = RunConfig(
+            devices=self.config.devices if devices is None else devices,
+            batch_size=self.config.batch_size if batch_size is None else batch_size,
+            microbatches=self.config.microbatches if microbatches is None else microbatches,
+            codec=self.config.codec if codec is ... else self.steps.add_codec(codec),
+        )
+        if not hasattr(self.data, "batch_at"):
+            raise ValueError("precompile needs a dataset with batch_at (e.g. ArrayDataset)")
+        seconds = self.steps.compile(config, self.data)
+        self.log.event(
+            "precompile", step=self.step, latency_s=seconds, config=dataclasses.asdict(config)
+        )
+        return seconds
+
+    def _comm_time(self, config: RunConfig) -> float | None:
+        """Modelled seconds per step on the link: HLO bytes per device / bandwidth."""
+        if self.link_bandwidth is None:
+            return None
+        total = self.steps.wire_total(config, self.data)
+        return None if total is None else total / float(self.link_bandwidth)
 
     # ------------------------------------------------------------------ persistence
     def _meta(self) -> dict:
         return {
             "step": self.step,
             "samples_seen": self.samples_seen,
-            "nonfinite_count": self.nonfinite_count,
+            "nonfinite_count": self.reader.nonfinite_count,
             "config": dataclasses.asdict(self.config),
-            "hyperparams": dict(self._hyper_numeric),
             "data": self.data.state_dict(),
             "policy": json.loads(json.dumps(self.policy.state_dict())),
+            "to_decide": [{"step": s.step, "metrics": s.metrics} for s in self._to_decide],
         }
 
-    def _checkpoint_here(self) -> None:
-        """Saves a checkpoint at the current step unless the latest one is already there."""
-        self._drain()
-        if self.checkpoints.latest_step() != self.step:
-            self.save_checkpoint()
+    def _checkpoint(self, transition: dict | None = None) -> None:
+        """Checkpoints the current step (the transition's: rewritten with the new config)."""
+        self._record(lag=0)
+        latest = self._dir.latest_step()
+        if latest == self.step:
+            if transition is None:
+                return
+            # Same arrays, new configuration: the checkpoint must say what the run continues in.
+            self._dir.checkpoints.delete(self.step)
+        t0 = time.perf_counter()
+        events = [{"kind": "checkpoint"}]
+        if transition is not None:
+            events.append(transition)
+        self._dir.save(self.step, self.state, self._meta(), events)
+        events[0]["latency_s"] = elapsed(t0)  # the time the loop waited; the write goes on
 
     def save_checkpoint(self) -> None:
-        """Writes a consistent checkpoint (state, data cursor, config, policy state)."""
-        self._drain()
-        t0 = time.perf_counter()
-        self.checkpoints.save(self.step, self.state, self._meta(), wait=False)
-        self.log.event("checkpoint", step=self.step, latency_s=time.perf_counter() - t0)
+        """Writes a consistent checkpoint now (state, data cursor, config, policy state)."""
+        self._checkpoint()
 
-    def _restore(self, step: int, *, state_only: bool = False) -> None:
-        meta = self.checkpoints.read_meta(step)
+    def _config_from(self, meta: Mapping) -> RunConfig:
         config = RunConfig(**meta["config"])
-        if config.codec not in self._codecs:
+        if config.codec not in self.steps.codecs:
             raise ValueError(
                 f"the checkpoint was written with codec {config.codec!r}; pass that codec "
                 "as codec= or inside a policy"
             )
-        mesh = self._mesh(config.devices)
-        target = abstract_state(self._model, self._tx(config.codec), mesh)
-        self.state, meta = self.checkpoints.restore(step, target_state=target, mesh=mesh)
-        self.config = config
-        self._hyper_numeric.update({k: float(v) for k, v in meta["hyperparams"].items()})
-        self._pending = []
-        self._last_ready = None
-        self._fresh_config = True
-        if state_only:
-            return
+        return config
+
+    def _resume(self, passed: dict, hyperparams: Mapping, tensorboard: bool) -> None:
+        t0 = time.perf_counter()
+
+        def load(step):
+            meta = self._dir.checkpoints.read_meta(step)
+            config = self._config_from(meta)
+            state, _ = self._dir.checkpoints.restore(
+                step,
+                target_state=self.steps.abstract_state(config),
+                mesh=self.steps.mesh(config.devices),
+            )
+            return config, state, meta
+
+        step, (config, state, meta), skipped = self._dir.restore_newest_intact(load)
+        self._dir.open_log(tensorboard=tensorboard, resume_from=step)
+        for s in skipped:
+            self.log.event(
+                "checkpoint_skipped",
+                step=step,
+                skipped_step=s["step"],
+                reason=s["reason"],
+                moved_to=s["moved_to"],
+            )
+        self._dir.recover_events(step, meta)
+        self.config, self.state = config, state
         self.step = int(meta["step"])
         self.samples_seen = int(meta["samples_seen"])
-        self.nonfinite_count = int(meta["nonfinite_count"])
+        self.reader.nonfinite_count = int(meta["nonfinite_count"])
         self.data.load_state_dict(meta["data"])
         self.policy.load_state_dict(meta["policy"])
+        self._to_decide = [
+            Snapshot(int(s["step"]), config, dict(s["metrics"])) for s in meta.get("to_decide", [])
+        ]
+        self.latest_metrics = dict(self._to_decide[-1].metrics) if self._to_decide else {}
+        for key, value in passed.items():
+            if value != getattr(config, key):
+                self._warn_override(key, value, getattr(config, key))
+        held = self.hyperparams
+        for key, value in hyperparams.items():
+            numeric = isinstance(value, int | float | np.number) and not isinstance(value, bool)
+            if key in held and numeric and np.float32(value) != np.float32(held[key]):
+                self._warn_override(key, value, held[key])
+        self.log.event("resume", step=step, latency_s=elapsed(t0))
 
-    def _resume_latest(self) -> None:
-        t0 = time.perf_counter()
-        step = self.checkpoints.latest_step()
-        self._restore(step)
-        self.log.truncate_metrics_after(step)
-        self.log.event("resume", step=step, latency_s=time.perf_counter() - t0)
+    @staticmethod
+    def _warn_override(key, passed, kept) -> None:
+        warnings.warn(
+            f"resume: {key}={passed!r} was passed, but the run continues with the checkpoint's "
+            f"{key}={kept!r} (its state decides; change it with an action after resuming)",
+            UserWarning,
+            stacklevel=4,
+        )
+
+    # ------------------------------------------------------------------ faults
+    @contextlib.contextmanager
+    def _sigterm_checkpoints(self):
+        """While training, SIGTERM asks for a checkpoint and a clean exit (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGTERM, lambda *_: self._preempted.set())
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _preempt(self) -> None:
+        self.log.event("preempted", step=self.step, exit_code=EXIT_PREEMPTED)
+        self._checkpoint()
+        self.close()
+        raise SystemExit(EXIT_PREEMPTED)
+
+    def close(self) -> None:
+        """Finishes or discards the in-flight checkpoint, syncs the logs, releases ``run_dir``."""
+        self._dir.close()
+
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -44,7 +44,9 @@ class RunLog:
       'checkpoint'
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True):
+    def __init__(
+        self, run_dir: str | os.PathLike, *, tensorboard: bool = True, purge_step: int | None = None
+    ):
         self.run_dir = os.fspath(run_dir)
         self._metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a", buffering=1 << 16)
         self._events = open(os.path.join(self.run_dir, "events.jsonl"), "a", buffering=1)
@@ -52,7 +54,10 @@ class RunLog:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._writer = SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
+            # purge_step: TensorBoard hides the points of steps a resumed run recomputes.
+            self._writer = SummaryWriter(
+                os.path.join(self.run_dir, "tensorboard"), purge_step=purge_step
+            )
         self.events: list[dict] = []
 
     def metrics(self, step: int, values: Mapping[str, Any]) -> None:
@@ -73,28 +78,78 @@ class RunLog:
         if self._writer is not None and "latency_s" in row:
             self._writer.add_scalar(f"latency/{kind}", row["latency_s"], int(step))
 
-    def truncate_metrics_after(self, step: int) -> None:
-        """Drops metric lines of steps after ``step`` (they are recomputed on resume)."""
-        self._metrics.flush()
-        path = os.path.join(self.run_dir, "metrics.jsonl")
-        with open(path) as f:
-            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(keep)
-        os.replace(tmp, path)
+    def has_event(self, kind: str, step: int) -> bool:
+        """Whether ``events.jsonl`` holds an event of ``kind`` at ``step``."""
+        self._events.flush()
+        return any(
+            e.get("kind") == kind and e.get("step") == step
+            for e in _read_rows(os.path.join(self.run_dir, "events.jsonl"))
+        )
+
+    def truncate_after(self, step: int) -> None:
+        """Drops the metric rows and events of steps after ``step`` (a resume recomputes them)."""
+        self.flush()
+        truncate_run_logs(self.run_dir, step)
         self._metrics.close()
-        self._metrics = open(path, "a", buffering=1 << 16)
+        self._events.close()
+        self._metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a", buffering=1 << 16)
+        self._events = open(os.path.join(self.run_dir, "events.jsonl"), "a", buffering=1)
+        self.events = _read_rows(os.path.join(self.run_dir, "events.jsonl"))
 
     def flush(self) -> None:
+        """Hands buffered rows to the operating system."""
         self._metrics.flush()
         self._events.flush()
         if self._writer is not None:
             self._writer.flush()
 
-    def close(self) -> None:
+    def sync(self) -> None:
+        """Flushes and fsyncs both files: rows written so far survive a kill or power loss."""
         self.flush()
+        for f in (self._metrics, self._events):
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        """Syncs and closes the files."""
+        if self._metrics.closed:
+            return
+        self.sync()
         self._metrics.close()
         self._events.close()
         if self._writer is not None:
             self._writer.close()
+
+
+def _read_rows(path: str) -> list[dict]:
+    """The JSON rows of a ``.jsonl`` file, skipping a torn (unparseable) line."""
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
+def truncate_run_logs(run_dir: str | os.PathLike, step: int) -> None:
+    """Rewrites ``metrics.jsonl`` and ``events.jsonl`` without rows of steps after ``step``.
+
+    A torn last line (the process was killed mid-write) is dropped too. Each
+    file is replaced atomically (written aside, fsynced, renamed).
+    """
+    for name in ("metrics.jsonl", "events.jsonl"):
+        path = os.path.join(os.fspath(run_dir), name)
+        if not os.path.exists(path):
+            continue
+        keep = [r for r in _read_rows(path) if int(r.get("step", 0)) <= step]
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)

@@ -91,7 +91,7 @@ class Alternate:
         if self.step_fn is None:
             # The controller's own compiled step for its configuration, and a
             # private copy of its (donated) state for the bare loop.
-            self.step_fn = ctrl._step_fn(ctrl.config)
+            self.step_fn = ctrl.steps.step(ctrl.config)
             self.batch_size = ctrl.config.batch_size
             self.state = jax.tree.map(lambda x: jax.device_put(np.array(x), x.sharding), ctrl.state)
         t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()

@@ -113,8 +113,7 @@ def main():
     rescales = [(e["devices_from"], e["devices_to"], round(e["latency_s"], 2))
                 for e in ctrl.log.events if e["kind"] == "rescale"]
     batches = sorted({e["config"]["batch_size"] for e in ctrl.log.events if e["kind"] == "compile"})
-    codecs = [e["action"] for e in ctrl.log.events
-              if e["kind"] == "action" and e["action"].startswith("SetCodec")]
+    codecs = [(e["step"], e["codec"]) for e in ctrl.log.events if e["kind"] == "set_codec"]
     print(f"steps: {ctrl.step}  samples: {ctrl.samples_seen}  wall: {seconds:.1f}s  "
           f"compilations: {ctrl.compilations}")
     print(f"batch sizes used: {batches}  rescales (from, to, s): {rescales}")

@@ -1,9 +1,13 @@
 """A small controller run used by the controller tests, in-process or as a subprocess.
 
-As a script: ``python tests/controller_job.py RUN_DIR STEPS [--kill-at S] [--kill-in-save S]
-[--resume]`` runs the job; ``--kill-at S`` ends the process abruptly (``os._exit``) right
-after step S is dispatched, ``--kill-in-save S`` ends it inside the write of the
-checkpoint of step S, after every byte is written but before Orbax's commit (the rename).
+As a script: ``python tests/controller_job.py RUN_DIR STEPS [--kill-in-save S]`` runs
+the job, resuming from ``RUN_DIR``'s checkpoints when it has any, and on completion
+writes the final parameters to ``RUN_DIR/final_params.npz``. It prints one line per
+step (``STEP <step> <devices>``) and ``RESCALE <from> <to>`` as a policy decides a
+rescale, flushed, so a test can kill it from outside at a chosen moment.
+``--step-sleep S`` slows each step down. ``--kill-in-save S`` ends the process
+inside the write of the checkpoint of step S, after every byte is written but
+before Orbax's commit (the rename).
 """
 
 import os
@@ -13,7 +17,9 @@ if __name__ == "__main__":
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 import argparse  # noqa: E402
+import time  # noqa: E402
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -65,6 +71,37 @@ class LossDrivenPolicy(ajp.Policy):
         self.calls = int(state["calls"])
 
 
+class Announce(ajp.Policy):
+    """Wraps a policy and prints ``RESCALE from to`` (flushed) when it decides one."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def decide(self, metrics, ctx):
+        actions = self.inner.decide(metrics, ctx)
+        for a in actions:
+            if isinstance(a, ajp.Rescale):
+                print(f"RESCALE {ctx.devices} {a.devices}", flush=True)
+        return actions
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
+
+
+def schedule():
+    return ajp.Schedule(
+        {
+            10: ajp.SetBatchSize(32),
+            20: ajp.Rescale(devices=4),
+            30: ajp.SetBatchSize(96),
+            40: ajp.Rescale(devices=8),
+        }
+    )
+
+
 def job_kwargs(**overrides):
     kwargs = dict(
         model=init_params(),
@@ -74,17 +111,7 @@ def job_kwargs(**overrides):
         data=adaptjax.ArrayDataset(make_data(), seed=3),
         devices=8,
         batch_size=64,
-        policies=[
-            LossDrivenPolicy(),
-            ajp.Schedule(
-                {
-                    10: ajp.SetBatchSize(32),
-                    20: ajp.Rescale(devices=4),
-                    30: ajp.SetBatchSize(96),
-                    40: ajp.Rescale(devices=8),
-                }
-            ),
-        ],
+        policies=[LossDrivenPolicy(), Announce(schedule())],
         policy_every=5,
         checkpoint_every=10,
         progress=False,
@@ -98,16 +125,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
     parser.add_argument("steps", type=int)
-    parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--kill-in-save", type=int, default=None, help="checkpoint step")
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds after each step")
     args = parser.parse_args()
-    on_step = None
-    if args.kill_at is not None:
 
-        def on_step(ctrl):
-            if ctrl.step == args.kill_at:
-                os._exit(17)
+    def on_step(ctrl):
+        print(f"STEP {ctrl.step} {ctrl.config.devices}", flush=True)
+        time.sleep(args.step_sleep)
 
     if args.kill_in_save is not None:
         from orbax.checkpoint._src.path import atomicity
@@ -121,12 +145,17 @@ def main():
 
         atomicity.AtomicRenameTemporaryPath.finalize = finalize
     kwargs = job_kwargs(on_step=on_step)
-    if args.resume:
+    ckpts = os.path.join(args.run_dir, "checkpoints")
+    if os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)):
         ctrl = adaptjax.Controller.resume(args.run_dir, **kwargs)
+        print(f"RESUMED {ctrl.step}", flush=True)
     else:
         ctrl = adaptjax.Controller(run_dir=args.run_dir, **kwargs)
     ctrl.run(args.steps)
+    params = {k: np.asarray(v) for k, v in jax.device_get(ctrl.state.params).items()}
     ctrl.close()
+    np.savez(os.path.join(args.run_dir, "final_params.npz"), **params)
+    print("DONE", flush=True)
 
 
 if __name__ == "__main__":

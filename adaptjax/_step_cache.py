@@ -1,0 +1,130 @@
+"""Compiled steps keyed by :class:`adaptjax.RunConfig`: meshes, transformations, steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from adaptjax._metrics import update_norm
+from adaptjax._run_config import RunConfig, codec_key
+from adaptjax._state import abstract_state, init_state, shape_struct
+from adaptjax._step import DataParallelStep, data_parallel_step, make_mesh
+from adaptjax._sync import sync_gradients
+
+#: Names of the controller's chain; optimizer state is addressed by them, never by position.
+SYNC, OPTIMIZER, UPDATE_NORM = "sync", "optimizer", "update_norm"
+
+
+@dataclasses.dataclass
+class StepCache:
+    """Builds and remembers everything a :class:`RunConfig` needs to run a step.
+
+    The transformation is ``optax.named_chain(("sync", sync_gradients(...)),
+    ("optimizer", inject_hyperparams(optimizer)(**hyperparams)), ("update_norm",
+    update_norm()))``, so ``state.opt_state["optimizer"]`` is the optimizer's
+    state whatever else the chain holds. Meshes are cached by device count,
+    transformations by codec key, compiled steps by the whole configuration:
+    returning to a configuration seen before compiles nothing.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from adaptjax import RunConfig
+      >>> from adaptjax._step_cache import StepCache
+      >>> cache = StepCache(model={"w": jnp.zeros(2)}, loss_fn=lambda p, b: 0.0,
+      ...                   optimizer=optax.sgd, hyperparams={"learning_rate": 0.1})
+      >>> state = cache.init_state(RunConfig(devices=2, batch_size=4))
+      >>> list(state.opt_state)
+      ['sync', 'optimizer', 'update_norm']
+      >>> cache.step(RunConfig(2, 4)) is cache.step(RunConfig(2, 4))
+      True
+    """
+
+    model: Any
+    loss_fn: Callable[..., Any]
+    optimizer: Callable[..., optax.GradientTransformation]
+    hyperparams: Mapping[str, Any]
+    monitors: Sequence[Any] = ()
+    norm_chunks: int = 1
+    has_aux: bool = False
+    codecs: dict[str | None, Any] = dataclasses.field(default_factory=lambda: {None: None})
+
+    def __post_init__(self) -> None:
+        self._meshes: dict[int, Any] = {}
+        self._txs: dict[str | None, optax.GradientTransformation] = {}
+        self._steps: dict[RunConfig, DataParallelStep] = {}
+        self._wire: dict[RunConfig, float | None] = {}
+
+    def add_codec(self, codec) -> str | None:
+        """Registers ``codec`` (if new) and returns its key."""
+        key = codec_key(codec)
+        self.codecs.setdefault(key, codec)
+        return key
+
+    def mesh(self, devices: int):
+        if devices not in self._meshes:
+            self._meshes[devices] = make_mesh(devices)
+        return self._meshes[devices]
+
+    def tx(self, key: str | None) -> optax.GradientTransformation:
+        if key not in self._txs:
+            if key not in self.codecs:
+                raise ValueError(
+                    f"codec {key!r} is not known to this controller; pass it as codec= "
+                    "or inside a policy (e.g. SwitchCompression(codec))"
+                )
+            opt = optax.inject_hyperparams(self.optimizer, hyperparam_dtype=np.float32)(
+                **self.hyperparams
+            )
+            sync = sync_gradients(
+                "data", codec=self.codecs[key], monitors=self.monitors, norm_chunks=self.norm_chunks
+            )
+            self._txs[key] = optax.named_chain(
+                (SYNC, sync), (OPTIMIZER, opt), (UPDATE_NORM, update_norm())
+            )
+        return self._txs[key]
+
+    def step(self, config: RunConfig) -> DataParallelStep:
+        if config not in self._steps:
+            self._steps[config] = data_parallel_step(
+                self.loss_fn,
+                self.tx(config.codec),
+                self.mesh(config.devices),
+                microbatches=config.microbatches,
+                has_aux=self.has_aux,
+            )
+        return self._steps[config]
+
+    def init_state(self, config: RunConfig):
+        return init_state(self.model, self.tx(config.codec), self.mesh(config.devices))
+
+    def abstract_state(self, config: RunConfig):
+        return abstract_state(self.model, self.tx(config.codec), self.mesh(config.devices))
+
+    def abstract_args(self, config: RunConfig, data):
+        """The step's ``(state, batch)`` at ``config`` as ``ShapeDtypeStruct``s (no arrays)."""
+        batch = jax.tree.map(shape_struct, data.batch_at(0, config.batch_size))
+        return self.abstract_state(config), batch
+
+    def compile(self, config: RunConfig, data) -> float:
+        """Compiles ``config``'s step ahead of time; returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.step(config).jitted.lower(*self.abstract_args(config, data)).compile()
+        return time.perf_counter() - t0
+
+    def wire_total(self, config: RunConfig, data) -> float | None:
+        """Bytes each device sends per step at ``config`` (from the HLO), cached."""
+        if config not in self._wire:
+            from adaptjax._wire import wire_bytes
+
+            total = None
+            if hasattr(data, "batch_at"):
+                args = self.abstract_args(config, data)
+                total = wire_bytes(self.step(config).jitted, *args).total
+            self._wire[config] = total
+        return self._wire[config]

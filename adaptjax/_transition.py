@@ -1,0 +1,123 @@
+"""What a decision asks for: actions folded into one transition, before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from adaptjax import policies as ajp
+from adaptjax._run_config import RunConfig, codec_key, round_batch
+
+_KEEP = object()  # "SetCodec was not asked for" (None means: back to a dense sync)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+    """A decision's actions folded into the changes they ask for, in the order they run.
+
+    Carried out as: ``rollback`` -> ``hyperparams`` -> ``codec`` -> the new
+    ``config`` (batch, micro-batches, devices; a new device count goes through a
+    checkpoint that records ``config`` as the configuration the run continues
+    in) -> ``checkpoint`` -> ``stop``. When two actions ask for the same thing,
+    the later one wins; hyperparameter updates merge.
+
+    Attributes:
+      config: the configuration to continue in.
+      requested_batch: the batch asked for when rounding changed it, else ``None``.
+      hyperparams: hyperparameter values to write into the optimizer state.
+      codec: the codec object to switch to (``None``: dense) when ``codec_changed``.
+      codec_changed: whether the codec changes.
+      rollback: the reason of a ``Rollback``, or ``None``.
+      checkpoint: whether a ``Checkpoint`` was asked for.
+      stop: the reason of a ``Stop``, or ``None``.
+
+    Example:
+      >>> from adaptjax import RunConfig, policies as ajp
+      >>> from adaptjax._transition import plan_transition
+      >>> t = plan_transition([ajp.Rescale(devices=3), ajp.SetBatchSize(64)],
+      ...                     RunConfig(devices=8, batch_size=32), max_devices=8)
+      >>> t.config, t.requested_batch
+      (RunConfig(devices=3, batch_size=63, microbatches=1, codec=None), 64)
+    """
+
+    config: RunConfig
+    requested_batch: int | None = None
+    hyperparams: dict = dataclasses.field(default_factory=dict)
+    codec: object = None
+    codec_changed: bool = False
+    rollback: str | None = None
+    checkpoint: bool = False
+    stop: str | None = None
+
+
+def plan_transition(
+    actions: Sequence[ajp.Action],
+    config: RunConfig,
+    *,
+    max_devices: int,
+    hyperparam_names: Sequence[str] | None = None,
+) -> Transition:
+    """Folds ``actions`` into one :class:`Transition` from ``config``; checks every request.
+
+    Raises a one-line ``ValueError`` (before anything is carried out) for more
+    devices than ``max_devices`` or a hyperparameter the optimizer does not
+    have (when ``hyperparam_names`` is given) or a learning rate <= 0.
+    """
+    devices, batch, micro = config.devices, None, config.microbatches
+    hyper: dict[str, float] = {}
+    codec, codec_changed = _KEEP, False
+    rollback = stop = None
+    checkpoint = False
+    for action in ajp.validate_actions(list(actions)):
+        if isinstance(action, ajp.SetHyperparams):
+            hyper.update({k: float(v) for k, v in action.values.items()})
+        elif isinstance(action, ajp.SetBatchSize):
+            batch = int(action.batch_size)
+            micro = micro if action.microbatches is None else int(action.microbatches)
+        elif isinstance(action, ajp.Rescale):
+            devices = (
+                int(action.devices) if action.devices is not None else math.prod(action.mesh_shape)
+            )
+        elif isinstance(action, ajp.SetCodec):
+            codec = action.codec
+        elif isinstance(action, ajp.Checkpoint):
+            checkpoint = True
+        elif isinstance(action, ajp.Stop):
+            stop = action.reason or "stopped by a policy"
+        elif isinstance(action, ajp.Rollback):
+            rollback = action.reason or "rollback"
+    if devices > max_devices:
+        raise ValueError(
+            f"cannot rescale to {devices} devices: max_devices is {max_devices}; "
+            f"use devices <= {max_devices}"
+        )
+    if hyperparam_names is not None:
+        unknown = sorted(set(hyper) - set(hyperparam_names))
+        if unknown:
+            raise ValueError(
+                f"unknown hyperparameter {unknown[0]!r}; this optimizer has "
+                f"{sorted(hyperparam_names)}"
+            )
+    if "learning_rate" in hyper and not hyper["learning_rate"] > 0:
+        raise ValueError(f"learning_rate must be > 0, got {hyper['learning_rate']}")
+    if codec is not _KEEP:
+        codec_changed = codec_key(codec) != config.codec
+    wanted = config.batch_size if batch is None else batch
+    rounded = round_batch(wanted, devices, micro)
+    new = config.replace(
+        devices=devices,
+        batch_size=rounded,
+        microbatches=micro,
+        codec=codec_key(codec) if codec_changed else config.codec,
+    )
+    return Transition(
+        config=new,
+        requested_batch=wanted if rounded != wanted else None,
+        hyperparams=hyper,
+        codec=None if codec is _KEEP else codec,
+        codec_changed=codec_changed,
+        rollback=rollback,
+        checkpoint=checkpoint,
+        stop=stop,
+    )
