@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from adaptjax import policies as ajp
 from adaptjax._codec import GradientCodec
+from adaptjax._compilation_cache import enable_compilation_cache
 from adaptjax._data import check_count
 from adaptjax._metrics_reader import MetricsReader, Snapshot
 from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
@@ -76,22 +77,6 @@ class _NoPolicy(ajp.Policy):
 
     def decide(self, metrics, ctx):
         return []
-
-
-def _default_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "adaptjax", "jax-compilation-cache")
-
-
-def _enable_compilation_cache(where) -> None:
-    if where is None:
-        return
-    if where == "auto":
-        if jax.config.jax_compilation_cache_dir:  # the user's own setting wins
-            return
-        where = _default_cache_dir()
-    jax.config.update("jax_compilation_cache_dir", os.fspath(where))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 
 def _check_hyperparams(optimizer, hyperparams) -> dict:
@@ -343,7 +328,7 @@ class Controller:
         self.steps.add_codec(codec)
         _find_codecs(list(policies), self.steps.codecs)
         self._warn_unproducible_metrics(monitors, link_bandwidth, eval_fn)
-        _enable_compilation_cache(compilation_cache_dir)
+        enable_compilation_cache(compilation_cache_dir)
 
         self.data = data
         self.eval_fn = eval_fn
