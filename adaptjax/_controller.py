@@ -719,7 +719,10 @@ class Controller:
             target_state=self.steps.abstract_state(self.config),
             mesh=self.steps.mesh(self.config.devices),
         )
-        self.reader.discard()  # metrics of the steps being undone
+        # The steps being undone happened: their rows are logged, but no policy decides on them.
+        self._record(lag=0)
+        self._to_decide.clear()
+        self.reader.restart_clock()
         self.log.event(
             "rollback", step=self.step, latency_s=elapsed(t0), reason=reason, to_checkpoint=latest
         )
