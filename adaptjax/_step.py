@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -64,6 +65,16 @@ def make_mesh(devices: int | None = None, *, axis_name: str = "data", device_lis
     return Mesh(np.array(available[:n]), (axis_name,))
 
 
+# On XLA:CPU a multi-device step launches on the client's thread pool, which
+# has max(cores, devices) threads; a launch that finds a device's in-flight
+# queue full blocks its pool thread, and a collective already queued then
+# cannot get one thread per device: the process deadlocks with the CPU idle
+# (8 simulated devices on a 2-core machine, the loop dispatching ahead without
+# reading anything back). Waiting for the step dispatched this many calls ago
+# keeps the queue short; the device stays busy, only the host waits.
+CPU_MAX_STEPS_IN_FLIGHT = 4
+
+
 class DataParallelStep:
     """A compiled data-parallel training step; see :func:`data_parallel_step`.
 
@@ -71,6 +82,12 @@ class DataParallelStep:
     jitted function. ``lower`` and ``jitted`` expose the underlying
     ``jax.jit`` object (for :func:`adaptjax.wire_bytes`, AOT compilation and
     compilation counting).
+
+    On CPU meshes a call first waits for the step dispatched
+    ``CPU_MAX_STEPS_IN_FLIGHT`` (4) calls earlier, so a loop that never reads a
+    result back cannot run far ahead of the devices (which deadlocks XLA:CPU's
+    thread pool when there are fewer cores than simulated devices). Calling
+    ``jitted`` directly skips both the batch check and this bound.
     """
 
     def __init__(self, fn, *, mesh, axis_name, microbatches, n_replicas):
@@ -79,6 +96,9 @@ class DataParallelStep:
         self.axis_name = axis_name
         self.microbatches = microbatches
         self.n_replicas = n_replicas
+        on_cpu = mesh.devices.flat[0].platform == "cpu"
+        self._max_in_flight = CPU_MAX_STEPS_IN_FLIGHT if on_cpu else None
+        self._in_flight: collections.deque = collections.deque()
 
     def check_batch(self, batch) -> int:
         """Validates the batch's leading dimension; returns the global batch size."""
@@ -98,7 +118,14 @@ class DataParallelStep:
 
     def __call__(self, state: TrainState, batch):
         self.check_batch(batch)
-        return self.jitted(state, batch)
+        if self._max_in_flight is not None:
+            while len(self._in_flight) >= self._max_in_flight:
+                # the loss of an earlier step: an output, never donated
+                jax.block_until_ready(self._in_flight.popleft())
+        new_state, metrics = self.jitted(state, batch)
+        if self._max_in_flight is not None:
+            self._in_flight.append(metrics["loss"])
+        return new_state, metrics
 
     def lower(self, state, batch):
         self.check_batch(batch)
