@@ -27,9 +27,10 @@ from adaptjax._compilation_cache import enable_compilation_cache
 from adaptjax._data import check_count
 from adaptjax._metrics_reader import MetricsReader, Snapshot
 from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
+from adaptjax._per_replica import merge_replicas
 from adaptjax._run_config import RunConfig, codec_key
 from adaptjax._run_dir import RunDirectory, check_writable_dir, elapsed
-from adaptjax._state import merge_model
+from adaptjax._state import merge_model, train_state_shardings
 from adaptjax._step import make_mesh
 from adaptjax._step_cache import OPTIMIZER, SYNC, StepCache
 from adaptjax._transition import Transition, plan_transition
@@ -681,21 +682,26 @@ class Controller:
         self.log.event("set_codec", step=self.step, codec=key)
 
     def _rescale_to(self, new: RunConfig) -> None:
-        """A transition to another mesh: checkpoint with ``new`` as the config, restore onto it."""
+        """A transition to another mesh: checkpoint with ``new`` as the config, reshard onto it.
+
+        The checkpoint records ``new`` as the configuration the run continues in
+        (a crash before it completes resumes from the previous one, whose
+        decisions replay). It is written in the background while the state moves
+        to the new mesh in memory by the rule a restore applies
+        (:func:`adaptjax.merge_replicas`), so the loop never waits for the disk;
+        a resume from it restores the same values.
+        """
         t0 = time.perf_counter()
         old = self.config
         self.config = new
         event = {"kind": "rescale", "devices_from": old.devices, "devices_to": new.devices}
         self._checkpoint(transition=event)
-        self._dir.checkpoints.wait()
-        self.state, _ = self._dir.checkpoints.restore(
-            self.step,
-            target_state=self.steps.abstract_state(new),
-            mesh=self.steps.mesh(new.devices),
+        state = merge_replicas(self.state, new.devices)
+        self.state = jax.device_put(
+            state, train_state_shardings(state, self.steps.mesh(new.devices))
         )
         self.reader.restart_clock()
-        event["latency_s"] = elapsed(t0)  # logged with the checkpoint it went through
-        self._dir.confirm(block=True)
+        event["latency_s"] = elapsed(t0)  # logged with its checkpoint, once that is complete
 
     def rollback(self, reason: str = "") -> None:
         """Returns params and optimizer state to the latest checkpoint.
