@@ -11,6 +11,7 @@ from adaptjax._controller import Controller, RunConfig, codec_key
 from adaptjax._data import ArrayDataset, IterableDataset
 from adaptjax._metrics import UpdateNormState, collect_metrics, read_metrics, update_norm
 from adaptjax._monitors import (
+    GradientMonitor,
     GradientNoiseScale,
     GradientNorm,
     GradientSNR,
@@ -53,6 +54,7 @@ __all__ = [
     "DataParallelStep",
     "GradStats",
     "GradientCodec",
+    "GradientMonitor",
     "GradientNoiseScale",
     "GradientNorm",
     "GradientSNR",

@@ -14,7 +14,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,83 @@ class GradStats(NamedTuple):
     local_batch_size: int | None
     summed: dict
     mean_sample: tuple | None = None
+
+
+@runtime_checkable
+class GradientMonitor(Protocol):
+    """What :func:`adaptjax.sync_gradients` asks of a monitor: write your own with these four.
+
+    A monitor is a plain object (it need not inherit from this class). Inside
+    the sync's ``update``, for each step:
+
+    1. ``local_scalars(local_grads, state)`` runs on every replica *before* the
+       collective; the scalars it returns travel in the gradients' own
+       all-reduce (summed over replicas), so a monitor never adds a collective;
+    2. ``update(stats, state)`` runs after it, with a :class:`GradStats` that
+       holds this replica's gradient, the averaged one, the sync's squared norms
+       and, in ``stats.summed``, the psum of this monitor's local scalars.
+
+    All of it is traced inside ``jit``/``shard_map``: use ``jnp``, not Python
+    control flow on values. The state must be a pytree whose structure never
+    changes, replicated (the same on every replica), and ``update`` must return
+    exactly ``metric_names()`` as float32 scalars.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, adaptjax
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> class MeanReplicaNorm:  # mean over replicas of ‖g_i‖, and how often measured
+      ...     def metric_names(self):
+      ...         return ("replica_norm", "replica_norm_steps")
+      ...     def init(self, params):
+      ...         return jnp.zeros((), jnp.int32)
+      ...     def local_scalars(self, local_grads, state):
+      ...         return {"norm": jnp.sqrt(adaptjax.tree_sq_norm(local_grads))}
+      ...     def update(self, stats, state, **extra):
+      ...         state = state + 1
+      ...         mean = stats.summed["norm"] / stats.n_replicas
+      ...         return state, {"replica_norm": mean, "replica_norm_steps": state}
+      >>> isinstance(MeanReplicaNorm(), adaptjax.GradientMonitor)
+      True
+      >>> mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+      >>> tx = adaptjax.sync_gradients("data", monitors=(MeanReplicaNorm(),))
+      >>> f = jax.shard_map(lambda g: adaptjax.collect_metrics(tx.update(g, tx.init(g))[1]),
+      ...                   mesh=mesh, in_specs=P("data"), out_specs=P())
+      >>> {k: float(v) for k, v in jax.jit(f)(jnp.arange(4.0)).items()}  # replica i holds i
+      {'replica_norm': 1.5, 'replica_norm_steps': 1.0}
+    """
+
+    def metric_names(self) -> tuple[str, ...]:
+        """The names of the metrics ``update`` reports; fixed, and unique across monitors."""
+        ...
+
+    def init(self, params) -> Any:
+        """The monitor's initial state (a pytree; ``()`` for none) for ``params``."""
+        ...
+
+    def local_scalars(self, local_grads, state) -> dict:
+        """Scalars from this replica's gradient, psummed into ``GradStats.summed``.
+
+        Args:
+          local_grads: this replica's gradient (before the collective).
+          state: the monitor's state.
+
+        Returns:
+          ``{key: scalar}`` (may be empty); keys are private to this monitor.
+        """
+        ...
+
+    def update(self, stats: GradStats, state, **extra) -> tuple[Any, dict]:
+        """One measurement.
+
+        Args:
+          stats: what the sync saw this step (:class:`GradStats`).
+          state: the monitor's state.
+          **extra: e.g. ``params``; ignore what you do not use.
+
+        Returns:
+          ``(new_state, {name: scalar for name in metric_names()})``.
+        """
+        ...
 
 
 def _check_decay(decay: float) -> None:

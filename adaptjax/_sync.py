@@ -11,7 +11,7 @@ import numpy as np
 import optax
 
 from adaptjax._codec import GradientCodec
-from adaptjax._monitors import GradientNoiseScale, GradStats
+from adaptjax._monitors import GradientMonitor, GradientNoiseScale, GradStats
 from adaptjax._tree import axis_size, check_float_tree, tree_sq_norm_sampled
 
 _LOCAL_SQ = "__local_sq__"
@@ -126,7 +126,8 @@ def sync_gradients(
         ``jnp.bfloat16``/``jnp.float16`` (cast for the all-reduce, cast back).
       codec: a :class:`adaptjax.GradientCodec` (see ``adaptjax.compression``);
         it then owns the collective.
-      monitors: monitors such as :class:`adaptjax.GradientNoiseScale`.
+      monitors: monitors such as :class:`adaptjax.GradientNoiseScale`; any object
+        following :class:`adaptjax.GradientMonitor` works.
       monitor_every: measure every this many steps; between measurements the
         monitors' norm passes are skipped (``lax.cond``) and their last values
         are kept.
@@ -170,6 +171,12 @@ def sync_gradients(
         raise ValueError(f"norm_chunks must be >= 1, got {norm_chunks}")
     if int(monitor_every) < 1:
         raise ValueError(f"monitor_every must be >= 1, got {monitor_every}")
+    for m in monitors:
+        if not isinstance(m, GradientMonitor):
+            raise ValueError(
+                f"monitor {m!r} does not follow adaptjax.GradientMonitor (needs metric_names, "
+                "init, local_scalars and update); see its docstring for an example"
+            )
     names = [n for m in monitors for n in m.metric_names()]
     if len(set(names)) != len(names):
         raise ValueError(f"two monitors report the same metric name: {sorted(names)}")
