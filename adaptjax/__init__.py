@@ -32,6 +32,7 @@ _LAZY = {
     "collect_metrics": "adaptjax._metrics",
     "read_metrics": "adaptjax._metrics",
     "update_norm": "adaptjax._metrics",
+    "GradientMonitor": "adaptjax._monitors",
     "GradientNoiseScale": "adaptjax._monitors",
     "GradientNorm": "adaptjax._monitors",
     "GradientSNR": "adaptjax._monitors",
@@ -73,6 +74,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax._data import ArrayDataset, IterableDataset
     from adaptjax._metrics import UpdateNormState, collect_metrics, read_metrics, update_norm
     from adaptjax._monitors import (
+        GradientMonitor,
         GradientNoiseScale,
         GradientNorm,
         GradientSNR,
@@ -121,6 +123,7 @@ __all__ = [
     "DataParallelStep",
     "GradStats",
     "GradientCodec",
+    "GradientMonitor",
     "GradientNoiseScale",
     "GradientNorm",
     "GradientSNR",
