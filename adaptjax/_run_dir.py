@@ -93,6 +93,9 @@ class RunDirectory:
         Every log row written so far is on disk before the checkpoint starts.
         """
         events = [{"kind": "checkpoint", **e} if "kind" not in e else e for e in on_complete]
+        # An earlier save completes before this one starts: its events go first, so every
+        # checkpoint on disk older than this one has its events in the log.
+        self.confirm(block=True)
         self.log.sync()
         self.checkpoints.save(step, state, {**meta, "on_complete": events}, wait=False)
         self._unconfirmed.append((step, events))

@@ -145,3 +145,21 @@ def test_run_directory_logs_a_checkpoint_only_once_it_is_complete(tmp_path):
     assert rd.checkpoints.read_meta(1)["on_complete"] == [{"kind": "checkpoint", "latency_s": 0.0}]
     rd.close()
     rd.close()  # idempotent
+
+
+def test_a_new_checkpoint_starts_only_after_the_previous_ones_events_are_logged(tmp_path):
+    # A kill during save 2 must not lose checkpoint 1's event: a resume from 1 or 2 carries
+    # only its own completion events.
+    import jax.numpy as jnp
+    import optax
+
+    state = adaptjax.init_state({"w": jnp.ones(4)}, optax.sgd(0.1), adaptjax.make_mesh(2))
+    rd = RunDirectory(tmp_path / "run", max_to_keep=3)
+    rd.open_log(tensorboard=False)
+    rd.save(1, state, {}, [{}])
+    rd.save(2, state, {}, [{}])  # no confirm in between, as when a rescale follows a checkpoint
+    events = [json.loads(x) for x in open(tmp_path / "run" / "events.jsonl")]
+    assert [(e["kind"], e["step"]) for e in events] == [("checkpoint", 1)]
+    rd.close()
+    events = [json.loads(x) for x in open(tmp_path / "run" / "events.jsonl")]
+    assert [(e["kind"], e["step"]) for e in events] == [("checkpoint", 1), ("checkpoint", 2)]
