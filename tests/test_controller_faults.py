@@ -141,7 +141,7 @@ def assert_same_run(run_dir, reference):
 def test_sigkill_at_random_moments_then_sigint_and_sigterm_lose_nothing(tmp_path, reference):
     """Five ``kill -9`` from outside (two during rescales, one right after one), then
     Ctrl-C and SIGTERM, each followed by a resume; the run ends as if never interrupted."""
-    rng = random.Random(8)
+    rng = random.Random(int(os.environ.get("ADAPTJAX_FAULT_SEED", "8")))
     run_dir = tmp_path / "run"
     trials = [
         ("SIGKILL", "step", rng.randint(4, 9)),  # before the first checkpoint
