@@ -150,9 +150,9 @@ def sync_gradients(
         plain step (``benchmarks/monitor_overhead.py`` shows both settings).
         The variance it adds is small against the estimator's own: there,
         after the EMA (decay 0.95), the chunked noise scale differs from the
-        exact one at the same step by about 1% (relative std; 0.5% at 16
-        chunks, 2.4% at 64), while the exact estimate itself moves by about
-        34% from step to step.
+        exact one at the same step by about 0.5% (relative std; 0.3–0.5% at
+        16 chunks, 1.7–2.4% at 64), while the exact estimate itself moves by
+        27–34% from step to step.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`SyncState`.

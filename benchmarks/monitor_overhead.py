@@ -5,9 +5,9 @@ Baseline: grads -> pmean -> adam. Monitored: grads -> adaptjax.sync_gradients
 with GradientNoiseScale + GradientSNR -> adam, once per ``--norm-chunks``
 setting (default: 1, the exact norm passes, and the library's default). All
 steps are the same hand-written shard_map function; only the sync
-transformation differs. Runs are interleaved (A, B, C, ...) over a cycle of
-batches and the medians compared; an identical copy of the baseline gives the
-noise floor.
+transformation differs. Runs are interleaved (A, B, C, ... in a fresh random
+order each round) over a cycle of batches and the medians compared; an
+identical copy of the baseline gives the noise floor.
 
 The monitors never change the update (the mean gradient is the same psum), so
 every variant sees the same gradients at every step: the spread of the chunked
@@ -137,9 +137,11 @@ def main():
         jax.block_until_ready(states[name])
     times = {name: [] for name in variants}
     noise = {name: [] for name in variants if name.startswith("chunks=")}
+    order = np.random.default_rng(0)
     for t in range(args.steps):
         batch = batches[t % len(batches)]
-        for name in variants:
+        # A fresh order each round: load that drifts within a round biases no variant.
+        for name in order.permutation(list(variants)):
             t0 = time.perf_counter()
             states[name] = steps[name](*states[name], batch)
             jax.block_until_ready(states[name])
