@@ -176,7 +176,7 @@ class Controller:
       codec: initial codec (``None``: dense fp32 sync).
       monitors: monitors for :func:`adaptjax.sync_gradients` (default: noise
         scale, SNR and gradient norm).
-      norm_chunks: see :func:`adaptjax.sync_gradients`.
+      norm_chunks: see :func:`adaptjax.sync_gradients` (``None``: its default).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       policy_every: ask the policies about every this many steps.
       checkpoint_every: periodic checkpoints (``None``: only on rescale and at the end).
@@ -234,7 +234,7 @@ class Controller:
         policies: Sequence[ajp.Policy] = (),
         codec=None,
         monitors: Sequence[Any] | None = None,
-        norm_chunks: int = 1,
+        norm_chunks: int | None = None,
         has_aux: bool = False,
         policy_every: int = 10,
         checkpoint_every: int | None = None,
@@ -323,7 +323,7 @@ class Controller:
             optimizer=optimizer,
             hyperparams=hyperparams,
             monitors=monitors,
-            norm_chunks=int(norm_chunks),
+            norm_chunks=norm_chunks,
             has_aux=has_aux,
         )
         self.steps.add_codec(codec)

@@ -50,7 +50,7 @@ class StepCache:
     optimizer: Callable[..., optax.GradientTransformation]
     hyperparams: Mapping[str, Any]
     monitors: Sequence[Any] = ()
-    norm_chunks: int = 1
+    norm_chunks: int | None = None  # None: sync_gradients' default
     has_aux: bool = False
     codecs: dict[str | None, Any] = dataclasses.field(default_factory=lambda: {None: None})
 
@@ -81,9 +81,8 @@ class StepCache:
             opt = optax.inject_hyperparams(self.optimizer, hyperparam_dtype=np.float32)(
                 **self.hyperparams
             )
-            sync = sync_gradients(
-                "data", codec=self.codecs[key], monitors=self.monitors, norm_chunks=self.norm_chunks
-            )
+            chunks = {} if self.norm_chunks is None else {"norm_chunks": self.norm_chunks}
+            sync = sync_gradients("data", codec=self.codecs[key], monitors=self.monitors, **chunks)
             self._txs[key] = optax.named_chain(
                 (SYNC, sync), (OPTIMIZER, opt), (UPDATE_NORM, update_norm())
             )
