@@ -75,8 +75,13 @@ def pytest_collection_modifyitems(config, items):
     )
     if stale:
         raise pytest.UsageError(f"tests/conftest.py names tests that do not exist: {stale}")
+    timeouts = config.pluginmanager.hasplugin("timeout")  # pytest-timeout (the dev extra)
     for item in items:
         if item.nodeid in _LEFT_OUT_OF_THE_FAST_LOOP:
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+        if (
+            timeouts
+            and item.get_closest_marker("slow")
+            and not item.get_closest_marker("timeout")
+        ):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
