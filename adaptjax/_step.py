@@ -286,10 +286,10 @@ def data_parallel_step(
         aux = jax.lax.pmean(aux, axis_name)
         if skip_nonfinite:
             ok = jnp.isfinite(loss) & jnp.isfinite(tree_sq_norm(updates))
-            keep = lambda new, old: jax.tree.map(lambda a, c: jnp.where(ok, a, c), new, old)
-            new_params = keep(new_params, params)
-            opt_state = keep(opt_state, state.opt_state)
-            model_state = keep(model_state, state.model_state)
+
+            new = (new_params, opt_state, model_state)
+            old = (params, state.opt_state, state.model_state)
+            new_params, opt_state, model_state = jax.lax.cond(ok, lambda: new, lambda: old)
         else:
             ok = jnp.bool_(True)
         metrics = {"loss": loss, "nonfinite": (~ok).astype(jnp.float32)}
