@@ -30,13 +30,6 @@ def _modules():
     return names
 
 
-# Examples that still use a name they never import; fixed on the monitors' branch
-# (strict: once they pass, this marker must go).
-_NOT_YET_SELF_CONTAINED = {
-    "adaptjax._monitors": "GradientNoiseScale/SNR/Norm examples use jnp without importing it",
-}
-
-
 def _own_names(module) -> dict:
     """The names ``module`` defines itself (not the ones it imports)."""
     name = module.__name__
@@ -44,15 +37,7 @@ def _own_names(module) -> dict:
     return {"__name__": name, **own}
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(reason=_NOT_YET_SELF_CONTAINED[n], strict=True))
-        if n in _NOT_YET_SELF_CONTAINED
-        else n
-        for n in _modules()
-    ],
-)
+@pytest.mark.parametrize("name", _modules())
 def test_docstring_examples(name):
     module = importlib.import_module(name)
     result = doctest.testmod(
