@@ -9,6 +9,7 @@ from adaptjax._checkpoint import CheckpointManager, CorruptCheckpointError
 from adaptjax._codec import GradientCodec
 from adaptjax._controller import EXIT_PREEMPTED, Controller, NonFiniteTraining
 from adaptjax._data import ArrayDataset, IterableDataset
+from adaptjax._distributed import EXIT_RESCALE, DecisionMismatch, initialize_distributed
 from adaptjax._metrics import UpdateNormState, collect_metrics, read_metrics, update_norm
 from adaptjax._monitors import (
     GradientNoiseScale,
@@ -48,6 +49,9 @@ __all__ = [
     "Controller",
     "CorruptCheckpointError",
     "EXIT_PREEMPTED",
+    "EXIT_RESCALE",
+    "DecisionMismatch",
+    "initialize_distributed",
     "NonFiniteTraining",
     "RunDirectoryLocked",
     "RunConfig",

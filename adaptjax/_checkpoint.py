@@ -92,10 +92,23 @@ def leaf_checksum(x) -> str:
     return h.hexdigest()
 
 
+def _global_value(x):
+    """``x``'s global value on this host; across processes every process must call it."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(x, tiled=True)
+    return x
+
+
 def tree_checksums(tree) -> dict[str, str]:
-    """``{path: leaf_checksum}`` for every leaf of ``tree`` (paths as ``jax.tree_util.keystr``)."""
+    """``{path: leaf_checksum}`` for every leaf of ``tree`` (paths as ``jax.tree_util.keystr``).
+
+    A leaf sharded over several processes is gathered first (a collective: in a
+    multi-process job every process calls this, with the same tree).
+    """
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(path): leaf_checksum(leaf) for path, leaf in flat}
+    return {jax.tree_util.keystr(path): leaf_checksum(_global_value(leaf)) for path, leaf in flat}
 
 
 def _first_line(e: BaseException) -> str:
@@ -564,6 +577,10 @@ class CheckpointManager:
         for path in gone:
             shutil.rmtree(path, ignore_errors=True)
         return gone
+
+    def reload(self) -> None:
+        """Re-reads the list of checkpoints on disk (after another process changed it)."""
+        self._manager.reload()
 
     def quarantine(self, step: int, into: str | os.PathLike) -> str:
         """Moves checkpoint ``step`` out of the directory (into ``into``) and returns its new path.
