@@ -303,8 +303,17 @@ class CheckpointManager:
         return self._directory
 
     def _settle(self) -> None:
-        """Waits for an in-flight save and re-reads the list of complete checkpoints."""
+        """Waits for an in-flight save and re-reads the list of complete checkpoints.
+
+        Across processes every process calls this at the same points: after the
+        waits, a barrier, so that none reads the directory before process 0 has
+        committed (renamed) the save and all of them see the same checkpoints.
+        """
         self._manager.wait_until_finished()
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("adaptjax-checkpoint-settle")
         self._manager.reload()
 
     def all_steps(self) -> list[int]:

@@ -891,6 +891,11 @@ class Controller:
         def load(step):
             meta = self._dir.checkpoints.read_meta(step)
             config = self._config_from(meta)
+            wanted = processes_for(config.devices)
+            if (jax.process_count() > 1 or max_processes() > 1) and wanted != jax.process_count():
+                # The run continues on another process count: ask the launcher for it.
+                write_rescale_request(wanted, config.devices)
+                raise SystemExit(EXIT_RESCALE)
             state, _ = self._dir.checkpoints.restore(
                 step,
                 target_state=self.steps.abstract_state(config),

@@ -109,11 +109,15 @@ class RunDirectory:
 
     def confirm(self, *, block: bool) -> None:
         """Logs the events of saves that have completed (``block``: wait for them first)."""
+        if not self.primary:  # nothing to log; and no collective here (calls may differ)
+            self._unconfirmed.clear()
+            return
         if not self._unconfirmed or (not block and self.checkpoints.is_saving()):
             return
-        done = set(self.checkpoints.all_steps())
+        self.checkpoints.wait()  # this process's part; the commit is process 0's, i.e. ours
+        where = self.checkpoints.directory
         for step, events in self._unconfirmed:
-            if step in done:
+            if os.path.isdir(os.path.join(where, str(step))):
                 for e in events:
                     fields = {k: v for k, v in e.items() if k != "kind"}
                     self.log.event(e["kind"], step=step, **fields)

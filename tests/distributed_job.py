@@ -6,13 +6,17 @@ Controller, resuming from ``RUN_DIR``'s checkpoints when it has any. Process 0
 writes the final parameters (and the optimizer state's leaves) to
 ``RUN_DIR/final.npz``. It prints ``STEP <step> <devices>`` per step.
 ``--kill RANK:STEP`` makes that rank SIGKILL itself after that step, once per
-run directory (a marker file remembers it). Run without the launcher's
+run directory (a marker file remembers it), once the newest periodic
+checkpoint before it is complete on disk. Every process appends the sample
+indices it fed at each step to ``RUN_DIR/fed.jsonl``. Run without the launcher's
 environment it is one process on ``XLA_FLAGS``' devices (the reference run).
 """
 
 import argparse
+import json
 import os
 import signal
+import time
 
 import numpy as np
 
@@ -72,12 +76,38 @@ def main():
     kill_rank, kill_step = map(int, args.kill.split(":")) if args.kill else (None, None)
     marker = os.path.join(args.run_dir, f".killed-{kill_rank}-{kill_step}")
 
+    os.makedirs(args.run_dir, exist_ok=True)
+    fed = open(os.path.join(args.run_dir, "fed.jsonl"), "a", buffering=1)
+
+    class Recorded(adaptjax.ArrayDataset):
+        """Writes down which sample indices this process fed at each step."""
+
+        def next_rows(self, batch_size, start, stop):
+            rows = super().next_rows(batch_size, start, stop)
+            self._write(rows)
+            return rows
+
+        def next_batch(self, batch_size):
+            rows = super().next_batch(batch_size)
+            self._write(rows)
+            return rows
+
+        def _write(self, rows):
+            line = {"cursor": self.cursor, "rank": jax.process_index(), "idx": rows["idx"].tolist()}
+            fed.write(json.dumps(line) + "\n")
+
     def on_step(ctrl):
         if jax.process_index() == 0:
-            print(f"STEP {ctrl.step} {ctrl.config.devices}", flush=True)
+            print(f"STEP {ctrl.step} {ctrl.config.devices} {time.time():.3f}", flush=True)
         if ctrl.step == kill_step and jax.process_index() == kill_rank:
             if not os.path.exists(marker):
+                last = kill_step - kill_step % args.checkpoint_every
+                done = os.path.join(args.run_dir, "checkpoints", str(last))
+                deadline = time.time() + 60
+                while last and not os.path.isdir(done) and time.time() < deadline:
+                    time.sleep(0.05)
                 open(marker, "w").close()
+                print(f"KILL {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     kwargs = dict(
@@ -85,7 +115,7 @@ def main():
         loss_fn=loss_fn,
         optimizer=optax.adam,
         hyperparams={"learning_rate": 1e-2},
-        data=adaptjax.ArrayDataset(make_data(), seed=3),
+        data=Recorded(make_data(), seed=3),
         devices=args.devices,
         batch_size=args.batch,
         codec=codec,
