@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plot", help="plot a run's metrics to RUN_DIR/metrics.png")
     p.add_argument("run_dir")
     p.add_argument("--keys", nargs="*", default=None)
-    sub.add_parser("launch", help="run a script as N processes (adaptjax launch -h)", add_help=False)
+    sub.add_parser("launch", help="run a script as N processes (see launch -h)", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:
         from adaptjax._launch import main as launch_main

@@ -249,7 +249,8 @@ class ArrayDataset:
         start, stop = check_count(start, "start"), check_count(stop, "stop")
         if not start < stop <= b:
             raise ValueError(
-                f"rows [{start}, {stop}) are not inside a batch of {b}; use 0 <= start < stop <= {b}"
+                f"rows [{start}, {stop}) are not inside a batch of {b}; "
+                f"use 0 <= start < stop <= {b}"
             )
         batch = self.batch_at(self._cursor + start, stop - start)
         self._cursor += b

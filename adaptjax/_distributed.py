@@ -190,7 +190,8 @@ def mesh_devices(devices: int) -> list:
     by_process: dict[int, list] = {}
     for d in jax.devices():
         by_process.setdefault(d.process_index, []).append(d)
-    return [d for i in sorted(by_process) for d in sorted(by_process[i], key=lambda d: d.id)[:share]]
+    ordered = (sorted(by_process[i], key=lambda d: d.id)[:share] for i in sorted(by_process))
+    return [d for devs in ordered for d in devs]
 
 
 def process_rows(batch_size: int, devices: int) -> tuple[int, int]:

@@ -95,8 +95,9 @@ def check_command(command: list[str]) -> None:
 
 
 def _xla_flags(existing: str, devices: int) -> str:
-    flags = [f for f in existing.split() if not f.startswith("--xla_force_host_platform_device_count")]
-    flags.append(f"--xla_force_host_platform_device_count={devices}")
+    key = "--xla_force_host_platform_device_count"
+    flags = [f for f in existing.split() if not f.startswith(key)]
+    flags.append(f"{key}={devices}")
     return " ".join(flags)
 
 

@@ -71,8 +71,9 @@ def main():
     if args.codec == "onebit":
         import adaptjax.compression as ajc
 
-        codec = ajc.onebit()
-    schedule = {int(s): ajp.Rescale(devices=int(d)) for s, d in (r.split(":") for r in args.rescale)}
+        codec = ajc.onebit(min_size=16)  # the tiny layers get error-feedback state too
+    pairs = (r.split(":") for r in args.rescale)
+    schedule = {int(s): ajp.Rescale(devices=int(d)) for s, d in pairs}
     kill_rank, kill_step = map(int, args.kill.split(":")) if args.kill else (None, None)
     marker = os.path.join(args.run_dir, f".killed-{kill_rank}-{kill_step}")
 
@@ -93,7 +94,8 @@ def main():
             return rows
 
         def _write(self, rows):
-            line = {"cursor": self.cursor, "rank": jax.process_index(), "idx": rows["idx"].tolist()}
+            rank = jax.process_index()
+            line = {"cursor": self.cursor, "rank": rank, "idx": rows["idx"].tolist()}
             fed.write(json.dumps(line) + "\n")
 
     def on_step(ctrl):
