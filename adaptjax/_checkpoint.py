@@ -324,7 +324,13 @@ class CheckpointManager:
         """
         self._settle()
         steps = []
-        for step in sorted(int(s) for s in self._manager.all_steps()):
+        listed = sorted(int(s) for s in self._manager.all_steps())
+        if jax.process_count() > 1:
+            # Process 0 committed every save; its listing is the one all processes act on.
+            from adaptjax._distributed import broadcast_json
+
+            listed = broadcast_json(listed)
+        for step in listed:
             where = os.path.join(self._directory, str(step))
             if all(os.path.isdir(os.path.join(where, item)) for item in ("state", "meta")):
                 steps.append(step)
@@ -560,12 +566,25 @@ class CheckpointManager:
             return
         steps = self.all_steps()
         for step in steps[: max(0, len(steps) - keep)]:
+            self._delete(step)
+
+    def _delete(self, step: int) -> None:
+        if jax.process_count() == 1:
             self._manager.delete(step)
+            return
+        # Across processes Orbax's delete needs identical cached listings and barrier counts on
+        # every process; process 0 removes the directory, then everyone re-reads the listing.
+        from jax.experimental import multihost_utils
+
+        if jax.process_index() == 0:
+            shutil.rmtree(os.path.join(self._directory, str(step)), ignore_errors=True)
+        multihost_utils.sync_global_devices("adaptjax-checkpoint-delete")
+        self._manager.reload()
 
     def delete(self, step: int) -> None:
         """Deletes the checkpoint of ``step`` (waits for a pending save first)."""
         self._settle()
-        self._manager.delete(step)
+        self._delete(step)
 
     def is_saving(self) -> bool:
         """Whether a save is still being written in the background (does not wait)."""
