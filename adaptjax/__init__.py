@@ -3,46 +3,113 @@
 Optax transformations that synchronise gradients across a mesh axis and
 measure them while they do (noise scale, SNR, variance), a data-parallel step
 builder, per-replica state, and collective accounting from the compiled HLO.
+
+Public names load on first use (PEP 562), so ``import adaptjax.policies`` and
+the ``adaptjax`` command's read-only subcommands never import jax.
 """
 
-from adaptjax._checkpoint import CheckpointManager, CorruptCheckpointError
-from adaptjax._codec import GradientCodec
-from adaptjax._controller import EXIT_PREEMPTED, Controller, NonFiniteTraining
-from adaptjax._data import ArrayDataset, IterableDataset
-from adaptjax._distributed import EXIT_RESCALE, DecisionMismatch, initialize_distributed
-from adaptjax._metrics import UpdateNormState, collect_metrics, read_metrics, update_norm
-from adaptjax._monitors import (
-    GradientNoiseScale,
-    GradientNorm,
-    GradientSNR,
-    GradStats,
-    NoiseScaleState,
-    SNRState,
-)
-from adaptjax._per_replica import (
-    PerReplica,
-    has_per_replica,
-    merge_replicas,
-    stack_replicas,
-    state_partition_specs,
-    state_shardings,
-    to_global,
-    to_local,
-)
-from adaptjax._run_config import RunConfig, codec_key
-from adaptjax._run_lock import RunDirectoryLocked
-from adaptjax._run_log import RunLog
-from adaptjax._state import (
-    TrainState,
-    abstract_state,
-    init_state,
-    train_state_shardings,
-    train_state_specs,
-)
-from adaptjax._step import DataParallelStep, data_parallel_step, make_mesh
-from adaptjax._sync import SyncState, noise_scale, sync_gradients
-from adaptjax._tree import tree_sq_norm, tree_sq_norm_sampled, tree_vdot
-from adaptjax._wire import Collective, WireReport, wire_bytes
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# Public name -> the private module that defines it. To export a new name, add
+# it here, to __all__ and to the TYPE_CHECKING imports below (a test checks the
+# three agree).
+_LAZY = {
+    "CheckpointManager": "adaptjax._checkpoint",
+    "CorruptCheckpointError": "adaptjax._checkpoint",
+    "GradientCodec": "adaptjax._codec",
+    "Controller": "adaptjax._controller",
+    "EXIT_PREEMPTED": "adaptjax._controller",
+    "EXIT_RESCALE": "adaptjax._distributed",
+    "DecisionMismatch": "adaptjax._distributed",
+    "initialize_distributed": "adaptjax._distributed",
+    "NonFiniteTraining": "adaptjax._controller",
+    "RunConfig": "adaptjax._run_config",
+    "codec_key": "adaptjax._run_config",
+    "RunDirectoryLocked": "adaptjax._run_lock",
+    "ArrayDataset": "adaptjax._data",
+    "IterableDataset": "adaptjax._data",
+    "UpdateNormState": "adaptjax._metrics",
+    "collect_metrics": "adaptjax._metrics",
+    "read_metrics": "adaptjax._metrics",
+    "update_norm": "adaptjax._metrics",
+    "GradientMonitor": "adaptjax._monitors",
+    "GradientNoiseScale": "adaptjax._monitors",
+    "GradientNorm": "adaptjax._monitors",
+    "GradientSNR": "adaptjax._monitors",
+    "GradStats": "adaptjax._monitors",
+    "NoiseScaleState": "adaptjax._monitors",
+    "SNRState": "adaptjax._monitors",
+    "PerReplica": "adaptjax._per_replica",
+    "has_per_replica": "adaptjax._per_replica",
+    "merge_replicas": "adaptjax._per_replica",
+    "stack_replicas": "adaptjax._per_replica",
+    "state_partition_specs": "adaptjax._per_replica",
+    "state_shardings": "adaptjax._per_replica",
+    "to_global": "adaptjax._per_replica",
+    "to_local": "adaptjax._per_replica",
+    "RunLog": "adaptjax._run_log",
+    "TrainState": "adaptjax._state",
+    "abstract_state": "adaptjax._state",
+    "init_state": "adaptjax._state",
+    "train_state_shardings": "adaptjax._state",
+    "train_state_specs": "adaptjax._state",
+    "DataParallelStep": "adaptjax._step",
+    "data_parallel_step": "adaptjax._step",
+    "make_mesh": "adaptjax._step",
+    "SyncState": "adaptjax._sync",
+    "noise_scale": "adaptjax._sync",
+    "sync_gradients": "adaptjax._sync",
+    "tree_sq_norm": "adaptjax._tree",
+    "tree_sq_norm_sampled": "adaptjax._tree",
+    "tree_vdot": "adaptjax._tree",
+    "Collective": "adaptjax._wire",
+    "WireReport": "adaptjax._wire",
+    "wire_bytes": "adaptjax._wire",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
+    from adaptjax._checkpoint import CheckpointManager, CorruptCheckpointError
+    from adaptjax._codec import GradientCodec
+    from adaptjax._controller import EXIT_PREEMPTED, Controller, NonFiniteTraining
+    from adaptjax._data import ArrayDataset, IterableDataset
+    from adaptjax._distributed import EXIT_RESCALE, DecisionMismatch, initialize_distributed
+    from adaptjax._metrics import UpdateNormState, collect_metrics, read_metrics, update_norm
+    from adaptjax._monitors import (
+        GradientMonitor,
+        GradientNoiseScale,
+        GradientNorm,
+        GradientSNR,
+        GradStats,
+        NoiseScaleState,
+        SNRState,
+    )
+    from adaptjax._per_replica import (
+        PerReplica,
+        has_per_replica,
+        merge_replicas,
+        stack_replicas,
+        state_partition_specs,
+        state_shardings,
+        to_global,
+        to_local,
+    )
+    from adaptjax._run_config import RunConfig, codec_key
+    from adaptjax._run_lock import RunDirectoryLocked
+    from adaptjax._run_log import RunLog
+    from adaptjax._state import (
+        TrainState,
+        abstract_state,
+        init_state,
+        train_state_shardings,
+        train_state_specs,
+    )
+    from adaptjax._step import DataParallelStep, data_parallel_step, make_mesh
+    from adaptjax._sync import SyncState, noise_scale, sync_gradients
+    from adaptjax._tree import tree_sq_norm, tree_sq_norm_sampled, tree_vdot
+    from adaptjax._wire import Collective, WireReport, wire_bytes
 
 __all__ = [
     "abstract_state",
@@ -53,8 +120,8 @@ __all__ = [
     "DecisionMismatch",
     "initialize_distributed",
     "NonFiniteTraining",
-    "RunDirectoryLocked",
     "RunConfig",
+    "RunDirectoryLocked",
     "RunLog",
     "codec_key",
     "ArrayDataset",
@@ -63,6 +130,7 @@ __all__ = [
     "DataParallelStep",
     "GradStats",
     "GradientCodec",
+    "GradientMonitor",
     "GradientNoiseScale",
     "GradientNorm",
     "GradientSNR",
@@ -96,3 +164,30 @@ __all__ = [
     "update_norm",
     "wire_bytes",
 ]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("adaptjax")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0+unknown"
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
+    if name == "__version__":
+        value = globals()["__version__"] = _version()
+        return value
+    # Unknown names raise AttributeError, so `from adaptjax import compression`
+    # falls through to importing the subpackage.
+    raise AttributeError(f"module 'adaptjax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | {"__version__"})

@@ -1,8 +1,10 @@
 """The ``adaptjax`` command: look at a run directory.
 
-``adaptjax summary RUN_DIR`` prints the configuration in force, the latest
-checkpoint, the events and the last metrics; ``adaptjax plot RUN_DIR`` draws
-the metrics (matplotlib) into ``RUN_DIR/metrics.png``.
+``adaptjax summary RUN_DIR`` prints the events, compile seconds per
+configuration, the checkpoints and the last metrics; ``adaptjax plot RUN_DIR``
+draws the metrics (matplotlib) into ``RUN_DIR/metrics.png``. Both read JSONL
+only: this module imports nothing but the standard library (and matplotlib
+for ``plot``), never jax.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import collections
 import json
 import os
 import sys
+
+import adaptjax  # lazy: loads no jax
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -24,6 +28,29 @@ def _read_jsonl(path: str) -> list[dict]:
 def _check_run_dir(run_dir: str) -> None:
     if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
         raise SystemExit(f"adaptjax: {run_dir} is not a run directory (no metrics.jsonl)")
+
+
+def _config_label(event: dict) -> str:
+    config = event.get("config")
+    if isinstance(config, dict) and config:
+        return " ".join(f"{k}={v}" for k, v in config.items())
+    return "(configuration not recorded)"
+
+
+def _compile_lines(events: list[dict]) -> list[str]:
+    """Compile seconds summed per configuration, in order of first compile."""
+    seconds: dict[str, float] = {}
+    counts: collections.Counter = collections.Counter()
+    for e in events:
+        if e.get("kind") == "compile" and isinstance(e.get("latency_s"), int | float):
+            label = _config_label(e)
+            seconds[label] = seconds.get(label, 0.0) + float(e["latency_s"])
+            counts[label] += 1
+    if not seconds:
+        return []
+    lines = [f"compile seconds: {sum(seconds.values()):.2f} in {sum(counts.values())} compile(s)"]
+    lines += [f"  {s:7.2f} s  x{counts[k]}  {k}" for k, s in seconds.items()]
+    return lines
 
 
 def summary(run_dir: str) -> str:
@@ -58,6 +85,7 @@ def summary(run_dir: str) -> str:
         if e["kind"] in ("rescale", "rollback", "resume"):
             detail = {k: v for k, v in e.items() if k not in ("time", "kind")}
             lines.append(f"  {e['kind']}: {detail}")
+    lines += _compile_lines(events)
     ckpt = os.path.join(run_dir, "checkpoints")
     if os.path.isdir(ckpt):
         steps = sorted(int(n) for n in os.listdir(ckpt) if n.isdigit())
@@ -76,7 +104,13 @@ def summary(run_dir: str) -> str:
 def plot(run_dir: str, keys: list[str] | None = None) -> str:
     """Plots metrics over steps into ``run_dir/metrics.png``; returns the path."""
     _check_run_dir(run_dir)
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(
+            'adaptjax plot needs matplotlib: pip install "adaptjax[examples]" '
+            "(or pip install matplotlib)"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -102,13 +136,41 @@ def plot(run_dir: str, keys: list[str] | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="adaptjax", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("summary", help="print what a run did")
-    p.add_argument("run_dir")
-    p = sub.add_parser("plot", help="plot a run's metrics to RUN_DIR/metrics.png")
-    p.add_argument("run_dir")
-    p.add_argument("--keys", nargs="*", default=None)
+    """Entry point of the ``adaptjax`` command.
+
+    Example:
+      >>> import contextlib, io
+      >>> from adaptjax._cli import main
+      >>> out = io.StringIO()
+      >>> with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+      ...     main(["--help"])
+      >>> "``" in out.getvalue(), out.getvalue().startswith("usage: adaptjax")
+      (False, True)
+    """
+    parser = argparse.ArgumentParser(
+        prog="adaptjax",
+        description="Look at an adaptjax run directory (the run_dir of adaptjax.Controller).",
+        epilog="examples:\n  adaptjax summary runs/digits\n  adaptjax plot runs/digits "
+        "--keys loss noise_scale",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"adaptjax {adaptjax.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser(
+        "summary",
+        help="print what a run did: events, compile seconds, checkpoints, last metrics",
+        description="Print what a run did: events, compile seconds per configuration, "
+        "checkpoints and the last metrics.",
+    )
+    p.add_argument("run_dir", help="the run directory")
+    p = sub.add_parser(
+        "plot",
+        help="plot a run's metrics to RUN_DIR/metrics.png (needs matplotlib)",
+        description="Plot a run's metrics over steps to RUN_DIR/metrics.png (needs "
+        'matplotlib: pip install "adaptjax[examples]").',
+    )
+    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("--keys", nargs="*", default=None, help="metrics to plot (default: a few)")
     sub.add_parser("launch", help="run a script as N processes (see launch -h)", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:

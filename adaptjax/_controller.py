@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from adaptjax import policies as ajp
 from adaptjax._codec import GradientCodec
+from adaptjax._compilation_cache import enable_compilation_cache
 from adaptjax._data import check_count
 from adaptjax._distributed import (
     EXIT_RESCALE,
@@ -40,9 +41,10 @@ from adaptjax._distributed import (
 )
 from adaptjax._metrics_reader import MetricsReader, Snapshot
 from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
+from adaptjax._per_replica import merge_replicas
 from adaptjax._run_config import RunConfig, codec_key
 from adaptjax._run_dir import RunDirectory, check_writable_dir, elapsed
-from adaptjax._state import merge_model
+from adaptjax._state import merge_model, train_state_shardings
 from adaptjax._step import make_mesh
 from adaptjax._step_cache import OPTIMIZER, SYNC, StepCache
 from adaptjax._transition import Transition, plan_transition
@@ -90,22 +92,6 @@ class _NoPolicy(ajp.Policy):
 
     def decide(self, metrics, ctx):
         return []
-
-
-def _default_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "adaptjax", "jax-compilation-cache")
-
-
-def _enable_compilation_cache(where) -> None:
-    if where is None:
-        return
-    if where == "auto":
-        if jax.config.jax_compilation_cache_dir:  # the user's own setting wins
-            return
-        where = _default_cache_dir()
-    jax.config.update("jax_compilation_cache_dir", os.fspath(where))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 
 def _check_hyperparams(optimizer, hyperparams) -> dict:
@@ -365,7 +351,7 @@ class Controller:
         self.steps.add_codec(codec)
         _find_codecs(list(policies), self.steps.codecs)
         self._warn_unproducible_metrics(monitors, link_bandwidth, eval_fn)
-        _enable_compilation_cache(compilation_cache_dir)
+        enable_compilation_cache(compilation_cache_dir)
 
         self.data = data
         self.eval_fn = eval_fn
@@ -739,7 +725,15 @@ class Controller:
         self.log.event("set_codec", step=self.step, codec=key)
 
     def _rescale_to(self, new: RunConfig) -> None:
-        """A transition to another mesh: checkpoint with ``new`` as the config, restore onto it."""
+        """A transition to another mesh: checkpoint with ``new`` as the config, reshard onto it.
+
+        The checkpoint records ``new`` as the configuration the run continues in
+        (a crash before it completes resumes from the previous one, whose
+        decisions replay). It is written in the background while the state moves
+        to the new mesh in memory by the rule a restore applies
+        (:func:`adaptjax.merge_replicas`), so the loop never waits for the disk;
+        a resume from it restores the same values.
+        """
         t0 = time.perf_counter()
         old = self.config
         relaunched = jax.process_count() > 1 or max_processes() > 1
@@ -748,15 +742,12 @@ class Controller:
         self.config = new
         event = {"kind": "rescale", "devices_from": old.devices, "devices_to": new.devices}
         self._checkpoint(transition=event)
-        self._dir.checkpoints.wait()
-        self.state, _ = self._dir.checkpoints.restore(
-            self.step,
-            target_state=self.steps.abstract_state(new),
-            mesh=self.steps.mesh(new.devices),
+        state = merge_replicas(self.state, new.devices)
+        self.state = jax.device_put(
+            state, train_state_shardings(state, self.steps.mesh(new.devices))
         )
         self.reader.restart_clock()
-        event["latency_s"] = elapsed(t0)  # logged with the checkpoint it went through
-        self._dir.confirm(block=True)
+        event["latency_s"] = elapsed(t0)  # logged with its checkpoint, once that is complete
 
     def _relaunch(self, new: RunConfig) -> None:
         """A transition to another process count: checkpoint ``new``, exit with EXIT_RESCALE."""
@@ -801,7 +792,10 @@ class Controller:
             target_state=self.steps.abstract_state(self.config),
             mesh=self.steps.mesh(self.config.devices),
         )
-        self.reader.discard()  # metrics of the steps being undone
+        # The steps being undone happened: their rows are logged, but no policy decides on them.
+        self._record(lag=0)
+        self._to_decide.clear()
+        self.reader.restart_clock()
         self.log.event(
             "rollback", step=self.step, latency_s=elapsed(t0), reason=reason, to_checkpoint=latest
         )

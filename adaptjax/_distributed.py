@@ -27,21 +27,16 @@ import time
 import jax
 import numpy as np
 
-#: Exit code of every process after a transition checkpoint to a replica count that the
-#: current processes cannot give: relaunch with the process count the run asks for.
-EXIT_RESCALE = 76
-
-ENV_COORDINATOR = "ADAPTJAX_COORDINATOR_ADDRESS"
-ENV_NUM_PROCESSES = "ADAPTJAX_NUM_PROCESSES"
-ENV_PROCESS_ID = "ADAPTJAX_PROCESS_ID"
-#: The most processes the launcher may start (so a policy may ask for more devices than exist now).
-ENV_MAX_PROCESSES = "ADAPTJAX_MAX_PROCESSES"
-#: Where process 0 writes ``{"processes": P, "devices": n}`` before exiting with EXIT_RESCALE.
-ENV_RESCALE_FILE = "ADAPTJAX_RESCALE_FILE"
-#: A directory in which each process touches ``<rank>`` after initialize and after every step.
-ENV_HEARTBEAT_DIR = "ADAPTJAX_HEARTBEAT_DIR"
-#: ``1``: compare a digest of every decision across processes (a debug check).
-ENV_CHECK_DECISIONS = "ADAPTJAX_CHECK_DECISIONS"
+from adaptjax._launch import (  # the launcher's side of the contract (imports no jax)
+    ENV_CHECK_DECISIONS,
+    ENV_COORDINATOR,
+    ENV_HEARTBEAT_DIR,
+    ENV_MAX_PROCESSES,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_RESCALE_FILE,
+)
+from adaptjax._launch import EXIT_RESCALE as EXIT_RESCALE  # re-exported as adaptjax.EXIT_RESCALE
 
 _CLUSTER_VARS = (
     "SLURM_JOB_ID",

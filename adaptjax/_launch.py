@@ -40,16 +40,22 @@ import tempfile
 import threading
 import time
 
-from adaptjax._distributed import (
-    ENV_CHECK_DECISIONS,
-    ENV_COORDINATOR,
-    ENV_HEARTBEAT_DIR,
-    ENV_MAX_PROCESSES,
-    ENV_NUM_PROCESSES,
-    ENV_PROCESS_ID,
-    ENV_RESCALE_FILE,
-    EXIT_RESCALE,
-)
+#: Exit code of every process after a transition checkpoint to a replica count that the
+#: current processes cannot give: relaunch with the process count the run asks for.
+EXIT_RESCALE = 76
+
+ENV_COORDINATOR = "ADAPTJAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "ADAPTJAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "ADAPTJAX_PROCESS_ID"
+#: The most processes the launcher may start (so a policy may ask for more devices than exist now).
+ENV_MAX_PROCESSES = "ADAPTJAX_MAX_PROCESSES"
+#: Where process 0 writes ``{"processes": P, "devices": n}`` before exiting with EXIT_RESCALE.
+ENV_RESCALE_FILE = "ADAPTJAX_RESCALE_FILE"
+#: A directory in which each process touches ``<rank>`` after initialize and after every step.
+ENV_HEARTBEAT_DIR = "ADAPTJAX_HEARTBEAT_DIR"
+#: ``1``: compare a digest of every decision across processes (a debug check).
+ENV_CHECK_DECISIONS = "ADAPTJAX_CHECK_DECISIONS"
+
 
 #: The launcher's exit code for bad arguments (nothing was started).
 EXIT_USAGE = 2

@@ -71,12 +71,6 @@ class MetricsReader:
         """Forgets the last completion time (after evaluation, checkpoints or a new mesh)."""
         self._last_ready = None
 
-    def discard(self) -> None:
-        """Drops queued steps (their state was rolled back) and restarts the clock."""
-        self._pending.clear()
-        self._last_ready = None
-        self._fresh = True
-
     def _snapshot(self, step: int, config: RunConfig, device_metrics) -> Snapshot:
         values = jax.device_get(device_metrics)
         now = time.perf_counter()

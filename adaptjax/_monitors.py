@@ -14,7 +14,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,83 @@ class GradStats(NamedTuple):
     mean_sample: tuple | None = None
 
 
+@runtime_checkable
+class GradientMonitor(Protocol):
+    """What :func:`adaptjax.sync_gradients` asks of a monitor: write your own with these four.
+
+    A monitor is a plain object (it need not inherit from this class). Inside
+    the sync's ``update``, for each step:
+
+    1. ``local_scalars(local_grads, state)`` runs on every replica *before* the
+       collective; the scalars it returns travel in the gradients' own
+       all-reduce (summed over replicas), so a monitor never adds a collective;
+    2. ``update(stats, state)`` runs after it, with a :class:`GradStats` that
+       holds this replica's gradient, the averaged one, the sync's squared norms
+       and, in ``stats.summed``, the psum of this monitor's local scalars.
+
+    All of it is traced inside ``jit``/``shard_map``: use ``jnp``, not Python
+    control flow on values. The state must be a pytree whose structure never
+    changes, replicated (the same on every replica), and ``update`` must return
+    exactly ``metric_names()`` as float32 scalars.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, adaptjax
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> class MeanReplicaNorm:  # mean over replicas of ‖g_i‖, and how often measured
+      ...     def metric_names(self):
+      ...         return ("replica_norm", "replica_norm_steps")
+      ...     def init(self, params):
+      ...         return jnp.zeros((), jnp.int32)
+      ...     def local_scalars(self, local_grads, state):
+      ...         return {"norm": jnp.sqrt(adaptjax.tree_sq_norm(local_grads))}
+      ...     def update(self, stats, state, **extra):
+      ...         state = state + 1
+      ...         mean = stats.summed["norm"] / stats.n_replicas
+      ...         return state, {"replica_norm": mean, "replica_norm_steps": state}
+      >>> isinstance(MeanReplicaNorm(), adaptjax.GradientMonitor)
+      True
+      >>> mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+      >>> tx = adaptjax.sync_gradients("data", monitors=(MeanReplicaNorm(),))
+      >>> f = jax.shard_map(lambda g: adaptjax.collect_metrics(tx.update(g, tx.init(g))[1]),
+      ...                   mesh=mesh, in_specs=P("data"), out_specs=P())
+      >>> {k: float(v) for k, v in jax.jit(f)(jnp.arange(4.0)).items()}  # replica i holds i
+      {'replica_norm': 1.5, 'replica_norm_steps': 1.0}
+    """
+
+    def metric_names(self) -> tuple[str, ...]:
+        """The names of the metrics ``update`` reports; fixed, and unique across monitors."""
+        ...
+
+    def init(self, params) -> Any:
+        """The monitor's initial state (a pytree; ``()`` for none) for ``params``."""
+        ...
+
+    def local_scalars(self, local_grads, state) -> dict:
+        """Scalars from this replica's gradient, psummed into ``GradStats.summed``.
+
+        Args:
+          local_grads: this replica's gradient (before the collective).
+          state: the monitor's state.
+
+        Returns:
+          ``{key: scalar}`` (may be empty); keys are private to this monitor.
+        """
+        ...
+
+    def update(self, stats: GradStats, state, **extra) -> tuple[Any, dict]:
+        """One measurement.
+
+        Args:
+          stats: what the sync saw this step (:class:`GradStats`).
+          state: the monitor's state.
+          **extra: e.g. ``params``; ignore what you do not use.
+
+        Returns:
+          ``(new_state, {name: scalar for name in metric_names()})``.
+        """
+        ...
+
+
 def _check_decay(decay: float) -> None:
     if not 0.0 < decay < 1.0:
         raise ValueError(f"EMA decay must be in (0, 1), got {decay}; try 0.95")
@@ -76,9 +153,12 @@ class NoiseScaleState(NamedTuple):
     calls: jax.Array  # int32: measured steps so far
     sqnorm_ema: jax.Array  # EMA of the unbiased ‖G‖² estimate
     variance_ema: jax.Array  # EMA of the unbiased tr(Σ) estimate
+    sqnorm_sq_ema: jax.Array  # EMA of the square of the ‖G‖² estimate (its standard error)
     prev_grads: Any  # previous gradient (differencing) or ()
     nu: Any  # second-moment EMA of the averaged gradient (preconditioning) or ()
-    nu_count: jax.Array
+    nu_count: jax.Array  # int32: gradients the preconditioner has seen
+    held: jax.Array  # float32 (3,): last valid (noise scale, ‖G‖², tr Σ)
+    valid: jax.Array  # bool: whether the latest reading is valid
 
 
 class GradientNoiseScale:
@@ -91,38 +171,64 @@ class GradientNoiseScale:
         tr(Σ)_est = (s̄ − ‖Ḡ‖²) · n·b / (n − 1)
 
     Both are unbiased; their ratio is not, so each is smoothed by its own EMA
-    with bias correction before dividing. ``B_simple`` is clamped at 0 and is
-    never NaN. With one sample per step (one replica, one micro-batch) set
-    ``differencing=True``: consecutive steps are used as the two samples
-    (``‖G‖² ≈ g_t·g_{t−1}``, ``tr(Σ) ≈ b‖g_t − g_{t−1}‖²/2``), which keeps a
-    copy of the previous gradient.
+    with bias correction before dividing. With one sample per step (one
+    replica, one micro-batch) set ``differencing=True``: consecutive steps are
+    used as the two samples (``‖G‖² ≈ g_t·g_{t−1}``, ``tr(Σ) ≈ b‖g_t − g_{t−1}‖²/2``),
+    which keeps a copy of the previous gradient.
+
+    **Validity.** A reading is *valid* when the smoothed ``‖G‖²`` exceeds
+    ``significance`` of its own standard errors (estimated from an EMA of the
+    squared per-step estimates; from the second measured step on) and the ratio
+    is finite. On a noise-dominated problem the smoothed ``‖G‖²`` can dip to ≤ 0
+    or near it; dividing by it would report a meaningless number (≈ 1e31
+    against a 1e-30 floor, or 1e3–1e4 × the truth just above 0). Instead the
+    monitor holds its last valid ``noise_scale``, ``grad_sqnorm`` and
+    ``grad_variance`` and reports ``noise_scale_valid = 0.0`` (``1.0`` when the
+    reading is fresh). Before the first valid reading the values are 0.0 and
+    the flag is 0.0. Policies (e.g. :class:`adaptjax.policies.AdaptiveBatchSize`)
+    skip decisions on invalid readings. A zero ``tr(Σ)`` (a noiseless problem)
+    is a valid ``B_simple = 0``.
 
     ``preconditioned=True`` gives Pollux's variant for Adam-like optimizers: the
     gradients are first divided elementwise by ``√v̂ + eps``, ``v`` an EMA of the
     averaged squared gradient kept by the monitor (an extra replicated buffer;
     each replica's preconditioned norm rides the one all-reduce as a scalar).
+    The preconditioner used at step ``t`` is built from steps ``< t`` only, so it
+    is independent of the samples it weights and both estimates stay unbiased
+    for it. Steps are measured only once it has seen ``precond_warmup``
+    gradients: an empty preconditioner is ``eps`` (a 1e16-fold weight) and one
+    built from one or two gradients has heavy-tailed inverse (``E[1/χ²₁] = ∞``),
+    either of which would swamp the EMAs for hundreds of steps.
 
-    Reports ``noise_scale``, ``grad_sqnorm`` (‖G‖²) and ``grad_variance``
-    (tr Σ, per example), prefixed with ``precond_`` when preconditioned.
+    Reports ``noise_scale``, ``grad_sqnorm`` (‖G‖²), ``grad_variance``
+    (tr Σ, per example) and ``noise_scale_valid``, prefixed with ``precond_``
+    when preconditioned.
 
     Args:
       decay: EMA decay in (0, 1).
       preconditioned: divide by an Adam-style ``√v̂ + eps`` first.
       b2: decay of the preconditioner's second-moment EMA.
       eps: preconditioner epsilon.
+      precond_warmup: gradients the preconditioner must have seen before a
+        step is measured (``>= 1``; only with ``preconditioned``). Built from
+        ``k`` gradients, ``1/v̂`` over-weights noise-dominated coordinates by
+        about ``k/(k−2)``, so the default 50 keeps that bias near 4%.
+      significance: standard errors by which the smoothed ``‖G‖²`` must exceed
+        0 for a reading to be valid (``>= 0``; 0 accepts any positive value).
       differencing: keep the previous gradient so one sample per step works.
       local_batch_size: examples per replica per step; if ``None`` it must be
         passed to ``update`` as the extra argument ``local_batch_size`` (the step
         builder does).
 
     Example:
-      >>> import adaptjax
+      >>> import jax.numpy as jnp, adaptjax
       >>> tx = adaptjax.sync_gradients("data", monitors=(adaptjax.GradientNoiseScale(),))
       >>> sorted(adaptjax.read_metrics(tx.init({"w": jnp.zeros(3)})))
-      ['grad_sqnorm', 'grad_variance', 'noise_scale']
+      ['grad_sqnorm', 'grad_variance', 'noise_scale', 'noise_scale_valid']
 
     References:
       McCandlish et al., "An Empirical Model of Large-Batch Training", 2018.
+      Qiao et al., "Pollux", OSDI 2021 (preconditioned noise scale).
     """
 
     def __init__(
@@ -132,6 +238,8 @@ class GradientNoiseScale:
         preconditioned: bool = False,
         b2: float = 0.999,
         eps: float = 1e-8,
+        precond_warmup: int = 50,
+        significance: float = 1.0,
         differencing: bool = False,
         local_batch_size: int | None = None,
     ):
@@ -140,19 +248,28 @@ class GradientNoiseScale:
             _check_decay(b2)
         if local_batch_size is not None and local_batch_size < 1:
             raise ValueError(f"local_batch_size must be >= 1, got {local_batch_size}")
+        if int(precond_warmup) < 1:
+            raise ValueError(f"precond_warmup must be >= 1, got {precond_warmup}; try 50")
+        if not float(significance) >= 0.0:
+            raise ValueError(f"significance must be >= 0, got {significance}; try 1.0")
         self.decay = decay
         self.preconditioned = preconditioned
         self.b2 = b2
         self.eps = eps
+        self.precond_warmup = int(precond_warmup)
+        self.significance = float(significance)
         self.differencing = differencing
         self.local_batch_size = local_batch_size
         self.prefix = "precond_" if preconditioned else ""
         self.name = self.prefix + "noise_scale"
 
     def metric_names(self) -> tuple[str, ...]:
-        return (self.name, self.prefix + "grad_sqnorm", self.prefix + "grad_variance")
+        """The metrics this monitor reports, in order (fixed at construction)."""
+        p = self.prefix
+        return (self.name, p + "grad_sqnorm", p + "grad_variance", self.name + "_valid")
 
     def init(self, params) -> NoiseScaleState:
+        """The zero state for gradients shaped like ``params``."""
         f32 = lambda p: jnp.zeros(jnp.shape(p), jnp.float32)
         zero = jnp.zeros((), jnp.float32)
         return NoiseScaleState(
@@ -160,16 +277,21 @@ class GradientNoiseScale:
             calls=jnp.zeros((), jnp.int32),
             sqnorm_ema=zero,
             variance_ema=zero,
+            sqnorm_sq_ema=zero,
             prev_grads=jax.tree.map(f32, params) if self.differencing else (),
             nu=jax.tree.map(f32, params) if self.preconditioned else (),
             nu_count=jnp.zeros((), jnp.int32),
+            held=jnp.zeros((3,), jnp.float32),
+            valid=jnp.bool_(False),
         )
 
     def _precond(self, state):
-        c = (state.nu_count + 1).astype(jnp.float32)
+        """``√v̂ + eps`` from the gradients seen so far (steps before this one)."""
+        c = jnp.maximum(state.nu_count, 1).astype(jnp.float32)
         return jax.tree.map(lambda v: jnp.sqrt(v / (1.0 - self.b2**c)) + self.eps, state.nu)
 
     def local_scalars(self, local_grads, state) -> dict:
+        """This replica's preconditioned ``‖g‖²`` (psummed by the sync), else nothing."""
         if not self.preconditioned:
             return {}
         pre = self._precond(state)
@@ -177,6 +299,7 @@ class GradientNoiseScale:
         return {"sq": tree_sq_norm(g)}
 
     def update(self, stats: GradStats, state: NoiseScaleState, **_):
+        """Folds this step's unbiased estimates into the EMAs; returns ``(state, metrics)``."""
         b = stats.local_batch_size or self.local_batch_size
         if b is None:
             raise ValueError(
@@ -186,6 +309,7 @@ class GradientNoiseScale:
         n_rep, k = stats.n_replicas, stats.samples_per_replica
         nu_count = state.nu_count
         nu = state.nu
+        sample_ok = jnp.bool_(True)
         if self.preconditioned:
             # Preconditioned norms come from whole-replica gradients (n = replicas).
             pre = self._precond(state)
@@ -202,6 +326,7 @@ class GradientNoiseScale:
                     )
                 )
             n, sample_b = n_rep, b
+            sample_ok = state.nu_count >= self.precond_warmup
             nu = jax.tree.map(
                 lambda v, g: self.b2 * v + (1 - self.b2) * jnp.square(g.astype(jnp.float32)),
                 state.nu,
@@ -214,7 +339,6 @@ class GradientNoiseScale:
             mean_sq = stats.mean_sq
             n, sample_b = n_rep * k, b / k
         prev = state.prev_grads
-        valid = jnp.bool_(True)
         if n >= 2:
             g2 = (n * mean_sq - s_bar) / (n - 1)
             var = (s_bar - mean_sq) * n * sample_b / (n - 1)
@@ -223,7 +347,8 @@ class GradientNoiseScale:
             g2 = tree_vdot(g_now, state.prev_grads)
             diff = jax.tree.map(jnp.subtract, g_now, state.prev_grads)
             var = tree_sq_norm(diff) * sample_b / 2.0
-            valid = state.calls > 0  # the first step has no previous gradient yet
+            # The first step has no previous gradient yet.
+            sample_ok = sample_ok & (state.calls > 0)
             prev = g_now
         else:
             raise ValueError(
@@ -231,28 +356,47 @@ class GradientNoiseScale:
                 "microbatches >= 2, or GradientNoiseScale(differencing=True)"
             )
         d = self.decay
+        count = jnp.where(sample_ok, state.count + 1, state.count)
+        sqnorm_ema = jnp.where(sample_ok, _ema(state.sqnorm_ema, g2, d), state.sqnorm_ema)
+        variance_ema = jnp.where(sample_ok, _ema(state.variance_ema, var, d), state.variance_ema)
+        sq_sq_ema = jnp.where(
+            sample_ok, _ema(state.sqnorm_sq_ema, jnp.square(g2), d), state.sqnorm_sq_ema
+        )
+        g2_s = _debias(sqnorm_ema, count, d)
+        var_s = _debias(variance_ema, count, d)
+        b_simple = jnp.maximum(var_s, 0.0) / jnp.where(g2_s > 0, g2_s, 1.0)
+        fresh = jnp.stack([b_simple, g2_s, var_s]).astype(jnp.float32)
+        valid = (count > 0) & (g2_s > 0) & jnp.all(jnp.isfinite(fresh))
+        if self.significance > 0:
+            # Standard error of the smoothed ‖G‖² (independent per-step estimates):
+            # the per-step variance times Σw²/(Σw)² of the debiased EMA weights.
+            per_step = jnp.maximum(_debias(sq_sq_ema, count, d) - jnp.square(g2_s), 0.0)
+            dc = d ** count.astype(jnp.float32)
+            shrink = (1 - d) * (1 + dc) / jnp.maximum((1 + d) * (1 - dc), _TINY)
+            enough = count >= 2  # one estimate says nothing about its spread
+            valid = valid & enough & (jnp.square(g2_s) >= self.significance**2 * per_step * shrink)
         new = NoiseScaleState(
-            count=jnp.where(valid, state.count + 1, state.count),
+            count=count,
             calls=state.calls + 1,
-            sqnorm_ema=jnp.where(valid, _ema(state.sqnorm_ema, g2, d), state.sqnorm_ema),
-            variance_ema=jnp.where(valid, _ema(state.variance_ema, var, d), state.variance_ema),
+            sqnorm_ema=sqnorm_ema,
+            variance_ema=variance_ema,
+            sqnorm_sq_ema=sq_sq_ema,
             prev_grads=prev,
             nu=nu,
             nu_count=nu_count,
+            held=jnp.where(valid, fresh, state.held),
+            valid=valid,
         )
         return new, self.metrics(new)
 
     def metrics(self, state: NoiseScaleState) -> dict:
-        g2 = _debias(state.sqnorm_ema, state.count, self.decay)
-        var = _debias(state.variance_ema, state.count, self.decay)
-        g2 = jnp.where(state.count > 0, g2, 0.0)
-        var = jnp.where(state.count > 0, var, 0.0)
-        b_simple = jnp.maximum(var, 0.0) / jnp.maximum(g2, _TINY)
-        b_simple = jnp.where(jnp.isfinite(b_simple), b_simple, 0.0)
+        """The reported values: the last valid reading and whether it is this step's."""
+        p = self.prefix
         return {
-            self.name: b_simple,
-            self.prefix + "grad_sqnorm": g2,
-            self.prefix + "grad_variance": var,
+            self.name: state.held[0],
+            p + "grad_sqnorm": state.held[1],
+            p + "grad_variance": state.held[2],
+            self.name + "_valid": state.valid.astype(jnp.float32),
         }
 
 
@@ -267,7 +411,9 @@ class GradientSNR:
 
     ``B`` is the global batch (replicas × examples per replica), so the SNR is
     ``B / B_simple``: above 1 the batch gradient is mostly signal. Uses the same
-    unbiased, EMA-smoothed estimates as :class:`GradientNoiseScale`.
+    unbiased, EMA-smoothed estimates as :class:`GradientNoiseScale`, and the
+    same validity rule: an invalid reading holds the last valid SNR and reports
+    ``grad_snr_valid = 0.0``.
 
     Args:
       decay: EMA decay in (0, 1).
@@ -275,10 +421,10 @@ class GradientSNR:
       local_batch_size: examples per replica per step (or the ``update`` extra arg).
 
     Example:
-      >>> import adaptjax
+      >>> import jax.numpy as jnp, adaptjax
       >>> tx = adaptjax.sync_gradients("data", monitors=(adaptjax.GradientSNR(),))
-      >>> adaptjax.read_metrics(tx.init({"w": jnp.zeros(3)}))["grad_snr"]
-      0.0
+      >>> adaptjax.read_metrics(tx.init({"w": jnp.zeros(3)}))
+      {'grad_snr': 0.0, 'grad_snr_valid': 0.0}
     """
 
     name = "grad_snr"
@@ -290,30 +436,38 @@ class GradientSNR:
         self.local_batch_size = local_batch_size
 
     def metric_names(self) -> tuple[str, ...]:
-        return (self.name,)
+        """``("grad_snr", "grad_snr_valid")``."""
+        return (self.name, self.name + "_valid")
 
     def init(self, params) -> SNRState:
+        """The zero state for gradients shaped like ``params``."""
         return SNRState(self._inner.init(params))
 
     def local_scalars(self, local_grads, state) -> dict:
+        """Nothing: the sync's own squared norms are enough."""
+        del local_grads, state
         return {}
 
     def update(self, stats: GradStats, state: SNRState, **_):
+        """Updates the noise-scale EMAs; returns ``(state, {"grad_snr", "grad_snr_valid"})``."""
         inner, m = self._inner.update(stats, state.inner)
         b = stats.local_batch_size or self.local_batch_size
-        return SNRState(inner), self._snr(m, b * stats.n_replicas)
-
-    def _snr(self, m, global_batch):
         g2, var = m["grad_sqnorm"], m["grad_variance"]
-        snr = jnp.maximum(g2, 0.0) * global_batch / jnp.maximum(var, _TINY)
-        return {self.name: jnp.where(var > 0, snr, 0.0)}
+        snr = jnp.maximum(g2, 0.0) * (b * stats.n_replicas) / jnp.where(var > 0, var, 1.0)
+        return SNRState(inner), {
+            self.name: jnp.where(var > 0, snr, 0.0),
+            self.name + "_valid": m["noise_scale_valid"] * (var > 0),
+        }
 
 
 class GradientNorm:
     """Norm of the averaged gradient, ``‖Ḡ‖`` (free: the sync already has ``‖Ḡ‖²``).
 
+    With ``norm_chunks > 1`` in :func:`adaptjax.sync_gradients` this is the
+    square root of an unbiased estimate of ``‖Ḡ‖²`` (exact over a full rotation).
+
     Example:
-      >>> import adaptjax
+      >>> import jax.numpy as jnp, adaptjax
       >>> tx = adaptjax.sync_gradients("data", monitors=(adaptjax.GradientNorm(),))
       >>> adaptjax.read_metrics(tx.init({"w": jnp.zeros(3)}))
       {'grad_norm': 0.0}
@@ -322,14 +476,19 @@ class GradientNorm:
     name = "grad_norm"
 
     def metric_names(self) -> tuple[str, ...]:
+        """``("grad_norm",)``."""
         return (self.name,)
 
     def init(self, params):
+        """No state: ``()``."""
         del params
         return ()
 
     def local_scalars(self, local_grads, state) -> dict:
+        """Nothing: the sync's own squared norms are enough."""
+        del local_grads, state
         return {}
 
     def update(self, stats: GradStats, state, **_):
-        return state, {self.name: jnp.sqrt(stats.mean_sq)}
+        """Returns ``(state, {"grad_norm": ‖Ḡ‖})``."""
+        return state, {self.name: jnp.sqrt(jnp.maximum(stats.mean_sq, 0.0))}

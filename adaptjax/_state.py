@@ -15,9 +15,70 @@ from adaptjax._per_replica import stack_replicas, state_partition_specs
 from adaptjax._tree import check_float_tree
 
 
+class RngKeyData:
+    """The ``uint32`` data of a typed PRNG key held in a :class:`TrainState`.
+
+    NNX keeps its RNG streams as typed key arrays (``key<fry>``), which numpy,
+    Orbax and ``np.array`` cannot hold; the train state stores their raw data
+    (``jax.random.key_data``) with the key implementation as static metadata,
+    and turns them back into keys (``jax.random.wrap_key_data``) wherever the
+    model is merged.
+    """
+
+    __slots__ = ("data", "impl")
+
+    def __init__(self, data, impl: str):
+        self.data = data
+        self.impl = impl
+
+    def __repr__(self) -> str:
+        return f"RngKeyData({self.data!r}, impl={self.impl!r})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    RngKeyData,
+    lambda k: (((jax.tree_util.GetAttrKey("data"), k.data),), k.impl),
+    lambda impl, children: RngKeyData(children[0], impl),
+    lambda k: ((k.data,), k.impl),
+)
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _is_key_data(x) -> bool:
+    return isinstance(x, RngKeyData)
+
+
+def keys_to_data(tree):
+    """Replaces every typed PRNG key in ``tree`` by its :class:`RngKeyData`."""
+
+    def to_data(x):
+        return RngKeyData(jax.random.key_data(x), str(jax.random.key_impl(x))) if _is_key(x) else x
+
+    return jax.tree.map(to_data, tree)
+
+
+def data_to_keys(tree):
+    """Inverse of :func:`keys_to_data`."""
+
+    def to_key(x):
+        return jax.random.wrap_key_data(x.data, impl=x.impl) if _is_key_data(x) else x
+
+    return jax.tree.map(to_key, tree, is_leaf=_is_key_data)
+
+
 @dataclasses.dataclass
 class TrainState:
     """Everything one data-parallel step reads and returns.
+
+    For a flax NNX model, ``params`` holds its ``nnx.Param`` variables and
+    ``model_state`` everything else the module carries: BatchNorm statistics
+    (``nnx.BatchStat``), the RNG streams of ``nnx.Dropout`` (key and count),
+    caches. The step updates them (see :func:`adaptjax.data_parallel_step`)
+    and checkpoints save and restore them with the rest of the state.
+    ``state.model`` is the trained module (``nnx.merge``).
 
     Attributes:
       step: int32 step counter.
@@ -26,8 +87,37 @@ class TrainState:
       opt_state: the optimizer state; subtrees wrapped in
         :class:`adaptjax.PerReplica` are sharded over the data axis.
       nonfinite_count: int32 number of updates skipped for non-finite values.
-      model_state: non-parameter NNX variables (carried unchanged), else ``()``.
+      model_state: the NNX model's other variables (replicated; RNG keys as
+        their ``uint32`` data), else ``()``.
       graphdef: the NNX graph definition (static), else ``None``.
+
+    Example:
+      Move from ``nnx.Optimizer`` (``optimizer.update(model, grads)`` inside
+      your own ``nnx.jit``) to adaptjax: the same model and optax
+      transformation, with the sync first; the loss takes the module.
+
+      >>> import jax.numpy as jnp, numpy as np, optax, adaptjax
+      >>> from flax import nnx
+      >>> class Net(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.linear = nnx.Linear(4, 2, rngs=rngs)
+      ...         self.norm = nnx.BatchNorm(2, rngs=rngs)
+      ...         self.drop = nnx.Dropout(0.5, rngs=rngs)
+      ...     def __call__(self, x):
+      ...         return self.drop(self.norm(self.linear(x)))
+      >>> model = Net(nnx.Rngs(0))
+      >>> model.train()  # batch statistics and dropout on, as with nnx.Optimizer
+      >>> tx = optax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-2))
+      >>> mesh = adaptjax.make_mesh(8)
+      >>> loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+      >>> step = adaptjax.data_parallel_step(loss, tx, mesh)
+      >>> state = adaptjax.init_state(model, tx, mesh)
+      >>> batch = {"x": np.ones((16, 4), np.float32), "y": np.zeros((16, 2), np.float32)}
+      >>> state, metrics = step(state, batch)
+      >>> trained = state.model  # nnx.merge(graphdef, params, model_state)
+      >>> trained.eval()  # running averages, no dropout
+      >>> trained(jnp.ones((1, 4))).shape, int(trained.drop.rngs.count[...])
+      ((1, 2), 1)
     """
 
     step: jax.Array
@@ -36,6 +126,11 @@ class TrainState:
     nonfinite_count: jax.Array
     model_state: Any = ()
     graphdef: Any = None
+
+    @property
+    def model(self):
+        """The model: the NNX module (``nnx.merge``) or, for a pytree model, ``params``."""
+        return merge_model(self.graphdef, self.params, self.model_state)
 
 
 jax.tree_util.register_dataclass(
@@ -82,12 +177,15 @@ def train_state_shardings(state: TrainState, mesh, axis_name="data") -> TrainSta
 
 
 def split_model(model_or_params):
-    """Returns ``(graphdef, params, model_state)``; NNX modules are split on ``nnx.Param``."""
+    """Returns ``(graphdef, params, model_state)``; NNX modules are split on ``nnx.Param``.
+
+    RNG keys in ``model_state`` become :class:`RngKeyData`.
+    """
     from flax import nnx
 
     if isinstance(model_or_params, nnx.Module):
         graphdef, params, rest = nnx.split(model_or_params, nnx.Param, ...)
-        return graphdef, params, rest
+        return graphdef, params, keys_to_data(rest)
     return None, model_or_params, ()
 
 
@@ -97,7 +195,47 @@ def merge_model(graphdef, params, model_state):
         return params
     from flax import nnx
 
-    return nnx.merge(graphdef, params, model_state)
+    return nnx.merge(graphdef, params, data_to_keys(model_state))
+
+
+def fold_replica_into_keys(model_state, axis_name):
+    """Folds the replica index into every RNG key: each replica draws its own masks.
+
+    Call inside ``shard_map`` with ``axis_name`` bound. The stored keys stay
+    as they are; the NNX stream's count, carried in the state, makes every
+    step's draws new, so a run restored from a checkpoint draws the same.
+    """
+    index = None
+
+    def fold(x):
+        nonlocal index
+        if not _is_key_data(x):
+            return x
+        if index is None:
+            index = jax.lax.axis_index(axis_name)
+        key = jax.random.fold_in(jax.random.wrap_key_data(x.data, impl=x.impl), index)
+        return RngKeyData(jax.random.key_data(key), x.impl)
+
+    return jax.tree.map(fold, model_state, is_leaf=_is_key_data)
+
+
+def model_state_after(model, model_state):
+    """The NNX ``model``'s non-parameter variables after a call, shaped like ``model_state``.
+
+    RNG keys keep their stored (unfolded) data; everything else (batch
+    statistics, RNG counts) is what the call left behind.
+    """
+    if not jax.tree.leaves(model_state):
+        return model_state
+    from flax import nnx
+
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    return jax.tree.map(
+        lambda new, old: old if _is_key_data(old) else new,
+        keys_to_data(rest),
+        model_state,
+        is_leaf=_is_key_data,
+    )
 
 
 def shape_struct(x) -> jax.ShapeDtypeStruct:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,13 @@ from jax.sharding import PartitionSpec as P
 
 from adaptjax._metrics import collect_metrics
 from adaptjax._per_replica import to_global, to_local
-from adaptjax._state import TrainState, merge_model, train_state_specs
+from adaptjax._state import (
+    TrainState,
+    fold_replica_into_keys,
+    merge_model,
+    model_state_after,
+    train_state_specs,
+)
 from adaptjax._tree import tree_sq_norm
 
 
@@ -64,6 +71,16 @@ def make_mesh(devices: int | None = None, *, axis_name: str = "data", device_lis
     return Mesh(np.array(available[:n]), (axis_name,))
 
 
+# On XLA:CPU a multi-device step launches on the client's thread pool, which
+# has max(cores, devices) threads; a launch that finds a device's in-flight
+# queue full blocks its pool thread, and a collective already queued then
+# cannot get one thread per device: the process deadlocks with the CPU idle
+# (8 simulated devices on a 2-core machine, the loop dispatching ahead without
+# reading anything back). Waiting for the step dispatched this many calls ago
+# keeps the queue short; the device stays busy, only the host waits.
+CPU_MAX_STEPS_IN_FLIGHT = 4
+
+
 class DataParallelStep:
     """A compiled data-parallel training step; see :func:`data_parallel_step`.
 
@@ -71,6 +88,12 @@ class DataParallelStep:
     jitted function. ``lower`` and ``jitted`` expose the underlying
     ``jax.jit`` object (for :func:`adaptjax.wire_bytes`, AOT compilation and
     compilation counting).
+
+    On CPU meshes a call first waits for the step dispatched
+    ``CPU_MAX_STEPS_IN_FLIGHT`` (4) calls earlier, so a loop that never reads a
+    result back cannot run far ahead of the devices (which deadlocks XLA:CPU's
+    thread pool when there are fewer cores than simulated devices). Calling
+    ``jitted`` directly skips both the batch check and this bound.
     """
 
     def __init__(self, fn, *, mesh, axis_name, microbatches, n_replicas):
@@ -79,6 +102,9 @@ class DataParallelStep:
         self.axis_name = axis_name
         self.microbatches = microbatches
         self.n_replicas = n_replicas
+        on_cpu = mesh.devices.flat[0].platform == "cpu"
+        self._max_in_flight = CPU_MAX_STEPS_IN_FLIGHT if on_cpu else None
+        self._in_flight: collections.deque = collections.deque()
 
     def check_batch(self, batch) -> int:
         """Validates the batch's leading dimension; returns the global batch size."""
@@ -98,7 +124,14 @@ class DataParallelStep:
 
     def __call__(self, state: TrainState, batch):
         self.check_batch(batch)
-        return self.jitted(state, batch)
+        if self._max_in_flight is not None:
+            while len(self._in_flight) >= self._max_in_flight:
+                # the loss of an earlier step: an output, never donated
+                jax.block_until_ready(self._in_flight.popleft())
+        new_state, metrics = self.jitted(state, batch)
+        if self._max_in_flight is not None:
+            self._in_flight.append(metrics["loss"])
+        return new_state, metrics
 
     def lower(self, state, batch):
         self.check_batch(batch)
@@ -125,8 +158,29 @@ def data_parallel_step(
     another cross-replica reduction). ``tx.update`` receives the extra
     arguments ``local_batch_size``, ``microbatches`` and ``micro_sqnorm``.
 
-    Non-finite loss or updates skip the update when ``skip_nonfinite``: params
-    and optimizer state stay as they were and ``state.nonfinite_count`` grows.
+    Non-finite loss or updates skip the update when ``skip_nonfinite``: params,
+    optimizer and model state stay as they were and ``state.nonfinite_count``
+    grows.
+
+    Flax NNX models with state (call ``model.train()`` before
+    :func:`adaptjax.init_state`): the step merges the module inside the
+    gradient, runs ``loss_fn`` on it and carries what the call changed.
+
+    * ``nnx.BatchNorm``: each replica normalises with its own batch statistics
+      (as in PyTorch DDP without ``SyncBatchNorm``); every forward pass (each
+      micro-batch) updates the running statistics, which are then averaged
+      over replicas, so they stay replicated. The running mean is therefore
+      exactly the EMA of the global batch mean, as ``SyncBatchNorm`` would
+      keep it; the running variance is the EMA of the replicas' mean
+      within-replica variance (it leaves out the spread between replicas'
+      means). Every floating-point non-parameter variable is averaged so.
+    * ``nnx.Dropout`` and other RNG streams: the replica index is folded into
+      each stream's key, so every replica draws its own masks; the stream's
+      count advances with every draw and is carried (and checkpointed) with
+      the state, so every step and micro-batch draws new masks and a run
+      restored from a checkpoint draws the same ones again.
+
+    ``state.model`` is the trained module (``nnx.merge``).
 
     ``metrics`` holds ``loss`` (mean over the global batch), ``nonfinite``
     (1.0 when this step was skipped), every monitor value (see
@@ -166,29 +220,35 @@ def data_parallel_step(
     k = microbatches
 
     def grad_of(params, model_state, graphdef, batch):
-        def f(p):
-            out = loss_fn(merge_model(graphdef, p, model_state), batch)
-            return out if has_aux else (out, ())
+        """Loss, aux, grads and the model state the forward pass left behind."""
 
-        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(params)
-        return loss, aux, grads
+        def f(p):
+            model = merge_model(graphdef, p, fold_replica_into_keys(model_state, axis_name))
+            out = loss_fn(model, batch)
+            loss, aux = out if has_aux else (out, ())
+            return loss, (aux, model_state_after(model, model_state))
+
+        (loss, (aux, new_model_state)), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return loss, aux, grads, new_model_state
 
     def local_step(state: TrainState, batch):
         state = dataclasses.replace(state, opt_state=to_local(state.opt_state))
         params = state.params
         b = jax.tree.leaves(batch)[0].shape[0]
         if k == 1:
-            loss, aux, grads = grad_of(params, state.model_state, state.graphdef, batch)
+            loss, aux, grads, model_state = grad_of(
+                params, state.model_state, state.graphdef, batch
+            )
             micro_sq = None
         else:
             micro = jax.tree.map(lambda x: x.reshape(k, b // k, *x.shape[1:]), batch)
 
             def body(carry, mb):
-                g_acc, l_acc, sq_acc, a_acc = carry
-                loss, aux, g = grad_of(params, state.model_state, state.graphdef, mb)
+                g_acc, l_acc, sq_acc, a_acc, ms = carry
+                loss, aux, g, ms = grad_of(params, ms, state.graphdef, mb)
                 g_acc = jax.tree.map(jnp.add, g_acc, g)
                 a_acc = jax.tree.map(jnp.add, a_acc, aux)
-                return (g_acc, l_acc + loss, sq_acc + tree_sq_norm(g), a_acc), None
+                return (g_acc, l_acc + loss, sq_acc + tree_sq_norm(g), a_acc, ms), None
 
             zeros = jax.tree.map(jnp.zeros_like, params)
             aux_shape = jax.eval_shape(
@@ -196,11 +256,23 @@ def data_parallel_step(
                 jax.tree.map(lambda x: x[0], micro),
             )
             aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
-            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), aux0)
-            (g_sum, l_sum, micro_sq, a_sum), _ = jax.lax.scan(body, init, micro)
+            init = (
+                zeros,
+                jnp.zeros((), jnp.float32),
+                jnp.zeros((), jnp.float32),
+                aux0,
+                state.model_state,
+            )
+            (g_sum, l_sum, micro_sq, a_sum, model_state), _ = jax.lax.scan(body, init, micro)
             grads = jax.tree.map(lambda g: g / k, g_sum)
             loss = l_sum / k
             aux = jax.tree.map(lambda a: a / k, a_sum)
+        # replicated like the params: float variables (BatchNorm statistics) are
+        # averaged over replicas; counts and keys are the same on every replica
+        model_state = jax.tree.map(
+            lambda x: jax.lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+            model_state,
+        )
         updates, opt_state = tx.update(
             grads,
             state.opt_state,
@@ -217,6 +289,7 @@ def data_parallel_step(
             keep = lambda new, old: jax.tree.map(lambda a, c: jnp.where(ok, a, c), new, old)
             new_params = keep(new_params, params)
             opt_state = keep(opt_state, state.opt_state)
+            model_state = keep(model_state, state.model_state)
         else:
             ok = jnp.bool_(True)
         metrics = {"loss": loss, "nonfinite": (~ok).astype(jnp.float32)}
@@ -229,6 +302,7 @@ def data_parallel_step(
             params=new_params,
             opt_state=to_global(opt_state),
             nonfinite_count=state.nonfinite_count + (~ok).astype(jnp.int32),
+            model_state=model_state,
         )
         return new_state, metrics
 

@@ -2,7 +2,27 @@
 
 The smallest commitment to adaptjax: an optax chain with the sync
 transformation and its monitors, the step builder on an 8-device mesh (4
-micro-batches per replica), and the monitors read back every 50 steps.
+micro-batches per replica), and the monitors read back every 50 steps. The
+NNX model carries state: BatchNorm statistics (updated at every forward pass,
+averaged over replicas) and a Dropout RNG stream (a different mask on every
+replica, micro-batch and step, replayed exactly from a checkpoint).
+
+Coming from ``nnx.Optimizer``::
+
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        grads = nnx.grad(loss_fn)(model, batch)
+        optimizer.update(model, grads)
+
+becomes the same model, loss and optax transformation with the sync first::
+
+    tx = optax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-3))
+    step = adaptjax.data_parallel_step(loss_fn, tx, adaptjax.make_mesh(8))
+    state = adaptjax.init_state(model, tx, mesh)   # model.train() first
+    state, metrics = step(state, batch)            # a functional state, returned
+    model = state.model                            # nnx.merge(...): the trained module
 
 Usage:
   python examples/digits_data_parallel.py [--steps 300]
@@ -26,10 +46,12 @@ import adaptjax  # noqa: E402
 class MLP(nnx.Module):
     def __init__(self, rngs):
         self.l1 = nnx.Linear(64, 128, rngs=rngs)
+        self.norm = nnx.BatchNorm(128, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
         self.l2 = nnx.Linear(128, 10, rngs=rngs)
 
     def __call__(self, x):
-        return self.l2(nnx.relu(self.l1(x)))
+        return self.l2(self.drop(nnx.relu(self.norm(self.l1(x)))))
 
 
 def loss_fn(model, batch):
@@ -57,7 +79,9 @@ def main():
         adaptjax.update_norm(),
     )
     step = adaptjax.data_parallel_step(loss_fn, tx, mesh, microbatches=4)
-    state = adaptjax.init_state(MLP(nnx.Rngs(0)), tx, mesh)
+    model = MLP(nnx.Rngs(0))
+    model.train()  # batch statistics and dropout on while training
+    state = adaptjax.init_state(model, tx, mesh)
     data = adaptjax.ArrayDataset({"x": x_train, "y": y_train}, seed=0)
     for i in range(1, args.steps + 1):
         state, metrics = step(state, data.next_batch(128))
@@ -65,7 +89,8 @@ def main():
             m = adaptjax.read_metrics(state.opt_state)
             print(f"step {i:4d} loss {float(metrics['loss']):.4f} "
                   f"noise_scale {m['noise_scale']:7.1f} snr {m['grad_snr']:.2f}")
-    model = nnx.merge(state.graphdef, state.params, state.model_state)
+    model = state.model  # the trained module: nnx.merge(graphdef, params, model_state)
+    model.eval()  # running averages, no dropout
     accuracy = float(np.mean(np.argmax(model(jnp.asarray(x_test)), -1) == y_test))
     print(f"test accuracy: {accuracy:.4f}")
 

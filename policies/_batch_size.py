@@ -44,7 +44,9 @@ class AdaptiveBatchSize(StatefulPolicy):
        batch are considered, so the policy explores one step at a time;
     3. reads the noise scale φ (``noise_scale``, else
        ``grad_variance / grad_sqnorm``) and scores candidates by goodput
-       M/T(M) · (φ + M₀)/(φ + M) (:func:`goodput`). Candidates are multiples of
+       M/T(M) · (φ + M₀)/(φ + M) (:func:`goodput`); a reading flagged
+       ``noise_scale_valid = 0`` (see ``adaptjax.GradientNoiseScale``) is not
+       acted on. Candidates are multiples of
        ``multiple_of`` in [min, max]; goodput is unimodal with its peak at
        M* = √(αφ/β), so the two multiples around M* (clipped) are the best;
     4. proposes ``SetBatchSize`` only when the predicted goodput gain over the
@@ -56,7 +58,8 @@ class AdaptiveBatchSize(StatefulPolicy):
     state. If something else changed the learning rate since this policy last
     set it (e.g. ``ReduceLROnPlateau``), the base is rescaled by that change
     first, so the other policy's decision is kept. Does nothing while
-    ``noise_scale`` (or the variance pair) or a step time is missing.
+    ``noise_scale`` (or the variance pair) or a step time is missing, or while
+    ``noise_scale_valid`` is present and not 1 (step times are still recorded).
 
     Args:
       max_batch_size: the largest global batch to propose, >= 1.
@@ -207,6 +210,10 @@ class AdaptiveBatchSize(StatefulPolicy):
 
     @staticmethod
     def _noise_scale(metrics: Mapping[str, float]) -> float | None:
+        if metrics is not None and "noise_scale_valid" in metrics:
+            valid = read_metric(metrics, "noise_scale_valid")
+            if valid is None or valid <= 0.0:
+                return None  # a held (stale) or meaningless reading: act on nothing
         phi = read_metric(metrics, "noise_scale")
         if phi is None:
             variance = read_metric(metrics, "grad_variance")

@@ -186,6 +186,7 @@ def test_sigkill_at_random_moments_then_sigint_and_sigterm_lose_nothing(tmp_path
         if sig != "SIGKILL":
             assert max(on_disk) in logged
             assert not [n for n in os.listdir(run_dir / "checkpoints") if "tmp" in n]
+    print(f"fault trials (signal, last line the job printed): {landed}")
     assert sum(sig == "SIGKILL" for sig, _ in landed) >= 5
     j = Job(run_dir)
     assert j.finish() == 0, j.output()

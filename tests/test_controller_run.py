@@ -174,6 +174,8 @@ def test_policy_sees_nonfinite_count_and_rolls_back(tmp_path):
     assert float(lr) == pytest.approx(1e-3)
     assert np.isfinite(ctrl.latest_metrics["loss"])
     ctrl.close()
+    rows = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")]
+    assert rows == list(range(1, 13))  # the undone steps are logged once, like every step
 
 
 # --- bad inputs: one-line errors, nothing on disk overwritten --------------------------

@@ -3,6 +3,10 @@
 (adaptjax.policies has its own runner in test_policies_doctests.py.) Modules are
 imported by their real names, so the folders packaged as subpackages are never
 imported as top-level packages.
+
+An example sees only the names its own module defines (what ``help()`` shows
+next to it); everything else (``jnp``, ``np``, ``optax``...) it imports itself,
+so a reader can copy it as it stands. Nothing is injected.
 """
 
 import doctest
@@ -26,11 +30,34 @@ def _modules():
     return names
 
 
-@pytest.mark.parametrize("name", _modules())
+# Examples that still use a name they never import; fixed on the monitors' branch
+# (strict: once they pass, this marker must go).
+_NOT_YET_SELF_CONTAINED = {
+    "adaptjax._monitors": "GradientNoiseScale/SNR/Norm examples use jnp without importing it",
+}
+
+
+def _own_names(module) -> dict:
+    """The names ``module`` defines itself (not the ones it imports)."""
+    name = module.__name__
+    own = {k: v for k, v in vars(module).items() if getattr(v, "__module__", None) == name}
+    return {"__name__": name, **own}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(reason=_NOT_YET_SELF_CONTAINED[n], strict=True))
+        if n in _NOT_YET_SELF_CONTAINED
+        else n
+        for n in _modules()
+    ],
+)
 def test_docstring_examples(name):
     module = importlib.import_module(name)
-    globs = {"jnp": importlib.import_module("jax.numpy")}
-    result = doctest.testmod(module, extraglobs=globs, optionflags=doctest.ELLIPSIS, report=True)
+    result = doctest.testmod(
+        module, globs=_own_names(module), optionflags=doctest.ELLIPSIS, report=True
+    )
     assert result.failed == 0, f"{result.failed} failing example(s) in {name}"
 
 

@@ -50,6 +50,33 @@ def test_zero_noise_scale_never_grows_the_batch():
     )
 
 
+def test_invalid_noise_scale_readings_are_ignored():
+    # The same measurements as the huge-noise-scale case below, which grows the batch to
+    # 1024 when the reading is valid; flagged invalid (a held value, or a smoothed
+    # |G|^2 <= 0 read as ~1e31), the policy must not act on it.
+    for valid, flag in ((False, 0.0), (False, float("nan")), (True, 1.0)):
+        policy = ajp.AdaptiveBatchSize(1024, lr_rule="linear")
+        observe(policy, 1.0, 0.001, [64, 128])
+        metrics = {"noise_scale": 1e31, "noise_scale_valid": flag, "step_time": 1.064}
+        actions = policy.decide(metrics, ctx(64))
+        assert (actions != []) == valid, (flag, actions)
+    # The variance pair is not a way around the flag.
+    policy = ajp.AdaptiveBatchSize(1024)
+    observe(policy, 1.0, 0.001, [64, 128])
+    metrics = {"grad_variance": 1e6, "grad_sqnorm": 1.0, "noise_scale_valid": 0.0}
+    assert policy.decide(metrics, ctx(64)) == []
+    # Step times are still recorded while the reading is invalid: a later valid
+    # reading decides from the fitted model (not the one-point prior, which would
+    # only double the batch to 128).
+    policy = ajp.AdaptiveBatchSize(1024, lr_rule="none")
+    for m in (64, 128):
+        metrics = {"noise_scale": 1e6, "noise_scale_valid": 0.0, "step_time": 1.0 + 0.001 * m}
+        assert policy.decide(metrics, ctx(m)) == []
+    assert policy.decide({"noise_scale": 1e6, "noise_scale_valid": 1.0}, ctx(64)) == [
+        ajp.SetBatchSize(1024)
+    ]
+
+
 def test_huge_noise_scale_and_fixed_overhead_grow_to_the_goodput_peak():
     # T(M) = 1 + 0.001 M, phi = 1e6: M* = sqrt(alpha*phi/beta) = 31623 > max, so max wins.
     policy = ajp.AdaptiveBatchSize(1024, lr_rule="linear")

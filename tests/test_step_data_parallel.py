@@ -238,3 +238,66 @@ def test_already_reduced_gradients_are_rejected():
     with pytest.raises(ValueError) as e:
         fn(jnp.float32(1.0), jnp.arange(8.0))
     assert "already reduced" in _one_line(e)
+
+
+def test_steps_in_flight_on_cpu_are_bounded(monkeypatch):
+    from adaptjax import _step
+
+    waited = []
+    real = jax.block_until_ready
+    monkeypatch.setattr(_step.jax, "block_until_ready", lambda x: waited.append(x) or real(x))
+    mesh = adaptjax.make_mesh(8)
+    tx = _adam()
+    step = adaptjax.data_parallel_step(_loss, tx, mesh)
+    state = adaptjax.init_state(_mlp_params(), tx, mesh)
+    losses = []
+    for i, b in enumerate(_batches(10, 64)):
+        state, metrics = step(state, b)
+        losses.append(metrics["loss"])
+        assert len(step._in_flight) == min(i + 1, _step.CPU_MAX_STEPS_IN_FLIGHT)
+    # before call i (0-based) the loss of call i - 4 was waited for, oldest first
+    assert [id(x) for x in waited] == [id(x) for x in losses[: 10 - _step.CPU_MAX_STEPS_IN_FLIGHT]]
+
+
+_DISPATCH_AHEAD = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
+                           "--xla_cpu_collective_call_terminate_timeout_seconds=30")
+os.environ.pop("PJRT_NPROC", None)  # the client's default pool: max(cores, devices)
+import jax, jax.numpy as jnp, numpy as np, optax
+import adaptjax
+from adaptjax import _step
+if sys.argv[1] == "unbounded":
+    _step.CPU_MAX_STEPS_IN_FLIGHT = None
+mesh = adaptjax.make_mesh(8)
+tx = optax.chain(adaptjax.sync_gradients("data"), optax.sgd(1e-4))
+def loss(p, b):
+    h = b["x"]
+    for _ in range(4):
+        h = jnp.tanh(h @ p["w"])
+    return jnp.mean(h ** 2)
+step = adaptjax.data_parallel_step(loss, tx, mesh)
+if sys.argv[1] == "unbounded":
+    step._max_in_flight = None
+state = adaptjax.init_state({"w": jnp.eye(256) * 0.5}, tx, mesh)
+batch = {"x": np.ones((512, 256), np.float32)}
+for _ in range(200):  # never reads a result back: dispatch runs ahead of the devices
+    state, metrics = step(state, batch)
+print(float(metrics["loss"]) >= 0)
+"""
+
+
+@pytest.mark.slow
+def test_a_loop_that_never_reads_back_does_not_deadlock_xla_cpu(tmp_path):
+    # 8 simulated devices on fewer cores: unbounded, XLA:CPU's pool deadlocks
+    # (threads parked in a collective rendezvous and in the in-flight semaphore)
+    # and the 30 s collective timeout aborts the process.
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _DISPATCH_AHEAD, "bounded"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "True"
