@@ -72,7 +72,8 @@ def _env_int(name: str, *, positive: bool = True) -> int:
 def initialize_distributed(*, initialization_timeout: int = 120) -> tuple[int, int]:
     """Starts ``jax.distributed`` for this process; returns ``(process_index, process_count)``.
 
-    Call it at the top of a training script, before anything touches a device.
+    Call it at the top of a training script, before anything touches a device
+    (a second call does nothing).
     Under ``adaptjax launch`` it reads ``ADAPTJAX_COORDINATOR_ADDRESS``,
     ``ADAPTJAX_NUM_PROCESSES`` and ``ADAPTJAX_PROCESS_ID``; on CPU it selects
     gloo collectives. Elsewhere it defers to ``jax.distributed.initialize()``'s
@@ -91,7 +92,9 @@ def initialize_distributed(*, initialization_timeout: int = 120) -> tuple[int, i
       >>> adaptjax.initialize_distributed()  # not launched: one process
       (0, 1)
     """
-    if ENV_COORDINATOR in os.environ:
+    if jax.distributed.is_initialized():  # a second call (or the user's own initialize)
+        pass
+    elif ENV_COORDINATOR in os.environ:
         n = _env_int(ENV_NUM_PROCESSES)
         rank = _env_int(ENV_PROCESS_ID, positive=False)
         if rank >= n:
