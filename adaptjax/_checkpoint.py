@@ -324,23 +324,24 @@ class CheckpointManager:
         """
         self._settle()
         steps = []
-        listed = sorted(int(s) for s in self._manager.all_steps())
-        if jax.process_count() > 1:
-            # Process 0 committed every save; its listing is the one all processes act on.
-            from adaptjax._distributed import broadcast_json
-
-            listed = broadcast_json(listed)
-        for step in listed:
+        primary = jax.process_index() == 0
+        for step in sorted(int(s) for s in self._manager.all_steps()):
             where = os.path.join(self._directory, str(step))
             if all(os.path.isdir(os.path.join(where, item)) for item in ("state", "meta")):
                 steps.append(step)
-            elif where not in self._warned:
+            elif where not in self._warned and primary:
                 self._warned.add(where)
                 warnings.warn(
                     f"{where} is not an adaptjax checkpoint (no state/meta items); ignored",
                     UserWarning,
                     stacklevel=2,
                 )
+        if jax.process_count() > 1:
+            # Process 0 committed every save and deletes old ones as soon as it has this list:
+            # its list (read before any of that) is the one every process acts on.
+            from adaptjax._distributed import broadcast_json
+
+            steps = broadcast_json(steps)
         return steps
 
     def latest_step(self) -> int | None:
