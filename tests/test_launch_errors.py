@@ -7,9 +7,11 @@ about a second; the one with a collective starts jax in two processes.
 import io
 import json
 import os
+import signal
 import socket
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -182,3 +184,26 @@ def test_rescale_request_file_is_json(tmp_path, monkeypatch):
     assert write_rescale_request(4, 8) == str(path)
     assert json.loads(path.read_text())["processes"] == 4
     assert not os.path.exists(str(path) + ".tmp")
+
+
+def test_sigterm_to_the_launcher_reaches_every_process():
+    code = """
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))  # as the controller: checkpoint, 75
+        print("ready", flush=True)
+        time.sleep(120)
+    """
+    out, err = io.StringIO(), io.StringIO()
+
+    def preempt():
+        deadline = time.monotonic() + 30
+        while out.getvalue().count("ready") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler is in place meanwhile
+
+    threading.Thread(target=preempt, daemon=True).start()
+    t0 = time.monotonic()
+    rc = launch([PY, "-c", textwrap.dedent(code)], processes=2, out=out, err=err)
+    assert rc == 75
+    assert "forwarding SIGTERM to every process" in err.getvalue()
+    assert time.monotonic() - t0 < 30
