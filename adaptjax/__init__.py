@@ -22,6 +22,9 @@ _LAZY = {
     "GradientCodec": "adaptjax._codec",
     "Controller": "adaptjax._controller",
     "EXIT_PREEMPTED": "adaptjax._controller",
+    "EXIT_RESCALE": "adaptjax._distributed",
+    "DecisionMismatch": "adaptjax._distributed",
+    "initialize_distributed": "adaptjax._distributed",
     "NonFiniteTraining": "adaptjax._controller",
     "RunConfig": "adaptjax._run_config",
     "codec_key": "adaptjax._run_config",
@@ -72,6 +75,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax._codec import GradientCodec
     from adaptjax._controller import EXIT_PREEMPTED, Controller, NonFiniteTraining
     from adaptjax._data import ArrayDataset, IterableDataset
+    from adaptjax._distributed import EXIT_RESCALE, DecisionMismatch, initialize_distributed
     from adaptjax._metrics import UpdateNormState, collect_metrics, read_metrics, update_norm
     from adaptjax._monitors import (
         GradientMonitor,
@@ -112,6 +116,9 @@ __all__ = [
     "Controller",
     "CorruptCheckpointError",
     "EXIT_PREEMPTED",
+    "EXIT_RESCALE",
+    "DecisionMismatch",
+    "initialize_distributed",
     "NonFiniteTraining",
     "RunConfig",
     "RunDirectoryLocked",

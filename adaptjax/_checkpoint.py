@@ -92,10 +92,23 @@ def leaf_checksum(x) -> str:
     return h.hexdigest()
 
 
+def _global_value(x):
+    """``x``'s global value on this host; across processes every process must call it."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(x, tiled=True)
+    return x
+
+
 def tree_checksums(tree) -> dict[str, str]:
-    """``{path: leaf_checksum}`` for every leaf of ``tree`` (paths as ``jax.tree_util.keystr``)."""
+    """``{path: leaf_checksum}`` for every leaf of ``tree`` (paths as ``jax.tree_util.keystr``).
+
+    A leaf sharded over several processes is gathered first (a collective: in a
+    multi-process job every process calls this, with the same tree).
+    """
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(path): leaf_checksum(leaf) for path, leaf in flat}
+    return {jax.tree_util.keystr(path): leaf_checksum(_global_value(leaf)) for path, leaf in flat}
 
 
 def _first_line(e: BaseException) -> str:
@@ -290,8 +303,17 @@ class CheckpointManager:
         return self._directory
 
     def _settle(self) -> None:
-        """Waits for an in-flight save and re-reads the list of complete checkpoints."""
+        """Waits for an in-flight save and re-reads the list of complete checkpoints.
+
+        Across processes every process calls this at the same points: after the
+        waits, a barrier, so that none reads the directory before process 0 has
+        committed (renamed) the save and all of them see the same checkpoints.
+        """
         self._manager.wait_until_finished()
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("adaptjax-checkpoint-settle")
         self._manager.reload()
 
     def all_steps(self) -> list[int]:
@@ -302,17 +324,24 @@ class CheckpointManager:
         """
         self._settle()
         steps = []
+        primary = jax.process_index() == 0
         for step in sorted(int(s) for s in self._manager.all_steps()):
             where = os.path.join(self._directory, str(step))
             if all(os.path.isdir(os.path.join(where, item)) for item in ("state", "meta")):
                 steps.append(step)
-            elif where not in self._warned:
+            elif where not in self._warned and primary:
                 self._warned.add(where)
                 warnings.warn(
                     f"{where} is not an adaptjax checkpoint (no state/meta items); ignored",
                     UserWarning,
                     stacklevel=2,
                 )
+        if jax.process_count() > 1:
+            # Process 0 committed every save and deletes old ones as soon as it has this list:
+            # its list (read before any of that) is the one every process acts on.
+            from adaptjax._distributed import broadcast_json
+
+            steps = broadcast_json(steps)
         return steps
 
     def latest_step(self) -> int | None:
@@ -538,12 +567,25 @@ class CheckpointManager:
             return
         steps = self.all_steps()
         for step in steps[: max(0, len(steps) - keep)]:
+            self._delete(step)
+
+    def _delete(self, step: int) -> None:
+        if jax.process_count() == 1:
             self._manager.delete(step)
+            return
+        # Across processes Orbax's delete needs identical cached listings and barrier counts on
+        # every process; process 0 removes the directory, then everyone re-reads the listing.
+        from jax.experimental import multihost_utils
+
+        if jax.process_index() == 0:
+            shutil.rmtree(os.path.join(self._directory, str(step)), ignore_errors=True)
+        multihost_utils.sync_global_devices("adaptjax-checkpoint-delete")
+        self._manager.reload()
 
     def delete(self, step: int) -> None:
         """Deletes the checkpoint of ``step`` (waits for a pending save first)."""
         self._settle()
-        self._manager.delete(step)
+        self._delete(step)
 
     def is_saving(self) -> bool:
         """Whether a save is still being written in the background (does not wait)."""
@@ -564,6 +606,10 @@ class CheckpointManager:
         for path in gone:
             shutil.rmtree(path, ignore_errors=True)
         return gone
+
+    def reload(self) -> None:
+        """Re-reads the list of checkpoints on disk (after another process changed it)."""
+        self._manager.reload()
 
     def quarantine(self, step: int, into: str | os.PathLike) -> str:
         """Moves checkpoint ``step`` out of the directory (into ``into``) and returns its new path.

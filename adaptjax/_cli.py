@@ -171,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("run_dir", help="the run directory")
     p.add_argument("--keys", nargs="*", default=None, help="metrics to plot (default: a few)")
+    sub.add_parser("launch", help="run a script as N processes (see launch -h)", add_help=False)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:
+        from adaptjax._launch import main as launch_main
+
+        return launch_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "summary":
         print(summary(args.run_dir))

@@ -25,6 +25,20 @@ from adaptjax import policies as ajp
 from adaptjax._codec import GradientCodec
 from adaptjax._compilation_cache import enable_compilation_cache
 from adaptjax._data import check_count
+from adaptjax._distributed import (
+    EXIT_RESCALE,
+    broadcast_json,
+    can_give,
+    check_same,
+    decisions_checked,
+    global_batch,
+    heartbeat,
+    is_primary,
+    max_processes,
+    process_rows,
+    processes_for,
+    write_rescale_request,
+)
 from adaptjax._metrics_reader import MetricsReader, Snapshot
 from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
 from adaptjax._per_replica import merge_replicas
@@ -253,7 +267,8 @@ class Controller:
         # ---- every argument is checked before anything touches the disk ----------------
         run_dir = os.fspath(run_dir)
         self.config = RunConfig(devices, batch_size, microbatches, codec_key(codec))
-        available = len(jax.devices())
+        # Under a launcher that may start more processes, a policy may ask for their devices.
+        available = max(len(jax.devices()), jax.local_device_count() * max_processes())
         self.max_devices = (
             available
             if max_devices is None
@@ -269,7 +284,14 @@ class Controller:
                 f"max_devices={self.max_devices} is below devices={self.config.devices}; "
                 f"use max_devices >= {self.config.devices}"
             )
-        make_mesh(self.config.devices)  # more devices than exist -> one-line error
+        if jax.process_count() == 1:
+            make_mesh(self.config.devices)  # more devices than exist -> one-line error
+        elif not resume and not can_give(self.config.devices):
+            raise ValueError(
+                f"devices={self.config.devices} cannot be spread evenly over "
+                f"{jax.process_count()} processes of {jax.local_device_count()} devices; use a "
+                f"multiple of {jax.process_count()} up to {len(jax.devices())}"
+            )
         self.policy_every = check_count(policy_every, "policy_every", positive=True)
         self.checkpoint_every = (
             None
@@ -461,7 +483,7 @@ class Controller:
         bar = tqdm(
             total=steps,
             initial=self.step,
-            disable=not self._progress,
+            disable=not self._progress or not is_primary(),
             desc="adaptjax",
             dynamic_ncols=True,
         )
@@ -477,7 +499,7 @@ class Controller:
                             dev=self.config.devices,
                             refresh=False,
                         )
-                    if self._preempted.is_set():
+                    if self._preempt_agreed():
                         self._preempt()
                 self._record(lag=0)
                 self._checkpoint()
@@ -511,10 +533,21 @@ class Controller:
     def _every(n: int | None, step: int) -> bool:
         return bool(n) and step % n == 0
 
+    def _next_batch(self, config: RunConfig):
+        """The global batch; across processes each process reads only its own rows of it."""
+        if jax.process_count() == 1:
+            return self.data.next_batch(config.batch_size)
+        start, stop = process_rows(config.batch_size, config.devices)
+        if hasattr(self.data, "next_rows"):
+            local = self.data.next_rows(config.batch_size, start, stop)
+        else:  # e.g. an IterableDataset: read the whole batch, keep this process's rows
+            local = jax.tree.map(lambda x: x[start:stop], self.data.next_batch(config.batch_size))
+        return global_batch(local, self.steps.mesh(config.devices), config.batch_size)
+
     def _dispatch(self) -> None:
         config = self.config
         fn = self.steps.step(config)
-        batch = self.data.next_batch(config.batch_size)
+        batch = self._next_batch(config)
         before = fn.jitted._cache_size()
         t0 = time.perf_counter()
         self.state, metrics = fn(self.state, batch)
@@ -527,6 +560,7 @@ class Controller:
                 "compile", step=self.step, latency_s=elapsed(t0), config=dataclasses.asdict(config)
             )
         self.reader.push(self.step, config, metrics, compiled=compiled)
+        heartbeat()
 
     def drain(self) -> None:
         """Records the metrics of every dispatched step now (waits for the device)."""
@@ -568,10 +602,19 @@ class Controller:
         )
 
     def _decide(self, snapshot: Snapshot) -> None:
+        metrics = dict(snapshot.metrics)
+        if jax.process_count() > 1:
+            # Step times are measured per process: every process decides on process 0's.
+            metrics = broadcast_json(metrics)
         actions = ajp.validate_actions(
-            self.policy.decide(dict(snapshot.metrics), self.context(snapshot.step)),
+            self.policy.decide(metrics, self.context(snapshot.step)),
             source=self.policy,
         )
+        if decisions_checked():
+            check_same(
+                [self.step, snapshot.step, [repr(a) for a in actions]],
+                f"the decision on the metrics of step {snapshot.step}",
+            )
         if actions:
             self.log.event(
                 "decision",
@@ -693,6 +736,9 @@ class Controller:
         """
         t0 = time.perf_counter()
         old = self.config
+        relaunched = jax.process_count() > 1 or max_processes() > 1
+        if relaunched and processes_for(new.devices) != jax.process_count():
+            self._relaunch(new)
         self.config = new
         event = {"kind": "rescale", "devices_from": old.devices, "devices_to": new.devices}
         self._checkpoint(transition=event)
@@ -702,6 +748,27 @@ class Controller:
         )
         self.reader.restart_clock()
         event["latency_s"] = elapsed(t0)  # logged with its checkpoint, once that is complete
+
+    def _relaunch(self, new: RunConfig) -> None:
+        """A transition to another process count: checkpoint ``new``, exit with EXIT_RESCALE."""
+        old = self.config
+        processes = processes_for(new.devices)
+        self.config = new
+        event = {
+            "kind": "rescale",
+            "devices_from": old.devices,
+            "devices_to": new.devices,
+            "processes_from": jax.process_count(),
+            "processes_to": processes,
+        }
+        self._checkpoint(transition=event)
+        self._dir.confirm(block=True)
+        self.log.event(
+            "relaunch", step=self.step, processes=processes, exit_code=EXIT_RESCALE
+        )
+        write_rescale_request(processes, new.devices)
+        self.close()
+        raise SystemExit(EXIT_RESCALE)
 
     def rollback(self, reason: str = "") -> None:
         """Returns params and optimizer state to the latest checkpoint.
@@ -818,6 +885,11 @@ class Controller:
         def load(step):
             meta = self._dir.checkpoints.read_meta(step)
             config = self._config_from(meta)
+            wanted = processes_for(config.devices)
+            if (jax.process_count() > 1 or max_processes() > 1) and wanted != jax.process_count():
+                # The run continues on another process count: ask the launcher for it.
+                write_rescale_request(wanted, config.devices)
+                raise SystemExit(EXIT_RESCALE)
             state, _ = self._dir.checkpoints.restore(
                 step,
                 target_state=self.steps.abstract_state(config),
@@ -877,6 +949,17 @@ class Controller:
             yield
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+    def _preempt_agreed(self) -> bool:
+        """Whether to stop for SIGTERM now; across processes all agree, at policy steps."""
+        if jax.process_count() == 1:
+            return self._preempted.is_set()
+        if self.step % self.policy_every:
+            return False
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(self._preempted.is_set()))
+        return bool(np.asarray(flags).any())
 
     def _preempt(self) -> None:
         self.log.event("preempted", step=self.step, exit_code=EXIT_PREEMPTED)

@@ -231,6 +231,31 @@ class ArrayDataset:
         self._cursor += int(batch_size)
         return batch
 
+    def next_rows(self, batch_size: int, start: int, stop: int):
+        """Rows ``[start, stop)`` of the next ``batch_size``-sample batch; advances by all of it.
+
+        In a multi-process job each process feeds only its own rows of the global
+        batch: every process calls this with the same ``batch_size`` and its own
+        rows, reads only those samples, and every cursor moves by the whole
+        batch, so the stream position stays global and exact.
+
+        Example:
+          >>> import numpy as np, adaptjax
+          >>> ds = adaptjax.ArrayDataset(np.arange(10), shuffle=False)
+          >>> ds.next_rows(4, 2, 4).tolist(), ds.cursor
+          ([2, 3], 4)
+        """
+        b = check_count(batch_size, "batch_size", positive=True)
+        start, stop = check_count(start, "start"), check_count(stop, "stop")
+        if not start < stop <= b:
+            raise ValueError(
+                f"rows [{start}, {stop}) are not inside a batch of {b}; "
+                f"use 0 <= start < stop <= {b}"
+            )
+        batch = self.batch_at(self._cursor + start, stop - start)
+        self._cursor += b
+        return batch
+
     def seek(self, cursor: int) -> None:
         """Moves the stream to position ``cursor`` (the next batch starts there)."""
         self._cursor = check_count(cursor, "cursor")

@@ -9,8 +9,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from adaptjax._checkpoint import CheckpointManager, CorruptCheckpointError
+from adaptjax._distributed import barrier, is_primary
 from adaptjax._run_lock import RunLock
-from adaptjax._run_log import RunLog, truncate_run_logs
+from adaptjax._run_log import NullRunLog, RunLog, truncate_run_logs
 
 CHECKPOINTS = "checkpoints"
 QUARANTINE = "quarantine"
@@ -47,6 +48,10 @@ class RunDirectory:
       any event given to :meth:`save` as ``on_complete``) is written once the
       save is complete on disk; such events also travel inside the
       checkpoint, and a resume writes any that a kill kept from the log.
+    * **Across processes, one writer.** In a multi-process job process 0
+      holds the lock and writes the logs; the other processes write no log
+      file (their :attr:`log` keeps events in memory) and take part in every
+      checkpoint save and restore, as Orbax needs.
     * **A damaged checkpoint is never trusted.** :meth:`restore_newest_intact`
       tries checkpoints newest first, moves each one that fails verification to
       ``run_dir/quarantine/`` (kept, never deleted) and says why.
@@ -68,16 +73,21 @@ class RunDirectory:
 
     def __init__(self, run_dir: str | os.PathLike, *, max_to_keep: int | None = 3):
         self.path = os.fspath(run_dir)
+        self.primary = is_primary()
         os.makedirs(self.path, exist_ok=True)
-        self.lock = RunLock(self.path)
+        self.lock = RunLock(self.path) if self.primary else None
+        self._open = True
         self.checkpoints = CheckpointManager(
             os.path.join(self.path, CHECKPOINTS), max_to_keep=max_to_keep
         )
-        self.log: RunLog | None = None
+        self.log: RunLog | NullRunLog | None = None
         self._unconfirmed: list[tuple[int, list[dict]]] = []
 
     def open_log(self, *, tensorboard: bool, resume_from: int | None = None) -> None:
         """Opens the logs; on resume first drops the rows of steps after ``resume_from``."""
+        if not self.primary:
+            self.log = NullRunLog()
+            return
         purge = None
         if resume_from is not None:
             truncate_run_logs(self.path, resume_from)
@@ -102,11 +112,15 @@ class RunDirectory:
 
     def confirm(self, *, block: bool) -> None:
         """Logs the events of saves that have completed (``block``: wait for them first)."""
+        if not self.primary:  # nothing to log; and no collective here (calls may differ)
+            self._unconfirmed.clear()
+            return
         if not self._unconfirmed or (not block and self.checkpoints.is_saving()):
             return
-        done = set(self.checkpoints.all_steps())
+        self.checkpoints.wait()  # this process's part; the commit is process 0's, i.e. ours
+        where = self.checkpoints.directory
         for step, events in self._unconfirmed:
-            if step in done:
+            if os.path.isdir(os.path.join(where, str(step))):
                 for e in events:
                     fields = {k: v for k, v in e.items() if k != "kind"}
                     self.log.event(e["kind"], step=step, **fields)
@@ -132,7 +146,13 @@ class RunDirectory:
             try:
                 return step, load(step), skipped
             except CorruptCheckpointError as e:
-                moved = self.checkpoints.quarantine(step, os.path.join(self.path, QUARANTINE))
+                into = os.path.join(self.path, QUARANTINE)
+                if self.primary:
+                    moved = self.checkpoints.quarantine(step, into)
+                barrier(f"adaptjax-quarantine-{step}")
+                if not self.primary:
+                    self.checkpoints.reload()
+                    moved = os.path.join(into, str(step))
                 skipped.append({"step": step, "reason": str(e), "moved_to": moved})
                 warnings.warn(
                     f"skipped checkpoint {step}: {e} (moved to {moved})", UserWarning, stacklevel=2
@@ -151,8 +171,9 @@ class RunDirectory:
         Safe to call after an exception or Ctrl-C: a save that cannot complete is
         discarded (its temporary directory removed) and never logged.
         """
-        if not self.lock.held:
+        if not self._open:
             return
+        self._open = False
         try:
             try:
                 self.checkpoints.wait()
@@ -161,10 +182,12 @@ class RunDirectory:
             if self.log is not None:
                 self.confirm(block=True)
                 self.log.close()
-            self.checkpoints.discard_incomplete()
+            if self.primary:
+                self.checkpoints.discard_incomplete()
             self.checkpoints.close()
         finally:
-            self.lock.release()
+            if self.lock is not None:
+                self.lock.release()
 
 
 def elapsed(t0: float) -> float:

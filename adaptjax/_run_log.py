@@ -120,6 +120,51 @@ class RunLog:
             self._writer.close()
 
 
+class NullRunLog:
+    """The log of a process other than 0 in a multi-process job: events in memory, no files.
+
+    Process 0 alone writes ``metrics.jsonl``, ``events.jsonl`` and TensorBoard;
+    every other process runs the same loop against this stand-in, which keeps
+    :attr:`events` (this session's events, as :class:`RunLog` does) and writes
+    nothing.
+
+    Example:
+      >>> from adaptjax._run_log import NullRunLog
+      >>> log = NullRunLog()
+      >>> log.event("checkpoint", step=3)
+      >>> [e["kind"] for e in log.events], log.has_event("checkpoint", 3)
+      (['checkpoint'], True)
+    """
+
+    def __init__(self):
+        self.events: list[dict] = []
+
+    def metrics(self, step: int, values: Mapping[str, Any]) -> None:
+        """Writes nothing."""
+
+    def event(self, kind: str, *, step: int, **fields) -> None:
+        """Keeps the event in :attr:`events` only."""
+        row = {"time": time.time(), "kind": kind, "step": int(step)}
+        row.update({k: _jsonable(v) for k, v in fields.items()})
+        self.events.append(row)
+
+    def has_event(self, kind: str, step: int) -> bool:
+        """True: process 0 writes recovered events, never this one."""
+        return True
+
+    def truncate_after(self, step: int) -> None:
+        """Writes nothing."""
+
+    def flush(self) -> None:
+        """Writes nothing."""
+
+    def sync(self) -> None:
+        """Writes nothing."""
+
+    def close(self) -> None:
+        """Writes nothing."""
+
+
 def _read_rows(path: str) -> list[dict]:
     """The JSON rows of a ``.jsonl`` file, skipping a torn (unparseable) line."""
     if not os.path.exists(path):

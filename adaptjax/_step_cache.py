@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import optax
 
+from adaptjax._distributed import mesh_devices
 from adaptjax._metrics import update_norm
 from adaptjax._run_config import RunConfig, codec_key
 from adaptjax._state import abstract_state, init_state, shape_struct
@@ -68,7 +69,7 @@ class StepCache:
 
     def mesh(self, devices: int):
         if devices not in self._meshes:
-            self._meshes[devices] = make_mesh(devices)
+            self._meshes[devices] = make_mesh(devices, device_list=mesh_devices(devices))
         return self._meshes[devices]
 
     def tx(self, key: str | None) -> optax.GradientTransformation:

@@ -1,0 +1,157 @@
+"""A small controller run for the multi-process tests, as a script under ``adaptjax launch``.
+
+``python tests/distributed_job.py RUN_DIR STEPS [--codec onebit] [--devices N]
+[--rescale STEP:DEVICES ...] [--kill RANK:STEP]`` trains a tiny MLP with a
+Controller, resuming from ``RUN_DIR``'s checkpoints when it has any. Process 0
+writes the final parameters (and the optimizer state's leaves) to
+``RUN_DIR/final.npz``. It prints ``STEP <step> <devices>`` per step.
+``--kill RANK:STEP`` makes that rank SIGKILL itself after that step, once per
+run directory (a marker file remembers it), once the newest periodic
+checkpoint before it is complete on disk. Every process appends the sample
+indices it fed at each step to ``RUN_DIR/fed.jsonl``. Run without the launcher's
+environment it is one process on ``XLA_FLAGS``' devices (the reference run).
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import numpy as np
+
+import adaptjax
+
+adaptjax.initialize_distributed()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+from adaptjax import policies as ajp  # noqa: E402
+
+D = 8
+
+
+def make_data(n=256):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, D)).astype(np.float32)
+    w = rng.normal(size=(D, 2)).astype(np.float32)
+    y = (x @ w + 0.1 * rng.normal(size=(n, 2))).astype(np.float32)
+    return {"x": x, "y": y, "idx": np.arange(n, dtype=np.int32)}
+
+
+def loss_fn(p, b):
+    h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
+
+
+def init_params():
+    rng = np.random.default_rng(1)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(D, 16)).astype(np.float32) * 0.3),
+        "b1": jnp.zeros(16),
+        "w2": jnp.asarray(rng.normal(size=(16, 2)).astype(np.float32) * 0.3),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir")
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--codec", default=None, choices=[None, "onebit"])
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rescale", nargs="*", default=[], help="STEP:DEVICES")
+    parser.add_argument("--kill", default=None, help="RANK:STEP")
+    parser.add_argument("--checkpoint-every", type=int, default=5)
+    args = parser.parse_args()
+
+    codec = None
+    if args.codec == "onebit":
+        import adaptjax.compression as ajc
+
+        codec = ajc.onebit(min_size=16)  # the tiny layers get error-feedback state too
+    pairs = (r.split(":") for r in args.rescale)
+    schedule = {int(s): ajp.Rescale(devices=int(d)) for s, d in pairs}
+    kill_rank, kill_step = map(int, args.kill.split(":")) if args.kill else (None, None)
+    marker = os.path.join(args.run_dir, f".killed-{kill_rank}-{kill_step}")
+
+    os.makedirs(args.run_dir, exist_ok=True)
+    fed = open(os.path.join(args.run_dir, "fed.jsonl"), "a", buffering=1)
+
+    class Recorded(adaptjax.ArrayDataset):
+        """Writes down which sample indices this process fed at each step."""
+
+        def next_rows(self, batch_size, start, stop):
+            rows = super().next_rows(batch_size, start, stop)
+            self._write(rows)
+            return rows
+
+        def next_batch(self, batch_size):
+            rows = super().next_batch(batch_size)
+            self._write(rows)
+            return rows
+
+        def _write(self, rows):
+            rank = jax.process_index()
+            line = {"cursor": self.cursor, "rank": rank, "idx": rows["idx"].tolist()}
+            fed.write(json.dumps(line) + "\n")
+
+    def on_step(ctrl):
+        if jax.process_index() == 0:
+            print(f"STEP {ctrl.step} {ctrl.config.devices} {time.time():.3f}", flush=True)
+        if ctrl.step == kill_step and jax.process_index() == kill_rank:
+            if not os.path.exists(marker):
+                last = kill_step - kill_step % args.checkpoint_every
+                done = os.path.join(args.run_dir, "checkpoints", str(last))
+                deadline = time.time() + 60
+                while last and not os.path.isdir(done) and time.time() < deadline:
+                    time.sleep(0.05)
+                open(marker, "w").close()
+                print(f"KILL {time.time():.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    kwargs = dict(
+        model=init_params(),
+        loss_fn=loss_fn,
+        optimizer=optax.adam,
+        hyperparams={"learning_rate": 1e-2},
+        data=Recorded(make_data(), seed=3),
+        devices=args.devices,
+        batch_size=args.batch,
+        codec=codec,
+        policies=[ajp.Schedule(schedule)] if schedule else [],
+        policy_every=1,
+        checkpoint_every=args.checkpoint_every,
+        progress=False,
+        tensorboard=False,
+        on_step=on_step,
+        run_dir=args.run_dir,
+    )
+    ckpts = os.path.join(args.run_dir, "checkpoints")
+    if os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)):
+        ctrl = adaptjax.Controller.resume(**kwargs)
+        if jax.process_index() == 0:
+            print(f"RESUMED {ctrl.step}", flush=True)
+    else:
+        ctrl = adaptjax.Controller(**kwargs)
+    ctrl.run(args.steps)
+    from jax.experimental import multihost_utils
+
+    leaves = jax.tree_util.tree_flatten_with_path(ctrl.state.params)[0]
+    opt = jax.tree_util.tree_flatten_with_path(ctrl.state.opt_state)[0]
+    out = {}
+    for prefix, flat in (("params", leaves), ("opt", opt)):
+        for path, leaf in flat:
+            if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+                leaf = multihost_utils.process_allgather(leaf, tiled=True)
+            out[prefix + jax.tree_util.keystr(path)] = np.asarray(leaf)
+    ctrl.close()
+    if jax.process_index() == 0:
+        np.savez(os.path.join(args.run_dir, "final.npz"), **out)
+        print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()
