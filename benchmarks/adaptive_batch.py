@@ -168,7 +168,8 @@ def time_steps(data, sizes, rounds):
             tensorboard=False,
         )
         stream = adaptjax.ArrayDataset({"x": x_train, "y": y_train}, seed=1)
-        steps = {b: ctrl.steps.step(adaptjax.RunConfig(devices=DEVICES, batch_size=b)) for b in sizes}
+        configs = {b: adaptjax.RunConfig(devices=DEVICES, batch_size=b) for b in sizes}
+        steps = {b: ctrl.steps.step(c) for b, c in configs.items()}
         state = ctrl.state
         for b, fn in steps.items():  # compile and warm up
             for _ in range(3):
