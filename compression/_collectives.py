@@ -126,6 +126,7 @@ def owner_compute(
     server=None,
     residual: bool = False,
     server_mode: str | None = None,
+    valid=None,
 ):
     """Mean over replicas of the flat vector ``x`` through an encoded payload.
 
@@ -142,6 +143,8 @@ def owner_compute(
       server_mode: ``None`` (no server-side error feedback), ``"buffer"`` (keep
         it in ``server``) or ``"fold"`` (add ``N`` times it to this replica's
         residual on the owned chunk, so the mean over replicas carries it).
+      valid: optional numpy array, real (unpadded) elements of each block of ``x``
+        (see :meth:`Layout.block_counts`), for formats whose scale is a mean.
 
     Returns:
       ``(mean, residual or None, new server buffer or None)``. ``mean`` is the
@@ -163,7 +166,12 @@ def owner_compute(
     else:
         y = x
         f_idx = jnp.zeros((), jnp.int32)
-    rows = fmt.encode(y.reshape(slow_size, nb, fmt.block), seed_worker)
+    v_fast = v_own = None
+    if valid is not None:
+        counts = jnp.asarray(valid, jnp.float32)
+        fb = f_len // fmt.block  # blocks in one fast chunk
+        v_fast = jax.lax.dynamic_slice(counts, (f_idx * fb,), (fb,)).reshape(slow_size, nb)
+    rows = fmt.encode(y.reshape(slow_size, nb, fmt.block), seed_worker, v_fast)
     recv = _a2a(rows, slow, slow_size)
     mean_chunk = jnp.sum(fmt.decode(recv, nb), axis=0).reshape(s_len) / slow_size
     s_idx = replica_index(slow, slow_size)
@@ -171,7 +179,9 @@ def owner_compute(
     z = mean_chunk
     if server_mode == "buffer":
         z = z + jax.lax.dynamic_slice(server, (own,), (s_len,))
-    row_s = fmt.encode(z.reshape(1, nb, fmt.block), seed_server)
+    if valid is not None:
+        v_own = jax.lax.dynamic_slice(counts, (own // fmt.block,), (nb,)).reshape(1, nb)
+    row_s = fmt.encode(z.reshape(1, nb, fmt.block), seed_server, v_own)
     yhat = fmt.decode(_gather(row_s[0], slow, slow_size), nb).reshape(f_len)
     new_server = None
     r_fast = None  # residual on this replica's fast chunk, scaled by fast_size

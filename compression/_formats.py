@@ -65,16 +65,21 @@ class Format:
         return self.bits + (32.0 / self.block if self.has_scale else 0.0)
 
     # -- to implement on (R, nb, B) float32: (words (R, nb, B*bits/32) uint32, scales (R, nb))
-    def encode_words(self, x, seed):
+    def encode_words(self, x, seed, valid=None):
+        """``valid``: real (unpadded) elements per block, broadcastable to (R, nb)."""
         raise NotImplementedError
 
     def decode_words(self, words, scales):
         raise NotImplementedError
 
-    def encode(self, x: jax.Array, seed) -> jax.Array:
-        """(R, nb, B) float32 -> (R, row_words) uint32."""
+    def encode(self, x: jax.Array, seed, valid=None) -> jax.Array:
+        """(R, nb, B) float32 -> (R, row_words) uint32.
+
+        ``valid`` (optional, broadcastable to ``(R, nb)``): real elements per block;
+        the rest of a block is zero padding that a mean-based scale must not count.
+        """
         r, nb, _ = x.shape
-        words, scales = self.encode_words(x, seed)
+        words, scales = self.encode_words(x, seed, valid)
         rows = words.reshape(r, -1)
         if self.has_scale:
             rows = jnp.concatenate([rows, _bitcast(scales.astype(jnp.float32), _U32)], axis=1)
@@ -95,8 +100,8 @@ class Cast(Format):
 
     dtype: str = "bfloat16"
 
-    def encode_words(self, x, seed):
-        del seed
+    def encode_words(self, x, seed, valid=None):
+        del seed, valid
         y = x
         if self.dtype == "float16":
             fmax = float(jnp.finfo(jnp.float16).max)
@@ -116,15 +121,30 @@ class Cast(Format):
 class Sign(Format):
     """1 bit per element (the sign) and one scale per block: ``mean |x|``.
 
-    The scale minimises ``‖x − s·sign(x)‖²`` over ``s`` (EF-signSGD's ``‖x‖₁/d``,
-    per block). Codes and the block ``|x|`` sums come from one pass.
+    The scale minimises ``‖x − s·c‖²`` over ``s`` for codes ``c = ±1`` (EF-signSGD's
+    ``‖x‖₁/d``, per block), the mean taken over the block's real elements only
+    (``valid``; zero padding of a last partial block does not dilute it). A 1-bit
+    code has no zero: an exact 0 decodes to ``+s`` at even and ``−s`` at odd
+    positions, so a run of zeros decodes to a sum of at most ``s`` instead of
+    growing with its length (a block of zeros has ``s = 0`` and decodes to 0).
+    Codes and the block ``|x|`` sums come from one pass.
     """
 
-    def encode_words(self, x, seed):
+    def encode_words(self, x, seed, valid=None):
         del seed
-        code = 1 - (_bitcast(x, _U32) >> 31)
-        words, (part,) = pack_words(code, 1, extra=((jnp.abs(x), jnp.float32(0), jnp.add),))
-        return words, jnp.sum(part, axis=-1) / self.block
+        xb = _bitcast(x, _U32)
+        pos = jax.lax.broadcasted_iota(_U32, x.shape, 2)
+        # sign bit of x; for ±0 the parity of the position (alternating +s, −s)
+        code = 1 - jnp.where((xb << 1) == 0, pos & 1, xb >> 31)
+        a = jnp.abs(x)
+        if valid is None:
+            count = jnp.float32(self.block)
+        else:  # padding (which may hold decoded ±s from an earlier stage) is not counted
+            valid = jnp.broadcast_to(valid, x.shape[:2])
+            a = jnp.where(pos < valid.astype(_U32)[:, :, None], a, 0.0)
+            count = jnp.maximum(valid, 1.0)
+        words, (part,) = pack_words(code, 1, extra=((a, jnp.float32(0), jnp.add),))
+        return words, jnp.sum(part, axis=-1) / count
 
     def decode_words(self, words, scales):
         code = unpack_words(words, 1)
@@ -136,7 +156,8 @@ class Sign(Format):
 class Ternary(Format):
     """TernGrad: ``s·sign(x)·Bernoulli(|x|/s)``, ``s = max |x|`` per block; 2 bits."""
 
-    def encode_words(self, x, seed):
+    def encode_words(self, x, seed, valid=None):
+        del valid  # a max or a norm does not see zero padding
         s = _block_stat(jnp.abs(x), jnp.max)
         # keep with probability |x|/s: r < |x| 2^24/s for r uniform in [0, 2^24)
         inv = jnp.where(s > 0, jnp.float32(2.0**24) / jnp.where(s > 0, s, 1.0), 0.0)
@@ -164,7 +185,8 @@ class Levels(Format):
 
     levels: int = 7
 
-    def encode_words(self, x, seed):
+    def encode_words(self, x, seed, valid=None):
+        del valid  # a max or a norm does not see zero padding
         norm = jnp.sqrt(_block_stat(x * x, jnp.sum))
         inv = jnp.where(norm > 0, self.levels / jnp.where(norm > 0, norm, 1.0), 0.0)
         u = _random24(seed, x.shape) * jnp.float32(2.0**-24)
@@ -194,7 +216,8 @@ class Natural(Format):
     flushed to zero.
     """
 
-    def encode_words(self, x, seed):
+    def encode_words(self, x, seed, valid=None):
+        del valid  # a max or a norm does not see zero padding
         xb = _bitcast(x, _U32)
         e = ((xb >> 23) & 0xFF).astype(jnp.int32)
         # the exponent is monotone in |x|: the block's largest is that of max |x|

@@ -97,6 +97,7 @@ class Quantizer(Codec):
             seed_worker=ctx.seed_for(0),
             seed_server=ctx.seed_for(1),
             server=lay.flatten(server) if server is not None else None,
+            valid=lay.block_counts(),
             residual=ctx.residual,
             server_mode="buffer" if server is not None else None,
         )
@@ -124,7 +125,10 @@ class Quantizer(Codec):
         fmt = self.fmt
         nb = max(1, -(-size // fmt.block))
         padded = jnp.pad(flat, (0, nb * fmt.block - size))
-        words, scales = fmt.encode_words(padded.reshape(1, nb, fmt.block), mix_seed(seed))
+        valid = make_layout([size], fmt.block).block_counts().reshape(1, nb)
+        words, scales = fmt.encode_words(
+            padded.reshape(1, nb, fmt.block), mix_seed(seed), jnp.asarray(valid)
+        )
         payload = {"codes": words.reshape(-1)}
         if fmt.has_scale:
             payload["scales"] = scales.reshape(-1)

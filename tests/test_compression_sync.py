@@ -190,3 +190,11 @@ def test_noise_scale_with_a_codec_matches_the_analytic_value():
             assert int(state.opt_state[0].codec_state.count) == steps  # codec on every step
     assert results["codec"] == pytest.approx(32.0, rel=0.10)
     assert results["dense"] == pytest.approx(32.0, rel=0.10)
+
+
+def test_powersgd_leaf_thinner_than_the_rank_syncs_in_the_bf16_lane():
+    # issue 10 item 5: (1001, 3) under the default rank 4 goes bf16 (exact on small integers)
+    rng = np.random.default_rng(5)
+    grads = {"w": jnp.asarray(rng.integers(-4, 5, (N, 1001, 3)).astype(np.float32))}
+    out, _ = _per_replica_out(ajc.powersgd(), grads, {"w": jnp.zeros((1001, 3))})
+    np.testing.assert_array_equal(np.asarray(out["w"][0]), np.asarray(grads["w"]).mean(axis=0))
