@@ -25,9 +25,10 @@ codec                       collective                                  bytes pe
 ==========================  ==========================================  =====================
 
 Owner-compute: an all-to-all hands replica ``j`` every replica's encoded chunk
-``j``; it decodes and averages them, adds its server-side error buffer,
-re-encodes, and an all-gather returns every encoded chunk to everyone, so the
-bytes per device stay nearly constant in ``N`` (owner-compute codecs add one
+``j``; it decodes and averages them, re-encodes them (with error feedback,
+``N`` times its re-encoding error joins its own residual), and an all-gather
+returns every encoded chunk to everyone, so the bytes per device stay nearly
+constant in ``N`` (owner-compute codecs add one
 float32 scale per ``block`` elements). With ``fast_axis`` on a 2-D mesh the fast
 axis carries bf16 and only the slow axes carry the compressed payload.
 
@@ -35,8 +36,8 @@ Per leaf (see :func:`plan`), leaves under ``min_size`` go in one float32 psum,
 and leaves a codec cannot compress or would send more bytes for than a bf16
 psum go as bf16 (owner-compute). Error feedback (``"ef14"``, ``"ef21"``) keeps
 its buffers in the optax state as :class:`adaptjax.PerReplica` (merge rule
-``"mean"``; server buffers :class:`SumToAll`), so they are checkpointed and a
-rescale keeps the debt owed to the averaged gradient.
+``"mean"``), so they are checkpointed and a rescale keeps the debt owed to the
+averaged gradient.
 
 With monitors, :func:`adaptjax.sync_gradients` runs the codec on every step
 and lets each replica send its exact gradient at 1% of shared random

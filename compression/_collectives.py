@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from adaptjax.compression._bits import mix_seed
 from adaptjax.compression._formats import Cast, Format
 from adaptjax.compression._layout import make_layout
 
@@ -30,7 +31,9 @@ __all__ = [
     "axis_tuple",
     "bound_size",
     "owner_compute",
+    "owner_compute_leaves",
     "psum_mean",
+    "sum_rows",
 ]
 
 
@@ -92,6 +95,19 @@ def _gather(row, names, size):
     if size == 1:
         return row[None]
     return jax.lax.all_gather(row, axis_arg(names), to="invarying")
+
+
+def sum_rows(x):
+    """``x.sum(axis=0)`` as a chain of element-wise adds of its (few) rows.
+
+    XLA on CPU reduces over a leading axis of a large array about 20 times
+    slower than a copy (315 ms against 16 ms for 2 x 4.2M float32); the unrolled
+    adds fuse into one element-wise pass with whatever decodes the rows.
+    """
+    acc = x[0]
+    for i in range(1, x.shape[0]):
+        acc = acc + x[i]
+    return acc
 
 
 def replica_index(names, size):
@@ -159,7 +175,7 @@ def owner_compute(
     res = None
     if fast_size > 1:
         rows16, xb = _bf16_rows(x, fast_size)
-        y = jnp.sum(_from_bf16(_a2a(rows16, fast, fast_size)), axis=0) / fast_size
+        y = sum_rows(_from_bf16(_a2a(rows16, fast, fast_size))) / fast_size
         f_idx = replica_index(fast, fast_size)
         if residual:
             res = x - xb
@@ -173,7 +189,7 @@ def owner_compute(
         v_fast = jax.lax.dynamic_slice(counts, (f_idx * fb,), (fb,)).reshape(slow_size, nb)
     rows = fmt.encode(y.reshape(slow_size, nb, fmt.block), seed_worker, v_fast)
     recv = _a2a(rows, slow, slow_size)
-    mean_chunk = jnp.sum(fmt.decode(recv, nb), axis=0).reshape(s_len) / slow_size
+    mean_chunk = sum_rows(fmt.decode(recv, nb)).reshape(s_len) / slow_size
     s_idx = replica_index(slow, slow_size)
     own = f_idx * f_len + s_idx * s_len  # start of the chunk this replica owns
     z = mean_chunk
@@ -212,3 +228,105 @@ def owner_compute(
         else:
             res = r_fast
     return out, res, new_server
+
+
+def owner_compute_leaves(
+    xs,
+    fmt: Format,
+    *,
+    names: tuple[str, ...],
+    n: int,
+    seed_worker,
+    seed_server,
+    residual: bool = False,
+    fold: bool = False,
+):
+    """Owner-compute mean of a list of float32 leaves, without flattening them.
+
+    The one-level form of :func:`owner_compute` (same bytes, same identity),
+    shaped for XLA on CPU: a leaf's longest prefix of whole ``N × block`` units
+    is viewed in place as ``(N, nb, block)`` (row ``j`` is the chunk replica
+    ``j`` owns), and only the remainders of the leaves are concatenated and
+    padded into one more such view. Each view is encoded on its own and only the
+    *encoded* rows are concatenated for the one all-to-all and the one
+    all-gather. Concatenating the float32 leaves instead, as a flat layout does,
+    is a fusion that XLA's CPU backend runs at a tenth of copy speed.
+
+    Args:
+      xs: this replica's leaves (float32, any shapes).
+      fmt: the element format.
+      names, n: the bound axes the payload crosses, and their size.
+      seed_worker, seed_server: uint32 seeds of this replica's two encodings.
+      residual: whether to return this replica's residual per leaf.
+      fold: add ``n`` times the owner's re-encoding error to its residual on
+        the chunk it owns (server-side error feedback without a server buffer).
+
+    Returns:
+      ``(means, residuals or None)``, lists shaped like ``xs``. With ``residual``
+      and ``fold``, ``mean_i(x_i) = mean + mean_i(residual_i)`` exactly (up to
+      float rounding), leaf by leaf.
+    """
+    b = fmt.block
+    unit = n * b
+    flats = [jnp.ravel(x) for x in xs]
+    sizes = [f.shape[0] for f in flats]
+    mains = [(d // unit) * unit for d in sizes]
+    views, valids, owners = [], [], []  # owners: leaf index of a main view, None for the rest
+    for i, (f, m) in enumerate(zip(flats, mains, strict=True)):
+        if m:
+            views.append((f if m == sizes[i] else f[:m]).reshape(n, m // unit, b))
+            valids.append(None)
+            owners.append(i)
+    tails = [i for i, (d, m) in enumerate(zip(sizes, mains, strict=True)) if d > m]
+    lay = None
+    if tails:
+        lay = make_layout([sizes[i] - mains[i] for i in tails], b, n)
+        rest = lay.flatten([flats[i][mains[i] :] if mains[i] else flats[i] for i in tails])
+        views.append(rest.reshape(n, -1, b))
+        valids.append(jnp.asarray(lay.block_counts().reshape(n, -1)))
+        owners.append(None)
+    s_idx = replica_index(names, n)
+    seeds_w = [mix_seed(seed_worker, k) for k in range(len(views))]
+    seeds_s = [mix_seed(seed_server, k) for k in range(len(views))]
+    rows = [fmt.encode(v, s, c) for v, s, c in zip(views, seeds_w, valids, strict=True)]
+    widths = [r.shape[1] for r in rows]
+    recv = _a2a(jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0], names, n)
+    own_rows, means = [], []
+    off = 0
+    for v, w, s, c in zip(views, widths, seeds_s, valids, strict=True):
+        nb = v.shape[1]
+        mean = sum_rows(fmt.decode(recv[:, off : off + w], nb)) / n  # (nb, b): my chunk
+        c_own = None if c is None else jax.lax.dynamic_index_in_dim(c, s_idx, 0, keepdims=True)
+        own_rows.append(fmt.encode(mean[None], s, c_own))
+        means.append(mean)
+        off += w
+    sent = jnp.concatenate(own_rows, axis=1) if len(own_rows) > 1 else own_rows[0]
+    gathered = _gather(sent[0], names, n)
+    outs_v, res_v = [], []
+    off = 0
+    for v, w, row, own, mean in zip(views, widths, rows, own_rows, means, strict=True):
+        nb = v.shape[1]
+        outs_v.append(fmt.decode(gathered[:, off : off + w], nb).reshape(-1))
+        off += w
+        if residual:
+            r = v - fmt.reconstruct(v, row)
+            if fold:  # n times the owner's re-encoding error, on the row it owns
+                r_srv = mean - fmt.reconstruct(mean[None], own)[0]
+                # a select, not a dynamic update of one row: XLA on CPU runs a
+                # dynamic-slice/update pair over a row slower than this whole pass
+                mine = jax.lax.broadcasted_iota(jnp.int32, (n, 1, 1), 0) == s_idx
+                r = r + jnp.where(mine, n * r_srv[None], 0.0)
+            res_v.append(r.reshape(-1))
+
+    def assemble(parts):
+        rest = lay.unflatten(parts[-1], [(sizes[i] - mains[i],) for i in tails]) if tails else []
+        rest_of = dict(zip(tails, rest, strict=True))
+        main_of = {i: p for i, p in zip(owners, parts, strict=True) if i is not None}
+        out = []
+        for i, x in enumerate(xs):
+            pieces = [p for p in (main_of.get(i), rest_of.get(i)) if p is not None]
+            flat = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+            out.append(flat.reshape(jnp.shape(x)))
+        return out
+
+    return assemble(outs_v), (assemble(res_v) if residual else None)

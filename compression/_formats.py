@@ -85,6 +85,20 @@ class Format:
             rows = jnp.concatenate([rows, _bitcast(scales.astype(jnp.float32), _U32)], axis=1)
         return rows
 
+    def reconstruct(self, x: jax.Array, rows: jax.Array) -> jax.Array:
+        """``decode(rows)`` for ``rows = encode(x, ...)``, given ``x`` (R, nb, B) too.
+
+        The sender's own view of what it sent, for its error-feedback residual.
+        Formats whose decoded value follows from ``x`` and the block scale alone
+        override this to skip unpacking the codes (a full pass that XLA's CPU
+        backend runs several times slower than a copy).
+        """
+        return self.decode(rows, x.shape[1])
+
+    def _scales(self, rows: jax.Array, nb: int) -> jax.Array:
+        ncode = nb * self.block * self.bits // 32
+        return _bitcast(rows[:, ncode:], jnp.float32)
+
     def decode(self, rows: jax.Array, nb: int) -> jax.Array:
         """(R, row_words) uint32 -> (R, nb, B) float32."""
         r = rows.shape[0]
@@ -110,6 +124,14 @@ class Cast(Format):
         r, nb, b = x.shape
         return _bitcast(h.reshape(r, nb, b // 2, 2), _U32), None
 
+    def reconstruct(self, x, rows):
+        del rows
+        y = x
+        if self.dtype == "float16":
+            fmax = float(jnp.finfo(jnp.float16).max)
+            y = jnp.clip(x, -fmax, fmax)
+        return y.astype(jnp.dtype(self.dtype)).astype(jnp.float32)
+
     def decode_words(self, words, scales):
         del scales
         r, nb, w = words.shape
@@ -132,10 +154,9 @@ class Sign(Format):
 
     def encode_words(self, x, seed, valid=None):
         del seed
-        xb = _bitcast(x, _U32)
         pos = jax.lax.broadcasted_iota(_U32, x.shape, 2)
         # sign bit of x; for ±0 the parity of the position (alternating +s, −s)
-        code = 1 - jnp.where((xb << 1) == 0, pos & 1, xb >> 31)
+        code = 1 - self._negative(x)
         a = jnp.abs(x)
         if valid is None:
             count = jnp.float32(self.block)
@@ -146,10 +167,22 @@ class Sign(Format):
         words, (part,) = pack_words(code, 1, extra=((a, jnp.float32(0), jnp.add),))
         return words, jnp.sum(part, axis=-1) / count
 
+    @staticmethod
+    def _negative(x):
+        """The sign bit sent for each element (uint32 0/1): zeros alternate by position."""
+        xb = _bitcast(x, _U32)
+        pos = jax.lax.broadcasted_iota(_U32, x.shape, 2)
+        return jnp.where((xb << 1) == 0, pos & 1, xb >> 31)
+
+    def reconstruct(self, x, rows):
+        s = _bitcast(self._scales(rows, x.shape[1]), _U32)[:, :, None]
+        return _bitcast(s | (self._negative(x) << 31), jnp.float32)
+
     def decode_words(self, words, scales):
+        # the code's complement is the float's sign bit (s >= 0): bit operations only
         code = unpack_words(words, 1)
-        s = scales[:, :, None]
-        return jnp.where(code > 0, s, -s)
+        s = _bitcast(scales, _U32)[:, :, None]
+        return _bitcast(s | ((code ^ 1) << 31), jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
