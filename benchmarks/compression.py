@@ -1,14 +1,18 @@
 """Gradient compression benchmark: wire bytes, codec throughput, steps to the dense loss.
 
 For each codec of ``adaptjax.compression``, on an MLP of about 8M parameters
-(784-2048-2048-1024-10) and N = 8 and 16 simulated CPU devices:
+(784-2048-2048-1024-10) and N = 8, 16 and 32 simulated CPU devices:
 
 * bytes each device sends per step, read by ``adaptjax.wire_bytes`` from the
   compiled HLO of the codec's sync (inside ``shard_map``), and the ratio of a
   float32 psum's and a bf16 psum's bytes to it (``ratio_vs_fp32``,
   ``ratio_vs_bf16``; bf16 is counted at its program dtype, XLA widens it on CPU).
   PowerSGD's alternating form holds its P and Q all-reduces in the two branches
-  of a ``lax.cond``; its per-step bytes count one of the two on average.
+  of a ``lax.cond``; its per-step bytes are the average of the two branches,
+  and ``bytes per branch`` shows what a Q step and a P step send.
+* step time of a training step with each codec over the dense step
+  (``step time/dense``) on 2 simulated CPU devices, where the wire is free
+  (see :func:`step_time_rows`); printed beside the N = 8 bytes.
 * encode + decode throughput on the model's 7.9M gradient elements as a fraction
   of a same-size float32 copy (``throughput_vs_copy``: copy time / (encode time +
   decode time), each timed on its own since the wire sits between them; best
@@ -37,7 +41,8 @@ So when it is imported under that name instead of run, it hands the import over
 to the real package (or fails as a missing one does, before Python 3.14) and
 defines nothing else; ``tests/test_benchmark_names.py`` checks both.
 
-The N = 16 part runs in a subprocess with ``XLA_FLAGS`` set to 16 devices.
+Wire bytes (N = 8, 16, 32) run in a subprocess with ``XLA_FLAGS`` set to 32
+devices before jax is imported, the step times in one set to 2 devices.
 """
 
 from __future__ import annotations
@@ -452,7 +457,7 @@ def main(argv=None):
     ap.add_argument("--_steps", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._wire:
-        print(json.dumps([r for n in (16, 32) if n <= args._wire for r in wire_rows(n)]))
+        print(json.dumps([r for n in (8, 16, 32) if n <= args._wire for r in wire_rows(n)]))
         return
     if args._steps:
         names = [k for k in CODECS if k in args._steps.split(",")]
@@ -460,8 +465,7 @@ def main(argv=None):
         return
 
     t0 = time.time()
-    rows = wire_rows(8)
-    rows += _subprocess(["--_wire", "32"], devices=32)  # N = 16 and 32
+    rows = _subprocess(["--_wire", "32"], devices=32)  # N = 8, 16 and 32
     print(f"# wire bytes from the compiled HLO: {time.time() - t0:.0f}s", file=sys.stderr)
 
     t0 = time.time()
