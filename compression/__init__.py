@@ -19,7 +19,7 @@ codec                       collective                                  bytes pe
 :func:`terngrad`            owner-compute, 2-bit codes                  ``≈2(d/4)(N−1)/N``
 :func:`qsgd`                owner-compute, ``ceil(log2(2s+1))`` bits    ``≈2(d·b/8)(N−1)/N``
 :func:`natural`             owner-compute, 8-bit codes                  ``≈2d(N−1)/N``
-:func:`topk`, :func:`dgc`   all-gather of (value, index) pairs          ``8k(N−1)``
+:func:`topk`, :func:`dgc`   (value, index) pairs routed to owners       ``≈24k(N−1)/N``
 :func:`randomk`             psum of ``k`` values (shared coordinates)   ``8k(N−1)/N``
 :func:`powersgd`            psum of ``P`` or ``Q`` (alternating)        ``8r·(n or m)(N−1)/N``
 ==========================  ==========================================  =====================

@@ -93,7 +93,10 @@ def expected_bytes(name, n):
         return total + _owner_compute(codec.fmt, n, sizes)
     if name in ("topk", "dgc"):
         k = sum(math.ceil(0.01 * d) for d in sizes)
-        return total + 8 * k * (n - 1)
+        if n < 4:  # one all-gather of every replica's pairs
+            return total + 8 * k * (n - 1)
+        # routed to owners: all-to-all of ceil(2k/N) pairs per owner, all-gather of ceil(k/N)
+        return total + 8 * (n - 1) * (math.ceil(2 * k / n) + math.ceil(k / n))
     if name == "randomk":
         k = 0
         for d in sizes:
