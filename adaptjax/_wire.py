@@ -70,6 +70,9 @@ class Collective:
       is_async: whether it is an ``-start``/``-done`` pair.
       num_operands: operands of the instruction (1 unless it is a tuple collective).
       operand_dtypes: the program's dtype of each operand.
+      branch: where it sits inside ``lax.cond``/``lax.switch`` branches: the
+        ``(conditional name, branch index)`` pairs from the outermost in, ``()``
+        when every call runs it.
     """
 
     kind: str
@@ -84,6 +87,7 @@ class Collective:
     is_async: bool = False
     num_operands: int = 1
     operand_dtypes: tuple[str, ...] = ()
+    branch: tuple[tuple[str, int], ...] = ()
 
     @property
     def widened(self) -> bool:
@@ -95,25 +99,95 @@ class Collective:
 class WireReport:
     """Every collective of a compiled program and the bytes each device sends.
 
-    Collectives are counted statically: one inside a loop body counts once.
+    Collectives are counted statically: one inside a loop body counts once. A
+    collective inside a branch of ``lax.cond``/``lax.switch`` (an HLO
+    ``conditional``) runs only when its branch is taken, so the branches of a
+    conditional are not added up: ``total`` takes their mean (what one call
+    sends on average when the branches alternate, as PowerSGD's P and Q steps
+    do), ``max_total`` the largest, and ``branch_totals`` lists each branch.
 
     Attributes:
       collectives: the collectives in program-text order.
       num_devices: devices the program was compiled for (``None`` if unknown).
+      conditionals: ``(name, number of branches)`` of every conditional that
+        holds a collective (directly or nested), in program-text order.
     """
 
     collectives: tuple[Collective, ...]
     num_devices: int | None = None
+    conditionals: tuple[tuple[str, int], ...] = ()
 
     @property
     def total(self) -> float:
-        """Bytes each device sends, summed over collectives, at the program's dtypes."""
+        """Bytes each device sends per call, at the program's dtypes.
+
+        Collectives outside any conditional, plus for each conditional the mean
+        of its branches (the average per call when every branch is taken equally
+        often); equals `static_total` for a program without conditionals.
+        """
+        return self._fold(lambda c: c.bytes, _mean)
+
+    @property
+    def max_total(self) -> float:
+        """Bytes each device sends in the costliest call (the largest branch of each)."""
+        return self._fold(lambda c: c.bytes, max)
+
+    @property
+    def static_total(self) -> float:
+        """Every collective of the program text summed, every branch included."""
         return math.fsum(c.bytes for c in self.collectives)
 
     @property
     def compiled_total(self) -> float:
         """`total` at the dtypes of the compiled program (after XLA's widening)."""
-        return math.fsum(c.compiled_bytes for c in self.collectives)
+        return self._fold(lambda c: c.compiled_bytes, _mean)
+
+    def branch_totals(self, name: str | None = None) -> tuple[float, ...]:
+        """Bytes per device of a call that takes each branch of one conditional.
+
+        Each entry is the whole call's bytes when that branch is taken (outside
+        collectives included; conditionals nested in it or elsewhere averaged).
+
+        Args:
+          name: the conditional's name in `conditionals`; ``None`` for the only one.
+
+        Returns:
+          One total per branch, in branch order (``lax.cond``: false, then true).
+        """
+        names = dict(self.conditionals)
+        if name is None:
+            if len(names) != 1:
+                raise ValueError(
+                    f"the program has {len(names)} conditionals with collectives: "
+                    f"pass one of {sorted(names)} as name="
+                )
+            (name,) = names
+        if name not in names:
+            raise ValueError(
+                f"no conditional {name!r} with collectives: use one of {sorted(names)}"
+            )
+        return tuple(
+            self._fold(lambda c: c.bytes, _mean, fixed=(name, b)) for b in range(names[name])
+        )
+
+    def _fold(self, value, agg, fixed: tuple[str, int] | None = None) -> float:
+        """Folds bytes over the branch tree: ``agg`` over each conditional's branches."""
+        counts = dict(self.conditionals)
+
+        def walk(prefix: tuple) -> float:
+            here = [value(c) for c in self.collectives if c.branch == prefix]
+            inner: dict[str, None] = {}
+            for c in self.collectives:
+                if len(c.branch) > len(prefix) and c.branch[: len(prefix)] == prefix:
+                    inner.setdefault(c.branch[len(prefix)][0])
+            for cond in inner:
+                if fixed is not None and cond == fixed[0]:
+                    here.append(walk((*prefix, fixed)))
+                else:
+                    here.append(agg([walk((*prefix, (cond, b))) for b in range(counts[cond])]))
+            return math.fsum(here)
+
+        return walk(())
 
     def count(self, kind: str | None = None, min_bytes: float = 0) -> int:
         """Number of collectives of ``kind`` (all kinds if None) sending >= ``min_bytes``.
@@ -145,11 +219,22 @@ class WireReport:
             f"WireReport: {len(self.collectives)} collective(s), "
             f"{_fmt(self.total)} B sent per device"
         )
+        conds = [name for name, _ in self.conditionals]
+        if conds:
+            head += " per call (each conditional's branches averaged)"
         if self.compiled_total != self.total:
             head += f" ({_fmt(self.compiled_total)} B as compiled)"
+        for i, name in enumerate(conds):
+            per = ", ".join(_fmt(b) for b in self.branch_totals(name))
+            head += f"\n  c{i} = {name}: a call taking branch 0, 1, ... sends {per} B"
+        if conds:
+            head += (
+                f"\n  max {_fmt(self.max_total)} B per call; "
+                f"all branches summed {_fmt(self.static_total)} B"
+            )
         if not self.collectives:
             return head
-        rows = [("kind", "dtype", "shape", "N", "bytes", "compiled")]
+        rows = [("kind", "dtype", "shape", "N", "bytes", "compiled", "branch")]
         for c in self.collectives:
             dtype = c.dtype if c.compiled_dtype == c.dtype else f"{c.dtype}->{c.compiled_dtype}"
             rows.append(
@@ -160,15 +245,22 @@ class WireReport:
                     str(c.group_size),
                     _fmt(c.bytes),
                     _fmt(c.compiled_bytes),
+                    " ".join(f"c{conds.index(n)}:{b}" for n, b in c.branch),
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        cols = 7 if conds else 6
+        widths = [max(len(r[i]) for r in rows) for i in range(cols)]
         lines = [head]
         for r in rows:
             left = [r[i].ljust(widths[i]) for i in range(3)]
             right = [r[i].rjust(widths[i]) for i in range(3, 6)]
-            lines.append("  ".join(left + right).rstrip())
+            tail = [r[6].ljust(widths[6])] if conds else []
+            lines.append("  ".join(left + right + tail).rstrip())
         return "\n".join(lines)
+
+
+def _mean(xs: list[float]) -> float:
+    return math.fsum(xs) / len(xs)
 
 
 def _fmt(x: float) -> str:
@@ -493,6 +585,54 @@ def _collectives(text: str, num_devices: int | None) -> tuple[list[_Coll], list[
     return colls, instrs, header
 
 
+_CALLED = re.compile(
+    r"\b(?:calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+)
+
+
+def _branch_paths(instrs: list[_Instr]) -> tuple[dict[str, tuple], dict[str, int]]:
+    """Each computation's enclosing ``(conditional, branch)`` path, and branch counts.
+
+    A computation called as branch ``b`` of conditional ``C`` gets ``C``'s path
+    plus ``(C, b)``; one called otherwise (fusion, loop body, async wrapper) its
+    caller's path. ``lax.cond`` lowers to a conditional on ``int(pred)``, so the
+    false branch is 0; a predicate conditional (``true_computation=``) is
+    listed true first in the text and numbered the same way: false 0, true 1.
+    """
+    parent: dict[str, tuple[str, tuple | None]] = {}
+    counts: dict[str, int] = {}
+    for ins in instrs:
+        if ins.opcode == "conditional":
+            braced = _attr_braces(ins.attrs, "branch_computations")
+            if braced is not None:
+                names = [b.strip().lstrip("%") for b in braced[1:-1].split(",") if b.strip()]
+            else:
+                t = re.search(r"\btrue_computation=%?([\w.\-]+)", ins.attrs)
+                f = re.search(r"\bfalse_computation=%?([\w.\-]+)", ins.attrs)
+                names = [f.group(1), t.group(1)] if t and f else []
+            counts[ins.name] = len(names)
+            for b, name in enumerate(names):
+                parent.setdefault(name, (ins.computation, (ins.name, b)))
+            continue
+        for name in _CALLED.findall(ins.attrs):
+            parent.setdefault(name, (ins.computation, None))
+    paths: dict[str, tuple] = {}
+
+    def path(comp: str, seen: frozenset = frozenset()) -> tuple:
+        if comp in paths:
+            return paths[comp]
+        if comp not in parent or comp in seen:
+            return ()
+        caller, step = parent[comp]
+        out = path(caller, seen | {comp}) + ((step,) if step is not None else ())
+        paths[comp] = out
+        return out
+
+    for comp in parent:
+        path(comp)
+    return paths, counts
+
+
 def _ring_bytes(kind: str, n: int, s: float) -> float:
     """Bytes one device sends for a collective of ``kind`` over ``n`` devices."""
     if n <= 1 or s == 0:
@@ -619,7 +759,7 @@ def _joined(dtypes: list[str]) -> str:
     return ",".join(dict.fromkeys(dtypes))
 
 
-def _finish(c: _Coll) -> Collective:
+def _finish(c: _Coll, branch: tuple = ()) -> Collective:
     compiled = [op.dtype for op in c.operands]
     program = c.program_dtypes or compiled
     shapes = tuple(op.shape for op in c.operands)
@@ -636,6 +776,7 @@ def _finish(c: _Coll) -> Collective:
         is_async=c.is_async,
         num_operands=len(c.operands),
         operand_dtypes=tuple(program),
+        branch=branch,
     )
 
 
@@ -680,7 +821,8 @@ def parse_collectives(
             num_devices = header.get("replica_count", 1) * header.get("num_partitions", 1)
         program, _, _ = _collectives(program_text, num_devices)
     _resolve_widening(colls, instrs, program)
-    return tuple(_finish(c) for c in colls)
+    paths, _ = _branch_paths(instrs)
+    return tuple(_finish(c, paths.get(c.instr.computation, ())) for c in colls)
 
 
 # --------------------------------------------------------------------------------------
@@ -715,7 +857,9 @@ def wire_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> WireReport:
       **kwargs: example keyword arguments for ``fn.lower``.
 
     Returns:
-      A `WireReport`; ``report.total`` is the bytes each device sends per call.
+      A `WireReport`; ``report.total`` is the bytes each device sends per call
+      (the branches of a ``lax.cond``/``lax.switch`` averaged, not summed:
+      ``report.max_total`` and ``report.branch_totals()`` give the rest).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -752,10 +896,12 @@ def wire_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> WireReport:
     text = compiled.as_text()
     if not text:
         raise ValueError("the compiled executable has no HLO text: use a jax.jit function")
-    _, header = _parse_module(text)
+    instrs, header = _parse_module(text)
     num_devices = None
     if header:
         num_devices = header.get("replica_count", 1) * header.get("num_partitions", 1)
     program_text = lowered.as_text(dialect="hlo") if lowered is not None else None
     collectives = parse_collectives(text, num_devices, program_text=program_text)
-    return WireReport(collectives, num_devices)
+    _, counts = _branch_paths(instrs)
+    used = dict.fromkeys(name for c in collectives for name, _ in c.branch)
+    return WireReport(collectives, num_devices, tuple((name, counts[name]) for name in used))

@@ -1,14 +1,18 @@
 """Gradient compression benchmark: wire bytes, codec throughput, steps to the dense loss.
 
 For each codec of ``adaptjax.compression``, on an MLP of about 8M parameters
-(784-2048-2048-1024-10) and N = 8 and 16 simulated CPU devices:
+(784-2048-2048-1024-10) and N = 8, 16 and 32 simulated CPU devices:
 
 * bytes each device sends per step, read by ``adaptjax.wire_bytes`` from the
   compiled HLO of the codec's sync (inside ``shard_map``), and the ratio of a
   float32 psum's and a bf16 psum's bytes to it (``ratio_vs_fp32``,
   ``ratio_vs_bf16``; bf16 is counted at its program dtype, XLA widens it on CPU).
   PowerSGD's alternating form holds its P and Q all-reduces in the two branches
-  of a ``lax.cond``; its per-step bytes count one of the two on average.
+  of a ``lax.cond``; its per-step bytes are the average of the two branches,
+  and ``bytes per branch`` shows what a Q step and a P step send.
+* step time of a training step with each codec over the dense step
+  (``step time/dense``) on 2 simulated CPU devices, where the wire is free
+  (see :func:`step_time_rows`); printed beside the N = 8 bytes.
 * encode + decode throughput on the model's 7.9M gradient elements as a fraction
   of a same-size float32 copy (``throughput_vs_copy``: copy time / (encode time +
   decode time), each timed on its own since the wire sits between them; best
@@ -37,7 +41,8 @@ So when it is imported under that name instead of run, it hands the import over
 to the real package (or fails as a missing one does, before Python 3.14) and
 defines nothing else; ``tests/test_benchmark_names.py`` checks both.
 
-The N = 16 part runs in a subprocess with ``XLA_FLAGS`` set to 16 devices.
+Wire bytes (N = 8, 16, 32) run in a subprocess with ``XLA_FLAGS`` set to 32
+devices before jax is imported, the step times in one set to 2 devices.
 """
 
 from __future__ import annotations
@@ -142,17 +147,10 @@ def _psum_report(mesh, dtype):
 
 
 def _per_step(name, codec, report, n):
-    """Bytes per step; PowerSGD alternating sends one of its two branches' all-reduces."""
-    total = report.total
-    if name == "powersgd(r=4)":
-        r = codec.rank
-        mats = [s for k, s in MODEL.items() if codec.method(s, n) == "codec"]
-        p_el = sum(r * s[0] for s in mats)
-        q_el = sum(r * s[1] for s in mats)
-        branch = [c.bytes for c in report.collectives
-                  if c.kind == "all-reduce" and c.elements in (p_el, q_el)]
-        total -= sum(branch) / 2
-    return total
+    """Bytes per step: ``report.total`` averages the branches of a ``lax.cond``
+    (PowerSGD alternating sends the P or the Q all-reduce, one per step)."""
+    del name, codec, n
+    return report.total
 
 
 def wire_rows(n):
@@ -165,8 +163,10 @@ def wire_rows(n):
         rep = _sync_report(codec, mesh, "data")
         sent = _per_step(name, codec, rep, n)
         widened = sum(c.compiled_bytes - c.bytes for c in rep.collectives)
+        branches = list(rep.branch_totals()) if len(rep.conditionals) == 1 else []
         rows.append({
-            "codec": name, "n": n, "bytes": sent, "hlo_static_bytes": rep.total,
+            "codec": name, "n": n, "bytes": sent, "hlo_static_bytes": rep.static_total,
+            "branch_bytes": branches, "max_bytes": rep.max_total,
             "fp32_psum_bytes": fp32, "bf16_psum_bytes": bf16,
             "ratio_vs_fp32": fp32 / sent, "ratio_vs_bf16": bf16 / sent,
             "collectives": len(rep.collectives), "widened_bytes": widened,
@@ -183,6 +183,69 @@ def wire_rows(n):
         "collectives": len(rep.collectives), "widened_bytes": 0.0, "slow_axis_bytes": slow,
     })
     return rows
+
+
+# ------------------------------------------------------------------------ step time
+
+STEP_MODEL = (1024, 2048, 2048, 1024, 10)
+
+
+def step_time_rows(names, repeats):
+    """Seconds per training step of each codec against the dense step, side by side.
+
+    One process, 2 simulated CPU devices (the wire is free, so this is the
+    codec path's compute), the MLP 1024-2048-2048-1024-10 (8.4M parameters),
+    64 examples per device, SGD with momentum 0.9 after ``sync_gradients``.
+    Best wall time of 2 steps, each codec in turn, ``repeats`` rounds.
+    """
+    n = 2
+    mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
+    rng = np.random.default_rng(0)
+    params = {}
+    for i, (a, b) in enumerate(zip(STEP_MODEL[:-1], STEP_MODEL[1:], strict=True)):
+        params[f"w{i}"] = jnp.asarray(rng.normal(size=(a, b)).astype(np.float32) / np.sqrt(a))
+        params[f"b{i}"] = jnp.zeros(b)
+    x = jnp.asarray(rng.normal(size=(64 * n, STEP_MODEL[0])).astype(np.float32))
+    y = jnp.asarray(rng.integers(0, 10, 64 * n))
+
+    def loss(p, x, y):
+        h = x
+        for i in range(len(STEP_MODEL) - 1):
+            h = h @ p[f"w{i}"] + p[f"b{i}"]
+            h = jax.nn.relu(h) if i < len(STEP_MODEL) - 2 else h
+        return optax.softmax_cross_entropy_with_integer_labels(h, y).mean()
+
+    def make(codec):
+        tx = optax.chain(adaptjax.sync_gradients("data", codec=codec),
+                         optax.sgd(0.01, momentum=0.9))
+        state = adaptjax.stack_replicas(tx.init(params), n)
+        specs = adaptjax.state_partition_specs(state, "data")
+
+        def step(p, s, x, y):
+            u, s = tx.update(jax.grad(loss)(p, x, y), adaptjax.to_local(s), p)
+            return optax.apply_updates(p, u), adaptjax.to_global(s)
+
+        fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                                   out_specs=(P(), specs), check_vma=False),
+                     donate_argnums=(0, 1))
+        p, s = fn(jax.tree.map(jnp.copy, params), state, x, y)
+        jax.block_until_ready(p)
+        return [fn, p, s]
+
+    runs = {"dense": make(None)}
+    for name in names:
+        runs[name] = make(eval(CODECS[name]))
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(repeats):
+        for name, run in runs.items():
+            fn, p, s = run
+            t = time.perf_counter()
+            for _ in range(2):
+                p, s = fn(p, s, x, y)
+            jax.block_until_ready(p)
+            best[name] = min(best[name], (time.perf_counter() - t) / 2)
+            run[1:] = [p, s]
+    return {name: (best[name], best[name] / best["dense"]) for name in best}
 
 
 # ------------------------------------------------------------------------ throughput
@@ -364,19 +427,24 @@ def noise_scale_error(steps):
 
 
 def _table(rows):
-    head = ("codec", "N", "bytes/dev/step", "vs fp32", "vs bf16", "enc+dec/copy", "steps/dense")
+    head = ("codec", "N", "bytes/dev/step", "vs fp32", "vs bf16", "enc+dec/copy", "steps/dense",
+            "step time/dense", "bytes per branch")
     lines = [head]
     for r in rows:
         steps = r.get("steps_ratio")
+        step_t = r.get("step_time_ratio")
         lines.append((
             r["codec"], str(r["n"]), f"{r['bytes']:,.0f}", f"{r['ratio_vs_fp32']:.1f}x",
             f"{r['ratio_vs_bf16']:.1f}x",
             "-" if r.get("throughput_vs_copy") is None else f"{r['throughput_vs_copy']:.0%}",
             "-" if steps is None else ("never" if steps == float("inf") else f"{steps:.2f}"),
+            "-" if step_t is None else f"{step_t:.2f}",
+            " / ".join(f"{b:,.0f}" for b in r.get("branch_bytes", [])) or "-",
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join(
-        "  ".join([line[0].ljust(widths[0])] + [line[i].rjust(widths[i]) for i in range(1, 7)])
+        "  ".join([line[0].ljust(widths[0])] + [line[i].rjust(widths[i]) for i in range(1, 8)]
+                  + [line[8].ljust(widths[8])]).rstrip()
         for line in lines
     )
 
@@ -386,19 +454,25 @@ def main(argv=None):
     ap.add_argument("--json", help="write the rows as a JSON list to this file")
     ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     ap.add_argument("--_wire", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--_steps", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._wire:
-        print(json.dumps(wire_rows(args._wire)))
+        print(json.dumps([r for n in (8, 16, 32) if n <= args._wire for r in wire_rows(n)]))
+        return
+    if args._steps:
+        names = [k for k in CODECS if k in args._steps.split(",")]
+        print(json.dumps(step_time_rows(names, repeats=3 if args.quick else 6)))
         return
 
     t0 = time.time()
-    rows = wire_rows(8)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=16",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--_wire", "16"],
-                          env=env, capture_output=True, text=True, check=True)
-    rows += json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = _subprocess(["--_wire", "32"], devices=32)  # N = 8, 16 and 32
     print(f"# wire bytes from the compiled HLO: {time.time() - t0:.0f}s", file=sys.stderr)
+
+    t0 = time.time()
+    names = ELEMENTWISE if args.quick else tuple(CODECS)
+    steps = _subprocess(["--_steps", ",".join(names)] + (["--quick"] if args.quick else []),
+                        devices=2)
+    print(f"# step time: {time.time() - t0:.0f}s", file=sys.stderr)
 
     t0 = time.time()
     thr = throughput_rows(repeats=15 if args.quick else 60)
@@ -413,6 +487,8 @@ def main(argv=None):
     for r in rows:
         r["throughput_vs_copy"], r["floor_vs_copy"] = thr.get(r["codec"], (None, None))
         r["steps_ratio"] = conv.get(r["codec"])
+        if r["n"] == 8 and r["codec"] in steps:
+            r["step_time_s"], r["step_time_ratio"] = steps[r["codec"]]
     d = sum(_size(s) for s in MODEL.values())
     print(f"model: MLP 784-2048-2048-1024-10, {d:,} parameters; "
           f"steps/dense on sklearn digits (dense loss {target:.4f})")
@@ -430,12 +506,32 @@ def main(argv=None):
           + ", ".join(f"N={r['n']}: {r['slow_axis_bytes']:,.0f} "
                       f"({r['fp32_psum_bytes'] / r['slow_axis_bytes']:.1f}x less than an fp32 psum)"
                       for r in two))
+    print(f"step time on 2 simulated CPU devices (MLP {'-'.join(map(str, STEP_MODEL))}, "
+          f"batch 64 per device, SGD momentum): dense {steps['dense'][0] * 1e3:.0f} ms; "
+          "the ratio per codec is the 'step time/dense' column of the N=8 rows")
     if args.json:
         for r in rows:
             r["noise_scale_error"] = ns_err.get(r["codec"].split("(")[0])
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
         print(f"wrote {len(rows)} rows to {args.json}")
+    fp32 = {r["n"]: r for r in rows}
+    print("vs fp32 at N=" + "/".join(str(n) for n in sorted(fp32)) + ": " + ", ".join(
+        f"{name} " + "/".join(f"{r['ratio_vs_fp32']:.1f}x" for r in rows if r["codec"] == name)
+        for name in dict.fromkeys(r["codec"] for r in rows)))
+    print("step time vs dense: " + ", ".join(
+        f"{k} {v[1]:.2f}" for k, v in steps.items() if k != "dense"))
+
+
+def _subprocess(args, devices):
+    """Runs this script with ``args`` on ``devices`` simulated devices; its last line's JSON."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args],
+                          env=env, capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -19,15 +19,16 @@ codec                       collective                                  bytes pe
 :func:`terngrad`            owner-compute, 2-bit codes                  ``≈2(d/4)(N−1)/N``
 :func:`qsgd`                owner-compute, ``ceil(log2(2s+1))`` bits    ``≈2(d·b/8)(N−1)/N``
 :func:`natural`             owner-compute, 8-bit codes                  ``≈2d(N−1)/N``
-:func:`topk`, :func:`dgc`   all-gather of (value, index) pairs          ``8k(N−1)``
+:func:`topk`, :func:`dgc`   (value, index) pairs routed to owners       ``≈24k(N−1)/N``
 :func:`randomk`             psum of ``k`` values (shared coordinates)   ``8k(N−1)/N``
 :func:`powersgd`            psum of ``P`` or ``Q`` (alternating)        ``8r·(n or m)(N−1)/N``
 ==========================  ==========================================  =====================
 
 Owner-compute: an all-to-all hands replica ``j`` every replica's encoded chunk
-``j``; it decodes and averages them, adds its server-side error buffer,
-re-encodes, and an all-gather returns every encoded chunk to everyone, so the
-bytes per device stay nearly constant in ``N`` (owner-compute codecs add one
+``j``; it decodes and averages them, re-encodes them (with error feedback,
+``N`` times its re-encoding error joins its own residual), and an all-gather
+returns every encoded chunk to everyone, so the bytes per device stay nearly
+constant in ``N`` (owner-compute codecs add one
 float32 scale per ``block`` elements). With ``fast_axis`` on a 2-D mesh the fast
 axis carries bf16 and only the slow axes carry the compressed payload.
 
@@ -35,8 +36,8 @@ Per leaf (see :func:`plan`), leaves under ``min_size`` go in one float32 psum,
 and leaves a codec cannot compress or would send more bytes for than a bf16
 psum go as bf16 (owner-compute). Error feedback (``"ef14"``, ``"ef21"``) keeps
 its buffers in the optax state as :class:`adaptjax.PerReplica` (merge rule
-``"mean"``; server buffers :class:`SumToAll`), so they are checkpointed and a
-rescale keeps the debt owed to the averaged gradient.
+``"mean"``), so they are checkpointed and a rescale keeps the debt owed to the
+averaged gradient.
 
 With monitors, :func:`adaptjax.sync_gradients` runs the codec on every step
 and lets each replica send its exact gradient at 1% of shared random

@@ -32,10 +32,10 @@ Per-replica state lives in :class:`adaptjax.PerReplica` (the worker buffers
 with merge rule ``"mean"``, which keeps the debt ``mean_i(e_i)`` owed to the
 averaged gradient when the replica count changes) inside the optax state, so it
 is checkpointed with everything else and never reset on a restore.
-Owner-compute codecs also keep a server-side buffer per replica: non-zero only
-on the chunk the replica owns, merged with :class:`SumToAll` (every new replica
-receives the whole server debt and reads its own new chunk of it), which keeps
-the total ``mean_i(e_i) + e_server`` exactly across a rescale.
+Owner-compute codecs fold the owner's re-encoding error into its own worker
+residual (``N`` times it, on the chunk it owns), so ``mean_i(e_i)`` is the whole
+debt and ``e_server`` is 0 (:class:`SumToAll` remains the merge rule for a codec
+that keeps a separate server buffer, ``has_server_buffer = True``).
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ from adaptjax.compression._collectives import (
     BF16,
     axis_tuple,
     bound_size,
-    owner_compute,
+    owner_compute_leaves,
     psum_mean_leaves,
     replica_index,
 )
-from adaptjax.compression._layout import make_layout, prod
+from adaptjax.compression._layout import prod
 
 from adaptjax import PerReplica
 
@@ -356,23 +356,20 @@ class Codec:
 
         wide = [i for i, m in enumerate(methods) if m == "bf16"]
         if wide:
-            lay = make_layout([prod(shapes[i]) for i in wide], BF16.block, n)
-            out, r, _ = owner_compute(
-                lay.flatten([xs[i] for i in wide]),
+            o, r = owner_compute_leaves(
+                [xs[i] for i in wide],
                 BF16,
-                slow=names,
-                slow_size=n,
+                names=names,
+                n=n,
                 seed_worker=ctx.seed_for(7),
                 seed_server=ctx.seed_for(8),
                 residual=residual,
-                server_mode="fold" if residual else None,
+                fold=residual,
             )
-            sh = [shapes[i] for i in wide]
-            for i, y in zip(wide, lay.unflatten(out, sh), strict=True):
-                outs[i] = y
-            if residual:
-                for i, y in zip(wide, lay.unflatten(r, sh), strict=True):
-                    res[i] = y
+            for j, i in enumerate(wide):
+                outs[i] = o[j]
+                if residual:
+                    res[i] = r[j]
 
         mine = [i for i, m in enumerate(methods) if m == "codec"]
         if mine:

@@ -65,20 +65,39 @@ class Format:
         return self.bits + (32.0 / self.block if self.has_scale else 0.0)
 
     # -- to implement on (R, nb, B) float32: (words (R, nb, B*bits/32) uint32, scales (R, nb))
-    def encode_words(self, x, seed):
+    def encode_words(self, x, seed, valid=None):
+        """``valid``: real (unpadded) elements per block, broadcastable to (R, nb)."""
         raise NotImplementedError
 
     def decode_words(self, words, scales):
         raise NotImplementedError
 
-    def encode(self, x: jax.Array, seed) -> jax.Array:
-        """(R, nb, B) float32 -> (R, row_words) uint32."""
+    def encode(self, x: jax.Array, seed, valid=None) -> jax.Array:
+        """(R, nb, B) float32 -> (R, row_words) uint32.
+
+        ``valid`` (optional, broadcastable to ``(R, nb)``): real elements per block;
+        the rest of a block is zero padding that a mean-based scale must not count.
+        """
         r, nb, _ = x.shape
-        words, scales = self.encode_words(x, seed)
+        words, scales = self.encode_words(x, seed, valid)
         rows = words.reshape(r, -1)
         if self.has_scale:
             rows = jnp.concatenate([rows, _bitcast(scales.astype(jnp.float32), _U32)], axis=1)
         return rows
+
+    def reconstruct(self, x: jax.Array, rows: jax.Array) -> jax.Array:
+        """``decode(rows)`` for ``rows = encode(x, ...)``, given ``x`` (R, nb, B) too.
+
+        The sender's own view of what it sent, for its error-feedback residual.
+        Formats whose decoded value follows from ``x`` and the block scale alone
+        override this to skip unpacking the codes (a full pass that XLA's CPU
+        backend runs several times slower than a copy).
+        """
+        return self.decode(rows, x.shape[1])
+
+    def _scales(self, rows: jax.Array, nb: int) -> jax.Array:
+        ncode = nb * self.block * self.bits // 32
+        return _bitcast(rows[:, ncode:], jnp.float32)
 
     def decode(self, rows: jax.Array, nb: int) -> jax.Array:
         """(R, row_words) uint32 -> (R, nb, B) float32."""
@@ -95,8 +114,8 @@ class Cast(Format):
 
     dtype: str = "bfloat16"
 
-    def encode_words(self, x, seed):
-        del seed
+    def encode_words(self, x, seed, valid=None):
+        del seed, valid
         y = x
         if self.dtype == "float16":
             fmax = float(jnp.finfo(jnp.float16).max)
@@ -104,6 +123,14 @@ class Cast(Format):
         h = _bitcast(y.astype(jnp.dtype(self.dtype)), jnp.uint16)
         r, nb, b = x.shape
         return _bitcast(h.reshape(r, nb, b // 2, 2), _U32), None
+
+    def reconstruct(self, x, rows):
+        del rows
+        y = x
+        if self.dtype == "float16":
+            fmax = float(jnp.finfo(jnp.float16).max)
+            y = jnp.clip(x, -fmax, fmax)
+        return y.astype(jnp.dtype(self.dtype)).astype(jnp.float32)
 
     def decode_words(self, words, scales):
         del scales
@@ -116,27 +143,54 @@ class Cast(Format):
 class Sign(Format):
     """1 bit per element (the sign) and one scale per block: ``mean |x|``.
 
-    The scale minimises ``‖x − s·sign(x)‖²`` over ``s`` (EF-signSGD's ``‖x‖₁/d``,
-    per block). Codes and the block ``|x|`` sums come from one pass.
+    The scale minimises ``‖x − s·c‖²`` over ``s`` for codes ``c = ±1`` (EF-signSGD's
+    ``‖x‖₁/d``, per block), the mean taken over the block's real elements only
+    (``valid``; zero padding of a last partial block does not dilute it). A 1-bit
+    code has no zero: an exact 0 decodes to ``+s`` at even and ``−s`` at odd
+    positions, so a run of zeros decodes to a sum of at most ``s`` instead of
+    growing with its length (a block of zeros has ``s = 0`` and decodes to 0).
+    Codes and the block ``|x|`` sums come from one pass.
     """
 
-    def encode_words(self, x, seed):
+    def encode_words(self, x, seed, valid=None):
         del seed
-        code = 1 - (_bitcast(x, _U32) >> 31)
-        words, (part,) = pack_words(code, 1, extra=((jnp.abs(x), jnp.float32(0), jnp.add),))
-        return words, jnp.sum(part, axis=-1) / self.block
+        pos = jax.lax.broadcasted_iota(_U32, x.shape, 2)
+        # sign bit of x; for ±0 the parity of the position (alternating +s, −s)
+        code = 1 - self._negative(x)
+        a = jnp.abs(x)
+        if valid is None:
+            count = jnp.float32(self.block)
+        else:  # padding (which may hold decoded ±s from an earlier stage) is not counted
+            valid = jnp.broadcast_to(valid, x.shape[:2])
+            a = jnp.where(pos < valid.astype(_U32)[:, :, None], a, 0.0)
+            count = jnp.maximum(valid, 1.0)
+        words, (part,) = pack_words(code, 1, extra=((a, jnp.float32(0), jnp.add),))
+        return words, jnp.sum(part, axis=-1) / count
+
+    @staticmethod
+    def _negative(x):
+        """The sign bit sent for each element (uint32 0/1): zeros alternate by position."""
+        xb = _bitcast(x, _U32)
+        pos = jax.lax.broadcasted_iota(_U32, x.shape, 2)
+        return jnp.where((xb << 1) == 0, pos & 1, xb >> 31)
+
+    def reconstruct(self, x, rows):
+        s = _bitcast(self._scales(rows, x.shape[1]), _U32)[:, :, None]
+        return _bitcast(s | (self._negative(x) << 31), jnp.float32)
 
     def decode_words(self, words, scales):
+        # the code's complement is the float's sign bit (s >= 0): bit operations only
         code = unpack_words(words, 1)
-        s = scales[:, :, None]
-        return jnp.where(code > 0, s, -s)
+        s = _bitcast(scales, _U32)[:, :, None]
+        return _bitcast(s | ((code ^ 1) << 31), jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
 class Ternary(Format):
     """TernGrad: ``s·sign(x)·Bernoulli(|x|/s)``, ``s = max |x|`` per block; 2 bits."""
 
-    def encode_words(self, x, seed):
+    def encode_words(self, x, seed, valid=None):
+        del valid  # a max or a norm does not see zero padding
         s = _block_stat(jnp.abs(x), jnp.max)
         # keep with probability |x|/s: r < |x| 2^24/s for r uniform in [0, 2^24)
         inv = jnp.where(s > 0, jnp.float32(2.0**24) / jnp.where(s > 0, s, 1.0), 0.0)
@@ -164,7 +218,8 @@ class Levels(Format):
 
     levels: int = 7
 
-    def encode_words(self, x, seed):
+    def encode_words(self, x, seed, valid=None):
+        del valid  # a max or a norm does not see zero padding
         norm = jnp.sqrt(_block_stat(x * x, jnp.sum))
         inv = jnp.where(norm > 0, self.levels / jnp.where(norm > 0, norm, 1.0), 0.0)
         u = _random24(seed, x.shape) * jnp.float32(2.0**-24)
@@ -194,7 +249,8 @@ class Natural(Format):
     flushed to zero.
     """
 
-    def encode_words(self, x, seed):
+    def encode_words(self, x, seed, valid=None):
+        del valid  # a max or a norm does not see zero padding
         xb = _bitcast(x, _U32)
         e = ((xb >> 23) & 0xFF).astype(jnp.int32)
         # the exponent is monotone in |x|: the block's largest is that of max |x|

@@ -7,6 +7,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def round_up(x: int, m: int) -> int:
@@ -48,6 +49,16 @@ class Layout:
             jax.lax.slice(flat, (o,), (o + s,)).reshape(shape)
             for o, s, shape in zip(self.offsets, self.sizes, shapes, strict=True)
         ]
+
+    def block_counts(self) -> np.ndarray:
+        """Real (unpadded) elements in each ``align``-block of the flat vector (float32)."""
+        counts = np.zeros(self.total // self.align if self.align else 0, np.float32)
+        for o, s in zip(self.offsets, self.sizes, strict=True):
+            first, full = o // self.align, s // self.align
+            counts[first : first + full] = self.align
+            if s % self.align:
+                counts[first + full] = s % self.align
+        return counts
 
     def _ends(self):
         return [round_up(s, self.align) for s in self.sizes]

@@ -125,9 +125,9 @@ def plan(grads, codec: Codec, n: int, *, show: bool = True) -> Plan:
       plan: topk at N=8
       leaf   shape     elements  method  bytes/dev  vs fp32  vs bf16
       ['b']  10              10  f32            70     1.0x     0.5x
-      ['w']  1000x100   100,000  topk       56,000    12.5x     6.2x
-      total             100,010             56,070    12.5x     6.2x
-      >>> ajc.plan(grads, ajc.topk(0.1), 8, show=False).methods()["['w']"]
+      ['w']  1000x100   100,000  topk       21,000    33.3x    16.7x
+      total             100,010             21,070    33.2x    16.6x
+      >>> ajc.plan(grads, ajc.topk(0.2), 8, show=False).methods()["['w']"]
       'bf16'
     """
     if not isinstance(codec, Codec):

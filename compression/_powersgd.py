@@ -15,9 +15,10 @@ replicated state, so iterations continue from the previous step (warm start).
 
 Both are linear in the ``M_i``: each replica's own share is the same
 projection of its ``M_i``, so error feedback (on by default) and EF21 apply
-per replica. 1-D leaves and leaves under ``min_size`` go dense, and so do
-matrices where the codec would send more than a bf16 psum (``r(n+m) > nm``
-alternating, ``2r(n+m) > nm`` otherwise) go as bf16.
+per replica. Leaves under ``min_size`` go in the float32 psum; 1-D leaves,
+matrices whose smaller side is below the rank, and matrices where the codec
+would send more than a bf16 psum (``r(n+m) > nm`` alternating, ``2r(n+m) > nm``
+otherwise) go as bf16.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class _PowerSGD(Codec):
         object.__setattr__(self, "rank", int(self.rank))
 
     def can_compress(self, shape) -> bool:
-        return len(shape) >= 2
+        # a matrix whose smaller side is below the rank has no rank-r factors: dense lane
+        return len(shape) >= 2 and min(matrix_shape(shape)) >= self.rank
 
     def check_leaf(self, shape, where: str) -> None:
         n, m = matrix_shape(shape)
@@ -167,7 +169,7 @@ def powersgd(
     """PowerSGD low-rank compression (see the module docstring).
 
     Args:
-      rank: ``r`` >= 1; at most ``min(n, m)`` of every compressed matrix.
+      rank: ``r`` >= 1; a matrix with ``min(n, m) < r`` goes in the bf16 lane.
       alternate: one all-reduce per step (``P`` or ``Q`` in turn) instead of two.
       axis_name: the data-parallel axis of the optax form.
       error_feedback: ``"ef14"`` (default), ``"ef21"`` or ``None``.

@@ -4,9 +4,12 @@
 (stochastic ternary, 2 bits), ``qsgd`` (``s`` stochastic levels,
 ``ceil(log2(2s+1))`` bits) and ``natural`` (stochastic power-of-two, 8 bits).
 Each replica encodes its flat gradient, an all-to-all delivers chunk ``j`` of
-every replica to replica ``j``, which decodes, averages, adds its server-side
-error buffer (with error feedback), re-encodes, and an all-gather returns every
-encoded chunk to everyone: ``2·(N−1)/N`` of one encoded gradient per device.
+every replica to replica ``j``, which decodes, averages, re-encodes, and an
+all-gather returns every encoded chunk to everyone: ``2·(N−1)/N`` of one encoded
+gradient per device. With error feedback, the owner's re-encoding error is
+folded (times ``N``) into its own worker residual on the chunk it owns, so the
+mean of the residuals carries it into the next step and no server buffer is
+kept (a param-sized server buffer cost three full passes per step).
 With ``fast_axis`` set and a tuple ``axis_name`` (a 2-D mesh), the fast axis
 carries bf16 (reduce-scatter, then all-gather) and only the slow axes carry the
 compressed payload, on ``1/F`` of the gradient.
@@ -20,7 +23,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 from adaptjax.compression._base import Codec
 from adaptjax.compression._bits import mix_seed
-from adaptjax.compression._collectives import bound_size, owner_compute
+from adaptjax.compression._collectives import bound_size, owner_compute, owner_compute_leaves
 from adaptjax.compression._formats import (
     Cast,
     Format,
@@ -44,8 +47,6 @@ class Quantizer(Codec):
 
     block: int = 512
     fast_axis: str | None = None
-
-    has_server_buffer: ClassVar[bool] = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -82,7 +83,19 @@ class Quantizer(Codec):
             )
 
     def _reduce(self, xs, shapes, ctx, server, shared):
-        fast = (self.fast_axis,) if self.fast_axis is not None else ()
+        if self.fast_axis is None:
+            outs, res = owner_compute_leaves(
+                xs,
+                self.fmt,
+                names=ctx.names,
+                n=ctx.n,
+                seed_worker=ctx.seed_for(0),
+                seed_server=ctx.seed_for(1),
+                residual=ctx.residual,
+                fold=ctx.residual,
+            )
+            return outs, res, None, {}
+        fast = (self.fast_axis,)
         slow = tuple(a for a in ctx.names if a not in fast)
         f = bound_size(fast) if fast else 1
         s = ctx.n // f
@@ -96,9 +109,9 @@ class Quantizer(Codec):
             fast_size=f,
             seed_worker=ctx.seed_for(0),
             seed_server=ctx.seed_for(1),
-            server=lay.flatten(server) if server is not None else None,
+            valid=lay.block_counts(),
             residual=ctx.residual,
-            server_mode="buffer" if server is not None else None,
+            server_mode="fold" if ctx.residual else None,
         )
         outs = lay.unflatten(out, shapes)
         res = lay.unflatten(res, shapes) if res is not None else None
@@ -124,7 +137,10 @@ class Quantizer(Codec):
         fmt = self.fmt
         nb = max(1, -(-size // fmt.block))
         padded = jnp.pad(flat, (0, nb * fmt.block - size))
-        words, scales = fmt.encode_words(padded.reshape(1, nb, fmt.block), mix_seed(seed))
+        valid = make_layout([size], fmt.block).block_counts().reshape(1, nb)
+        words, scales = fmt.encode_words(
+            padded.reshape(1, nb, fmt.block), mix_seed(seed), jnp.asarray(valid)
+        )
         payload = {"codes": words.reshape(-1)}
         if fmt.has_scale:
             payload["scales"] = scales.reshape(-1)
@@ -303,7 +319,8 @@ def onebit(
     per byte) and ``mean |x|`` of the block (one float32), so an element costs
     ``1 + 32/block`` bits, ``32/(1 + 32/block)`` times less than float32
     (30.1x at ``block=512``). Biased: use error feedback (on by default); the
-    owner of each chunk re-encodes the average with its own error buffer.
+    owner of each chunk re-encodes the average and folds that error into its
+    own residual.
 
     Args:
       block: elements per scale block (a multiple of 32).

@@ -1,9 +1,15 @@
 """Sparsifiers: top-k and DGC (all-gather of value/index pairs), random-k (psum).
 
 ``topk`` sends the ``k = ceil(ratio·d)`` largest entries of each leaf as float32
-values and int32 indices; one all-gather moves every replica's pairs (bit-cast
-into one int32 payload), ``8k(N−1)`` bytes per device. It beats a bf16 psum only
-while ``k/d < 1/(2N)``; leaves where it would not go as bf16 (see
+values and int32 indices. From 4 replicas on, each replica routes its pairs to
+the owners of their index ranges in one fixed-capacity all-to-all
+(``ceil(2k/N)`` pairs per owner), each owner sums them and keeps the
+``ceil(k/N)`` largest sums, and one all-gather returns them:
+``8(N−1)(ceil(2k/N) + ceil(k/N)) ≈ 24k(N−1)/N`` bytes per device, flat in ``N``.
+Pairs over an owner's capacity stay in the sender's error-feedback residual and
+sums an owner does not keep join its own residual. Under 4 replicas one
+all-gather of every replica's pairs is cheaper, ``8k(N−1)``. Leaves where the
+codec would send more than a bf16 psum go as bf16 (see
 :func:`adaptjax.compression.plan`).
 
 ``randomk`` picks its coordinates from a key shared by all replicas (derived
@@ -28,7 +34,12 @@ import jax
 import jax.numpy as jnp
 from adaptjax.compression._base import Codec, k_of, positive_ratio
 from adaptjax.compression._bits import mix_seed, random_bits, uniform
-from adaptjax.compression._collectives import allgather_sparse, psum_mean
+from adaptjax.compression._collectives import (
+    allgather_sparse,
+    owner_sparse,
+    psum_mean,
+    sparse_capacity,
+)
 from adaptjax.compression._layout import prod
 
 from adaptjax import tree_sq_norm
@@ -66,8 +77,28 @@ def select_topk(a, k: int, variant: str, seed):
     return idx[:k]
 
 
+OWNER_MIN_N = 4  # from 4 replicas on, routing to owners sends fewer bytes than an all-gather
+
+
+def sparse_bytes(k: int, n: int) -> float:
+    """Bytes per device to average ``k`` (value, index) pairs per replica over ``n``."""
+    if n <= 1:
+        return 0.0
+    if n < OWNER_MIN_N:
+        return 8.0 * k * (n - 1)
+    cap, keep = sparse_capacity(k, n)
+    return 8.0 * (n - 1) * (cap + keep)
+
+
 def _sparse_reduce(xs, shapes, ks, ctx, variant, residual):
-    """Top-k of each leaf, one all-gather; returns (outs, residuals or None)."""
+    """Top-k of each leaf, one sparse collective; returns (outs, residuals or None).
+
+    Under ``OWNER_MIN_N`` replicas one all-gather of every replica's pairs; from
+    it on, :func:`owner_sparse` (routing to owners, owners re-select), whose
+    unsent pairs stay in this replica's residual and whose pairs an owner did
+    not keep join the owner's residual (``N`` times them), so error feedback
+    loses nothing.
+    """
     sizes = [prod(s) for s in shapes]
     total = sum(sizes)
     vals, gidx, lidx = [], [], []
@@ -80,13 +111,25 @@ def _sparse_reduce(xs, shapes, ks, ctx, variant, residual):
         gidx.append(jnp.where(valid, idx + off, total))
         lidx.append(idx)
         off += size
-    mean = allgather_sparse(jnp.concatenate(vals), jnp.concatenate(gidx), total, ctx.names, ctx.n)
-    outs, res, off = [], [], 0
-    for x, size, shape, idx in zip(xs, sizes, shapes, lidx, strict=True):
+    vals, gidx = jnp.concatenate(vals), jnp.concatenate(gidx)
+    if ctx.n >= OWNER_MIN_N:
+        mean, sent, d_idx, d_val = owner_sparse(vals, gidx, total, ctx.names, ctx.n)
+    else:
+        mean = allgather_sparse(vals, gidx, total, ctx.names, ctx.n)
+        sent, d_idx, d_val = None, None, None
+    outs, res, off, at = [], [], 0, 0
+    for x, size, shape, idx, k in zip(xs, sizes, shapes, lidx, ks, strict=True):
         outs.append(jax.lax.slice(mean, (off,), (off + size,)).reshape(shape))
         if residual:
-            res.append(jnp.ravel(x).at[idx].set(0.0, mode="drop").reshape(shape))
+            if sent is not None:
+                idx = jnp.where(jax.lax.slice(sent, (at,), (at + k,)), idx, size)
+            r = jnp.ravel(x).at[idx].set(0.0, mode="drop")
+            if d_idx is not None:
+                mine = (d_idx >= off) & (d_idx < off + size)
+                r = r.at[jnp.where(mine, d_idx - off, size)].add(ctx.n * d_val, mode="drop")
+            res.append(r.reshape(shape))
         off += size
+        at += k
     return outs, (res if residual else None)
 
 
@@ -116,7 +159,7 @@ class _TopK(Codec):
         return k_of(self.ratio, size)
 
     def leaf_bytes(self, shape, n: int) -> float:
-        return 8.0 * self.k(prod(shape)) * (n - 1)
+        return sparse_bytes(self.k(prod(shape)), n)
 
     def _reduce(self, xs, shapes, ctx, server, shared):
         ks = [self.k(prod(s)) for s in shapes]
@@ -333,9 +376,10 @@ def topk(
 ) -> Codec:
     """Top-k sparsification: the ``ceil(ratio·d)`` largest-magnitude entries per leaf.
 
-    Values (float32) and indices (int32) of every replica travel in one
-    all-gather, ``8k(N−1)`` bytes per device; every replica adds them all up.
-    Leaves where that is more than a bf16 psum (``k/d ≥ 1/(2N)``) go as bf16.
+    Values (float32) and indices (int32) are routed to the owners of their
+    index ranges, summed and re-selected there (``≈24k(N−1)/N`` bytes per device
+    from 4 replicas on; one all-gather, ``8k(N−1)``, under 4; see the module
+    docstring). Leaves where that is more than a bf16 psum go as bf16.
 
     Args:
       ratio: fraction of entries kept, in (0, 1].

@@ -91,9 +91,49 @@ def test_onebit_decodes_sign_times_block_mean_abs():
     x = jnp.asarray(np.random.default_rng(8).normal(size=40).astype(np.float32))
     y = _round_trip(codec, x)
     s1 = float(jnp.mean(jnp.abs(x[:32])))
-    s2 = float(jnp.sum(jnp.abs(x[32:])) / 32)  # the padded block counts zeros
+    s2 = float(jnp.mean(jnp.abs(x[32:])))  # the last partial block: its 8 real entries
     want = np.sign(np.asarray(x)) * np.array([s1] * 32 + [s2] * 8)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-6)
+
+
+def test_onebit_partial_block_scale_is_the_mean_over_its_real_entries():
+    # 700 = 512 + 188: the last block's scale is mean |x| over 188 entries, not 512
+    x = np.random.default_rng(3).normal(size=700).astype(np.float32)
+    y = np.asarray(_round_trip(ajc.onebit(), jnp.asarray(x)))
+    np.testing.assert_allclose(np.abs(y[512:]), np.abs(x[512:]).mean(), rtol=1e-6)
+    np.testing.assert_allclose(np.abs(y[:512]), np.abs(x[:512]).mean(), rtol=1e-6)
+
+
+def test_onebit_zeros_do_not_decode_to_a_growing_bias():
+    # a 1-bit code has no zero: exact zeros alternate +s, -s, so a run of 2j zeros sums to 0
+    x = np.zeros(64, np.float32)
+    x[:2] = [4.0, -2.0]  # s = 6/64 in each block... one block of 64
+    y = np.asarray(_round_trip(ajc.onebit(block=64), jnp.asarray(x)))
+    s = 6.0 / 64
+    np.testing.assert_allclose(y[:2], [s, -s], rtol=1e-6)
+    np.testing.assert_allclose(np.abs(y[2:]), s, rtol=1e-6)
+    assert abs(float(y[2:].sum())) < 1e-6  # 62 zeros: 31 at +s, 31 at -s
+    assert np.asarray(_round_trip(ajc.onebit(block=64), jnp.zeros(64))).tolist() == [0.0] * 64
+
+
+def test_onebit_sync_scales_partial_blocks_by_their_real_entries():
+    # every replica sends the same x: the owner re-encodes decode(encode(x)) to itself,
+    # so the synced mean is the round trip of x, partial blocks included (700 = 512 + 188)
+    codec = ajc.onebit(min_size=64, error_feedback=None)
+    n = 2
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
+    x = np.random.default_rng(4).normal(size=700).astype(np.float32)
+    state = codec.init({"w": jnp.zeros(700)})
+    f = jax.shard_map(
+        lambda g: codec.sync({"w": g[0]}, state)[0]["w"],
+        mesh=mesh,
+        in_specs=jax.sharding.PartitionSpec("data"),
+        out_specs=jax.sharding.PartitionSpec(),
+        check_vma=False,
+    )
+    y = np.asarray(jax.jit(f)(jnp.asarray(np.stack([x] * n))))
+    np.testing.assert_allclose(y, np.asarray(_round_trip(codec, jnp.asarray(x))), rtol=1e-6)
+    np.testing.assert_allclose(np.abs(y[512:]), np.abs(x[512:]).mean(), rtol=1e-6)
 
 
 def test_terngrad_values_are_ternary_times_block_max():

@@ -4,7 +4,8 @@ Formulas (bytes per device per step, ``N`` replicas, ring collectives):
 all-reduce of ``S`` bytes ``2(N−1)/N·S``, all-gather of ``S`` per device ``(N−1)·S``,
 all-to-all of ``S`` ``(N−1)/N·S``. Hence owner-compute (all-to-all of ``N`` rows
 plus all-gather of one row) is ``2(N−1)·row``; top-k ``8k(N−1)``; random-k
-``8k(N−1)/N``; PowerSGD ``8r(n+m)(N−1)/N`` for P and Q together.
+``8k(N−1)/N``; PowerSGD ``8r(n+m)(N−1)/N`` for P and Q together, and alternating
+``8rn(N−1)/N`` on a P step, ``8rm(N−1)/N`` on a Q step (one ``lax.cond`` branch each).
 """
 
 import json
@@ -63,11 +64,13 @@ def _report(codec, mesh, axis):
 
 
 def _rows(report):
-    return [
+    rows = [
         {"kind": c.kind, "dtype": c.dtype, "elements": c.elements, "bytes": c.bytes,
-         "compiled_bytes": c.compiled_bytes}
+         "compiled_bytes": c.compiled_bytes, "branch": [b for _, b in c.branch]}
         for c in report.collectives
     ]
+    branches = list(report.branch_totals()) if report.conditionals else []
+    return {"rows": rows, "total": report.total, "max": report.max_total, "branches": branches}
 
 
 def _small_psum(n):
@@ -90,23 +93,49 @@ def expected_bytes(name, n):
         return total + _owner_compute(codec.fmt, n, sizes)
     if name in ("topk", "dgc"):
         k = sum(math.ceil(0.01 * d) for d in sizes)
-        return total + 8 * k * (n - 1)
+        if n < 4:  # one all-gather of every replica's pairs
+            return total + 8 * k * (n - 1)
+        # routed to owners: all-to-all of ceil(2k/N) pairs per owner, all-gather of ceil(k/N)
+        return total + 8 * (n - 1) * (math.ceil(2 * k / n) + math.ceil(k / n))
     if name == "randomk":
         k = 0
         for d in sizes:
             s = math.ceil(d / math.ceil(0.01 * d))
             k += math.ceil(d / s)
         return total + 8 * k * (n - 1) / n
-    # powersgd: w as 256x96 at rank 4 (P and Q all-reduces), v is 1-D: bf16 owner-compute
+    # powersgd: w as 256x96 at rank 4, v is 1-D: bf16 owner-compute
+    branches = powersgd_branches(name, n)
+    return sum(branches) / len(branches)
+
+
+def powersgd_branches(name, n):
+    """Bytes of a call per branch: alternating (Q step, P step), the order of
+    ``lax.cond(step % 2 == 0, p_step, q_step)``'s branches; else (P and Q,)."""
     r, (rows, cols) = 4, SHAPES["w"]
-    bf16 = ajc.bf16().fmt
-    return total + 8 * r * (rows + cols) * (n - 1) / n + _owner_compute(bf16, n, [sizes[0]])
+    base = _small_psum(n) + _owner_compute(ajc.bf16().fmt, n, [math.prod(SHAPES["v"])])
+    if name == "powersgd2":
+        return (base + 8 * r * (rows + cols) * (n - 1) / n,)
+    return (base + 8 * r * cols * (n - 1) / n, base + 8 * r * rows * (n - 1) / n)
 
 
-def _check(name, n, rows):
-    """Asserts the rows' properties; returns the total bytes they send per device."""
-    got = sum(r["bytes"] for r in rows)
+def _check(name, n, summary):
+    """Asserts the report's properties; returns the bytes it sends per device per step."""
+    rows = summary["rows"]
+    got = summary["total"]
     assert got == pytest.approx(expected_bytes(name, n), rel=1e-9), (name, n, rows)
+    if name == "powersgd":  # issue 10 item 4: one branch per step, not both summed
+        q_step, p_step = powersgd_branches(name, n)
+        assert summary["branches"] == pytest.approx([q_step, p_step], rel=1e-9)
+        assert summary["max"] == pytest.approx(p_step, rel=1e-9)
+        assert got < sum(r["bytes"] for r in rows)
+        # the plan's row for the matrix is the measured average over the alternation
+        params = {k: jnp.zeros(v) for k, v in SHAPES.items()}
+        plan = ajc.plan(params, eval(CODECS[name]), n, show=False)
+        w_row = next(r for r in plan.rows if r.path == "['w']")
+        base = p_step - 8 * 4 * SHAPES["w"][0] * (n - 1) / n
+        assert got - base == pytest.approx(w_row.bytes, rel=1e-9)
+    elif name != "dgc":  # dgc without warm-up has no conditional either
+        assert summary["branches"] == [] and got == pytest.approx(sum(r["bytes"] for r in rows))
     smallest = min(math.prod(SHAPES[k]) for k in COMPRESSED)
     for r in rows:
         # no float32 collective of a compressed leaf's size is left

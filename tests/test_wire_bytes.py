@@ -436,3 +436,52 @@ def test_collective_inside_a_malformed_shape_is_an_error():
     )
     with pytest.raises(ValueError, match=r"cannot parse HLO shape in"):
         parse_collectives(text)
+
+
+# --------------------------------------------------------------------------------------
+# Branches of lax.cond / lax.switch: one runs per call (issue 10 item 4)
+# --------------------------------------------------------------------------------------
+
+
+def test_cond_branches_are_averaged_not_summed(mesh):
+    n = 8
+
+    def f(x, s):
+        always = lax.psum(x[:5], "d").sum()
+        return always + lax.cond(
+            s[0] % 2 == 0, lambda: lax.psum(x[:10], "d"), lambda: lax.psum(x[:20], "d")[:10]
+        )
+
+    report = wire_bytes(smap(f, mesh, (P("d"), P()), P()), sds((8 * 100,)), sds((1,), jnp.int32))
+    always, true_b, false_b = (all_reduce(n, F32 * k) for k in (5, 10, 20))
+    (name, branches), = report.conditionals
+    assert branches == 2
+    # lax.cond lowers to a conditional on int(pred): branch 0 is the false function
+    assert report.branch_totals() == pytest.approx((always + false_b, always + true_b))
+    assert report.total == pytest.approx(always + (true_b + false_b) / 2)
+    assert report.max_total == pytest.approx(always + false_b)
+    assert report.static_total == pytest.approx(always + true_b + false_b)
+    assert sorted(c.branch for c in report.collectives) == [(), ((name, 0),), ((name, 1),)]
+    assert "branch 0, 1" in str(report)
+
+
+def test_switch_with_a_branch_without_collectives_and_a_nested_cond(mesh):
+    n = 8
+
+    def f(x, s):
+        def inner():
+            return lax.cond(s[0] > 5, lambda: lax.psum(x[:40], "d")[:10], lambda: x[:10])
+
+        return lax.switch(s[0] % 3, [lambda: lax.psum(x[:10], "d"), lambda: x[:10] * 2, inner])
+
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("d"), P()), out_specs=P(),
+                               check_vma=False))
+    report = wire_bytes(fn, sds((8 * 100,)), sds((1,), jnp.int32))
+    b10, b40 = all_reduce(n, F32 * 10), all_reduce(n, F32 * 40)
+    outer = next(name for name, k in report.conditionals if k == 3)
+    # branch 2 holds a cond whose branches send 0 and b40: b40 / 2 on average
+    assert report.branch_totals(outer) == pytest.approx((b10, 0.0, b40 / 2))
+    assert report.total == pytest.approx((b10 + b40 / 2) / 3)
+    assert report.max_total == pytest.approx(b40)
+    with pytest.raises(ValueError, match="pass one of"):
+        report.branch_totals()
