@@ -55,6 +55,8 @@ ENV_RESCALE_FILE = "ADAPTJAX_RESCALE_FILE"
 ENV_HEARTBEAT_DIR = "ADAPTJAX_HEARTBEAT_DIR"
 #: ``1``: compare a digest of every decision across processes (a debug check).
 ENV_CHECK_DECISIONS = "ADAPTJAX_CHECK_DECISIONS"
+#: ``0`` on the first start; ``k > 0`` on the k-th restart or relaunch (the script resumes).
+ENV_ATTEMPT = "ADAPTJAX_ATTEMPT"
 
 
 #: The launcher's exit code for bad arguments (nothing was started).
@@ -310,10 +312,12 @@ def launch(
         for sig in (signal.SIGTERM, signal.SIGINT):
             handlers[sig] = signal.signal(sig, lambda *_: stop_event.set())
     workdir = tempfile.mkdtemp(prefix="adaptjax-launch-")
-    n, restarts = processes, 0
+    n, restarts, attempts = processes, 0, 0
     try:
         while True:
             env = dict(os.environ)
+            env[ENV_ATTEMPT] = str(attempts)
+            attempts += 1
             env[ENV_MAX_PROCESSES] = str(max(max_processes, n))
             if check_decisions:
                 env[ENV_CHECK_DECISIONS] = "1"

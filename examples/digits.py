@@ -12,7 +12,12 @@ download), 8 simulated CPU devices, and the adaptjax controller with:
   modelled at 10 Mbit/s; simulated devices have no real link).
 
 Usage:
-  python examples/digits.py [--steps 400] [--run-dir runs/digits]
+  python examples/digits.py [--steps 400] [--run-dir runs/digits] [--resume]
+  adaptjax launch -n 2 --devices-per-process 4 -- python examples/digits.py
+
+It starts a new run (removing ``RUN_DIR``) unless ``--resume`` is given or it runs
+under ``adaptjax launch`` after a restart, when it continues from ``RUN_DIR``'s
+latest checkpoint. Under the launcher the same script runs on every process.
 
 Prints ``test accuracy: <x>`` at the end; ``RUN_DIR`` holds metrics.jsonl,
 events.jsonl, tensorboard/ and checkpoints/.
@@ -26,10 +31,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import shutil  # noqa: E402
 import time  # noqa: E402
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
@@ -62,8 +69,16 @@ def load(seed=0):
     return train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
 
 
+def host_copy(model):
+    """The model on this process's default device (across processes its arrays are global)."""
+    graphdef, state = nnx.split(model)
+    local = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), state)
+    return nnx.merge(graphdef, local)
+
+
 def make_eval(x_test, y_test):
     def evaluate(model):
+        model = host_copy(model)
         pred = np.asarray(jnp.argmax(model(jnp.asarray(x_test)), axis=-1))
         return {"accuracy": float(np.mean(pred == y_test))}
 
@@ -75,12 +90,22 @@ def main():
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--run-dir", default="runs/digits")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--resume", action="store_true", help="continue RUN_DIR's run")
     args = parser.parse_args()
 
+    process, processes = adaptjax.initialize_distributed()  # no-op in one plain process
     x_train, x_test, y_train, y_test = load()
-    if os.path.exists(args.run_dir):
-        shutil.rmtree(args.run_dir)  # the example starts fresh; use Controller.resume to continue
-    ctrl = adaptjax.Controller(
+    ckpts = os.path.join(args.run_dir, "checkpoints")
+    restarted = int(os.environ.get("ADAPTJAX_ATTEMPT", "0")) > 0  # adaptjax launch restarted us
+    resume = (args.resume or restarted) and os.path.isdir(ckpts) and any(
+        n.isdigit() for n in os.listdir(ckpts)
+    )
+    if not resume and process == 0 and os.path.exists(args.run_dir):
+        shutil.rmtree(args.run_dir)  # a new run starts fresh
+    if processes > 1:
+        multihost_utils.sync_global_devices("digits: run_dir ready")
+    make = adaptjax.Controller.resume if resume else adaptjax.Controller
+    ctrl = make(
         model=MLP(nnx.Rngs(0)),
         loss_fn=loss_fn,
         optimizer=optax.adam,
