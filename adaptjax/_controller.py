@@ -43,7 +43,7 @@ from adaptjax._metrics_reader import MetricsReader, Snapshot
 from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
 from adaptjax._per_replica import merge_replicas
 from adaptjax._run_config import RunConfig, codec_key
-from adaptjax._run_dir import RunDirectory, check_writable_dir, elapsed
+from adaptjax._run_dir import RunDirectory, check_writable_dir, elapsed, user_stacklevel
 from adaptjax._state import merge_model, train_state_shardings
 from adaptjax._step import make_mesh
 from adaptjax._step_cache import OPTIMIZER, SYNC, StepCache
@@ -434,7 +434,7 @@ class Controller:
                 f"a policy needs the metric {metric!r}, which this controller never produces "
                 f"({reason}); that policy cannot act",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
     # ------------------------------------------------------------------ the loop
@@ -934,7 +934,7 @@ class Controller:
             f"resume: {key}={passed!r} was passed, but the run continues with the checkpoint's "
             f"{key}={kept!r} (its state decides; change it with an action after resuming)",
             UserWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
     # ------------------------------------------------------------------ faults

@@ -155,7 +155,9 @@ class RunDirectory:
                     moved = os.path.join(into, str(step))
                 skipped.append({"step": step, "reason": str(e), "moved_to": moved})
                 warnings.warn(
-                    f"skipped checkpoint {step}: {e} (moved to {moved})", UserWarning, stacklevel=2
+                    f"skipped checkpoint {step}: {e} (moved to {moved})",
+                    UserWarning,
+                    stacklevel=user_stacklevel(),
                 )
         where = os.path.join(self.path, CHECKPOINTS)
         if skipped:
@@ -188,6 +190,16 @@ class RunDirectory:
         finally:
             if self.lock is not None:
                 self.lock.release()
+
+
+def user_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel of the first caller outside adaptjax (for the caller)."""
+    import sys
+
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("adaptjax"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def elapsed(t0: float) -> float:
