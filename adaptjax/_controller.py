@@ -284,7 +284,8 @@ class Controller:
                 f"max_devices={self.max_devices} is below devices={self.config.devices}; "
                 f"use max_devices >= {self.config.devices}"
             )
-        if jax.process_count() == 1:
+        # On resume the checkpoint's configuration decides (a relaunch may have fewer devices).
+        if jax.process_count() == 1 and not resume:
             make_mesh(self.config.devices)  # more devices than exist -> one-line error
         elif not resume and not can_give(self.config.devices):
             raise ValueError(
