@@ -430,15 +430,7 @@ class CheckpointManager:
                 f"checkpoint at {where} was not written by adaptjax.CheckpointManager (it has "
                 f"no 'meta' item); {_FIX}"
             )
-        try:
-            payload = self._manager.restore(
-                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-            )["meta"]
-        except Exception as e:  # Orbax/JSON errors name neither the step nor a fix
-            raise CorruptCheckpointError(
-                f"checkpoint at {where} has an unreadable meta item ({_first_line(e)}); "
-                "restore an earlier step or move this one away"
-            ) from e
+        payload = self._read(step, "an unreadable meta item", meta=ocp.args.JsonRestore())["meta"]
         if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
             raise ValueError(
                 f"checkpoint at {where} has meta format "
@@ -525,26 +517,30 @@ class CheckpointManager:
                 restore_args.append(
                     ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
                 )
-        try:
-            restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(
-                        item=treedef.unflatten(abstract),
-                        restore_args=treedef.unflatten(restore_args),
-                    )
-                ),
-            )["state"]
-        except Exception as e:  # TensorStore/Orbax errors name neither the step nor a fix
-            raise CorruptCheckpointError(
-                f"checkpoint at {where} has unreadable arrays ({_first_line(e)}); "
-                "restore an earlier step or move this one away"
-            ) from e
+        restored = self._read(
+            step,
+            "unreadable arrays",
+            state=ocp.args.PyTreeRestore(
+                item=treedef.unflatten(abstract), restore_args=treedef.unflatten(restore_args)
+            ),
+        )["state"]
         self._verify(restored, payload, where)
         if rescale:
             restored = merge_replicas(restored, n_new)
             restored = jax.device_put(restored, train_state_shardings(restored, mesh, axis_name))
         return restored, payload["meta"]
+
+    def _read(self, step: int, what: str, **items):
+        """Orbax's restore of ``items``; its errors (TensorStore, JSON) become one line naming
+        the step and the fix."""
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:
+            where = os.path.join(self._directory, str(step))
+            raise CorruptCheckpointError(
+                f"checkpoint at {where} has {what} ({_first_line(e)}); "
+                "restore an earlier step or move this one away"
+            ) from e
 
     @staticmethod
     def _verify(restored, payload: dict, where: str) -> None:

@@ -319,19 +319,20 @@ def _array_files(step_dir):
 
 
 def _truncate(run_dir):
-    path = _array_files(run_dir / "checkpoints" / "30")[-1]
-    with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) // 2)
+    # every data file: which of them a restore reads depends on Orbax's layout
+    for path in _array_files(run_dir / "checkpoints" / "30"):
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
 
 
 def _flip(run_dir):
-    # 64 bytes in the middle of the largest data file, XOR-ed (the file size is unchanged)
-    path = _array_files(run_dir / "checkpoints" / "30")[-1]
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        chunk = bytearray(f.read(64))
-        f.seek(os.path.getsize(path) // 2)
-        f.write(bytes(b ^ 0x5A for b in chunk))
+    # 64 bytes in the middle of every data file, XOR-ed (the file sizes are unchanged)
+    for path in _array_files(run_dir / "checkpoints" / "30"):
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            chunk = bytearray(f.read(64))
+            f.seek(os.path.getsize(path) // 2)
+            f.write(bytes(b ^ 0x5A for b in chunk))
 
 
 def _delete_metadata(run_dir):
