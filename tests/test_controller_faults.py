@@ -488,10 +488,11 @@ def test_resume_accepts_run_dir_among_the_same_arguments(tmp_path):
 
 def test_a_policy_that_needs_a_metric_never_produced_warns_at_construction(tmp_path):
     switch = ajp.SwitchCompression(object(), when_comm_share_above=0.5)
-    with pytest.warns(UserWarning, match="'comm_share'.*link_bandwidth"):
+    with pytest.warns(UserWarning, match="'comm_share'.*link_bandwidth") as record:
         ctrl = adaptjax.Controller(
             run_dir=tmp_path / "a", **job.job_kwargs(policies=[ajp.cooldown(switch, steps=5)])
         )
+    assert sum("comm_share" in str(w.message) for w in record) == 1  # one line, once
     ctrl.close()
     import warnings
 
