@@ -33,7 +33,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 from adaptjax.compression._base import Codec, k_of, positive_ratio
-from adaptjax.compression._bits import mix_seed, random_bits, uniform
+from adaptjax.compression._bits import hash32, mix_seed, random_bits, uniform
 from adaptjax.compression._collectives import (
     allgather_sparse,
     owner_sparse,
@@ -44,20 +44,139 @@ from adaptjax.compression._layout import prod
 
 from adaptjax import tree_sq_norm
 
-_VARIANTS = ("exact", "sampled", "approx")
+_VARIANTS = ("threshold", "exact", "sampled", "approx")
+
+# The threshold selection: below this many elements lax.top_k is cheap enough.
+_THRESHOLD_MIN_SIZE = 32768
+_SAMPLE = 65536  # sample size of the threshold estimate
+_SIGMAS = 4.5  # margin of the sampled count, in standard deviations
+
+
+def _float_bits(a):
+    """int32 bit patterns of float32 ``a >= 0``: they order as the floats do."""
+    return jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32)
+
+
+def _kth_largest_bits(bits, r: int):
+    """The ``r``-th largest of int32 patterns ``bits >= 0`` (exact, 31 bisection counts)."""
+
+    def body(_, lohi):
+        lo, hi = lohi  # count(bits >= lo) >= r > count(bits >= hi)
+        mid = lo + (hi - lo) // 2
+        ok = jnp.sum((bits >= mid).astype(jnp.int32)) >= r
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    init = (jnp.int32(0), jnp.int32(0x7FFFFFFF))
+    return jax.lax.fori_loop(0, 31, body, init)[0]
+
+
+def _mask_words(mask):
+    """A bool mask packed 32 per uint32 word (bit ``b`` of word ``w``: element ``32w+b``)."""
+    size = mask.shape[0]
+    m = mask.astype(jnp.uint32)
+    if size % 32:
+        m = jnp.pad(m, (0, -size % 32))
+    return jnp.sum(m.reshape(-1, 32) << jnp.arange(32, dtype=jnp.uint32), axis=1)
+
+
+def _nth_set_bit(w, r):
+    """Position of the ``r``-th (from 0) set bit of each uint32 word ``w``."""
+    pos = jnp.zeros(w.shape, jnp.uint32)
+    for width in (16, 8, 4, 2, 1):
+        c = jax.lax.population_count((w >> pos) & jnp.uint32((1 << width) - 1))
+        go = r >= c.astype(jnp.int32)
+        r = jnp.where(go, r - c.astype(jnp.int32), r)
+        pos = jnp.where(go, pos + width, pos)
+    return pos.astype(jnp.int32)
+
+
+def _compact(words, cap: int):
+    """The first ``cap`` set positions of packed mask ``words``, ascending (``-1`` past them).
+
+    A cumulative count over the words (not the elements: a cumsum over every
+    element is ~100x a copy on CPU), a binary search of each slot's word, and
+    the slot's bit within it. Returns (positions, count of set bits).
+    """
+    cnt = jax.lax.population_count(words).astype(jnp.int32)
+    # two-level cumulative count (within rows of 32 words, then over rows): cheaper on CPU
+    rows = jnp.pad(cnt, (0, -cnt.shape[0] % 32)).reshape(-1, 32)
+    inner = jnp.cumsum(rows, axis=1)
+    outer = jnp.cumsum(inner[:, -1]) - inner[:, -1]
+    incl = (inner + outer[:, None]).reshape(-1)[: cnt.shape[0]]
+    slot = jnp.arange(cap, dtype=jnp.int32)
+    w = jnp.minimum(jnp.searchsorted(incl, slot, side="right"), words.shape[0] - 1)
+    w = w.astype(jnp.int32)
+    pos = 32 * w + _nth_set_bit(words[w], slot - (incl[w] - cnt[w]))
+    return jnp.where(slot < incl[-1], pos, -1), incl[-1]
+
+
+def threshold_plan(size: int, k: int) -> tuple[int, int, int]:
+    """(sample size, sample rank, candidate capacity) of the threshold selection.
+
+    The ``r``-th largest of a stratified sample of ``s`` entries leaves about
+    ``r·size/s`` entries above it, with a relative spread of ``1/√r``. ``r`` is
+    set so that this count is at least ``k`` and the capacity so that it is at
+    most the capacity, each with a margin of 4.5 standard deviations.
+    """
+    s = min(size, _SAMPLE)
+    stride = size // s
+    s = size // stride
+    expect = k * s / size  # sample entries at or above the k-th largest
+    r = max(1, math.ceil(expect * (1 + _SIGMAS / math.sqrt(expect))))
+    cap = min(size, math.ceil(r * size / s * (1 + _SIGMAS / math.sqrt(r))))
+    return s, r, max(cap, k)
+
+
+def _select_threshold(a, k: int):
+    """Top-k by a sampled threshold, exact among the candidates it passes.
+
+    1. The ``r``-th largest of a stratified sample (bisection on the bit
+       patterns) gives a threshold ``t`` that between ``k`` and ``cap`` entries
+       reach, with a margin of 4.5 standard deviations each way
+       (:func:`threshold_plan`).
+    2. One pass packs ``a >= t`` into bit words, the first ``cap`` candidates
+       are compacted (:func:`_compact`), and the ``k``-th largest of them
+       (bisection again) selects the ``k`` sent (ties at it: the first ones by
+       position).
+
+    When the count ``c`` of candidates is in ``[k, cap]`` this is the exact
+    top-k set. Outside it (a sample far off, or many ties) it degrades without
+    failing: ``c < k`` sends the ``c`` candidates (recall ``c/k``, the unused
+    slots hold ``a.size``); ``c > cap`` selects among the first ``cap`` by
+    position. Error feedback keeps whatever is not sent either way.
+    """
+    size = a.shape[0]
+    bits = _float_bits(a)
+    s, r, cap = threshold_plan(size, k)
+    stride = size // s
+    i = jnp.arange(s, dtype=jnp.uint32)
+    # a fixed scrambled offset in each stratum (a hash: no key, same on every call)
+    offs = i * stride + hash32(i) % jnp.uint32(stride)
+    t = _kth_largest_bits(bits[offs.astype(jnp.int32)], r)
+    pos, _ = _compact(_mask_words(bits >= t), cap)
+    cb = jnp.where(pos >= 0, bits[jnp.maximum(pos, 0)], -1)
+    keep, _ = _compact(_mask_words(cb >= jnp.maximum(_kth_largest_bits(cb, k), 0)), k)
+    return jnp.where(keep >= 0, pos[jnp.maximum(keep, 0)], size)
 
 
 def select_topk(a, k: int, variant: str, seed):
     """Indices of (about) the ``k`` largest of ``a >= 0``; unused slots hold ``a.size``.
 
-    ``exact``: ``lax.top_k``. ``approx``: ``lax.approx_max_k`` (recall 0.95; exact
-    on CPU). ``sampled``: a threshold from a stratified sample of
-    ``max(1024, 50/ratio)`` entries, then the first ``k`` entries at or above it
-    (fixed capacity; entries beyond it stay in the error-feedback residual).
+    ``threshold`` (default): the exact top-k set from a sampled threshold and
+    a compaction of the candidates (see :func:`_select_threshold`); under
+    32768 elements ``lax.top_k``. ``exact``: ``lax.top_k``. ``approx``:
+    ``lax.approx_max_k`` (recall 0.95; exact on CPU). ``sampled``: a threshold
+    from a stratified sample of ``max(1024, 50/ratio)`` entries, then the first
+    ``k`` entries at or above it (fixed capacity; entries beyond it stay in the
+    error-feedback residual; recall about 0.8).
     """
     size = a.shape[0]
     if k >= size:
         return jnp.arange(size, dtype=jnp.int32)
+    if variant == "threshold":
+        if size < _THRESHOLD_MIN_SIZE:
+            return jax.lax.top_k(a, k)[1].astype(jnp.int32)
+        return _select_threshold(a, k)
     if variant == "exact":
         return jax.lax.top_k(a, k)[1].astype(jnp.int32)
     if variant == "approx":
@@ -383,8 +502,12 @@ def topk(
 
     Args:
       ratio: fraction of entries kept, in (0, 1].
-      variant: ``"exact"`` (``lax.top_k``), ``"approx"`` (``lax.approx_max_k``) or
-        ``"sampled"`` (threshold from a sample, fixed capacity ``k``).
+      variant: ``"exact"`` (default, ``lax.top_k``); ``"threshold"`` (a sampled
+        threshold and a compaction of the candidates: the exact top-k set when
+        the sample brackets it, 4.5 standard deviations each way, and 3-10x
+        faster than ``lax.top_k`` on CPU; see ``benchmarks/topk_selection.py``);
+        ``"approx"`` (``lax.approx_max_k``, exact and slow on CPU) or
+        ``"sampled"`` (threshold from a sample, fixed capacity ``k``, recall ~0.8).
       axis_name: the data-parallel axis of the optax form.
       error_feedback: ``"ef14"`` (default), ``"ef21"`` or ``None``.
       min_size: leaves with fewer elements go in one float32 psum.

@@ -1,0 +1,80 @@
+"""The threshold top-k selection against exact top-k (values, not timings).
+
+Its speed is measured by ``benchmarks/topk_selection.py``; here: recall against
+``lax.top_k`` on a stated distribution (standard Gaussian), the degenerate
+inputs it must survive, and error feedback keeping what it does not send.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from adaptjax.compression import _sparse
+
+from adaptjax import compression as ajc
+
+
+def _recall(idx, exact, size, k):
+    idx = np.asarray(idx)
+    return np.intersect1d(idx[idx < size], np.asarray(exact)).size / k
+
+
+# 131,071 = 2^17 - 1: above the 32,768 where lax.top_k takes over, and not a multiple of 32
+@pytest.mark.parametrize("ratio", [0.01, 0.001])
+def test_threshold_recall_on_gaussian_is_at_least_095(ratio):
+    size = 131071
+    x = jnp.asarray(np.random.default_rng(11).standard_normal(size).astype(np.float32))
+    codec = ajc.topk(ratio, variant="threshold")
+    k = codec.k(size)
+    p = jax.jit(lambda v: codec.encode(v))(x)
+    exact = jax.lax.top_k(jnp.abs(x), k)[1]
+    assert p["indices"].shape == (k,)
+    assert _recall(p["indices"], exact, size, k) >= 0.95
+    idx = np.asarray(p["indices"])
+    assert np.unique(idx[idx < size]).size == (idx < size).sum()  # no index sent twice
+    ok = idx < size
+    np.testing.assert_array_equal(np.asarray(p["values"])[ok], np.asarray(x)[idx[ok]])
+
+
+def test_threshold_plan_brackets_k_by_the_stated_margin():
+    # Sample entries at or above the k-th largest: about Poisson(e), e = k·s/size. The
+    # threshold (the r-th of the sample) is at most the k-th largest unless that count
+    # exceeds r: r >= e + 4.5·sqrt(e). Entries above the threshold: r·size/s, relative
+    # spread 1/sqrt(r): cap >= that · (1 + 4.5/sqrt(r)).
+    for size, k in [(1 << 22, 41944), (1 << 22, 4195), (131071, 132)]:
+        s, r, cap = _sparse.threshold_plan(size, k)
+        e = k * s / size
+        assert r >= e + 4.5 * np.sqrt(e)
+        assert cap >= r * size / s * (1 + 4.5 / np.sqrt(r)) or cap == size
+        assert cap < 3 * k  # the candidates stay few
+
+
+@pytest.mark.parametrize("kind", ["all_equal", "zeros"])
+def test_threshold_survives_ties(kind):
+    size = 40000
+    x = jnp.full((size,), 0.5 if kind == "all_equal" else 0.0, jnp.float32)
+    idx = np.asarray(jax.jit(lambda a: _sparse.select_topk(a, 400, "threshold", 0))(x))
+    valid = idx[idx < size]
+    assert valid.size == 400 and np.unique(valid).size == 400
+
+
+def test_threshold_with_error_feedback_keeps_what_is_not_sent():
+    # EF14 on one replica: sent + residual == gradient + old residual, element-wise
+    size = 65536
+    g = jnp.asarray(np.random.default_rng(12).standard_normal(size).astype(np.float32))
+    codec = ajc.topk(0.01, variant="threshold", min_size=1)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    state = codec.init({"w": g})
+    P = jax.sharding.PartitionSpec
+
+    def f(x, s):
+        out, s2 = codec.sync({"w": x}, s)
+        return out["w"], s2
+
+    out, s2 = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()),
+                                    check_vma=False))(g, state)
+    res = s2.worker.value["ef"]["w"]
+    np.testing.assert_array_equal(np.asarray(out) + np.asarray(res), np.asarray(g))
+    assert int((np.asarray(out) != 0).sum()) == codec.k(size)
