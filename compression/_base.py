@@ -55,6 +55,7 @@ from adaptjax.compression._collectives import (
     psum_mean_leaves,
     replica_index,
 )
+from adaptjax.compression._feedback import NoFeedback, feedback_for
 from adaptjax.compression._layout import prod
 
 from adaptjax import PerReplica
@@ -159,7 +160,6 @@ class Ctx:
     replica: jax.Array
     residual: bool
     seed: int
-    extra: dict = dataclasses.field(default_factory=dict)
 
     def seed_for(self, stage: int, shared: bool = False):
         if shared:
@@ -251,9 +251,6 @@ class Codec:
         return prod(shape) >= self.min_size
 
     # ------------------------------------------------------------------ state
-    def _worker_keys(self) -> tuple[str, ...]:
-        return {"ef14": ("ef",), "ef21": ("g",)}.get(self.error_feedback, ())
-
     def _shared_init(self, paths, leaves) -> dict:
         """Replicated per-leaf buffers (a dict of lists, ``None`` where unused)."""
         del paths, leaves
@@ -273,13 +270,14 @@ class Codec:
             for x in leaves
         ]
         unflat = lambda lst: jax.tree_util.tree_unflatten(treedef, lst)
-        worker = {k: unflat(list(zeros)) for k in self._worker_keys()}
+        fb = self.feedback
+        worker = {k: unflat(list(zeros)) for k in fb.keys}
         server = ()
         if self.has_server_buffer and self.error_feedback is not None:
             server = PerReplica({"ef": unflat(list(zeros))}, merge=SumToAll())
         shared = {k: unflat(v) for k, v in self._shared_init(paths, leaves).items()}
-        if self.error_feedback == "ef21":
-            shared["ghat"] = unflat(list(zeros))
+        for k in fb.shared_keys:
+            shared[k] = unflat(list(zeros))
         return CompressionState(
             count=jnp.zeros((), jnp.int32),
             worker=PerReplica(worker) if worker else (),
@@ -325,8 +323,7 @@ class Codec:
                 self.check_leaf(s, jax.tree_util.keystr(p) or "the root")
         methods = [self.method(s, n) for s in shapes]
         stateful = [self.stateful(s) for s in shapes]
-        residual = self.error_feedback is not None or self._always_residual()
-        ctx = Ctx(names, n, step, replica_index(names, n), residual, self.seed)
+        ctx = Ctx(names, n, step, replica_index(names, n), self.feedback.residual, self.seed)
 
         def up_to(tree):
             try:
@@ -341,46 +338,33 @@ class Codec:
         server = up_to(state.server.value["ef"]) if state.server else None
         shared = {k: up_to(v) for k, v in state.shared.items()} if state.shared else {}
         grads32 = [x.astype(jnp.float32) for x in leaves]
-        xs = self._inputs(grads32, worker, stateful, methods, ctx)
+        fb = self.feedback
 
+        # what each replica compresses: the feedback rule's input on leaves with state
+        prep = fb.prepare([g for g, s in zip(grads32, stateful, strict=True) if s], ctx)
+        xs, carry = [], []
+        for i, (g, s) in enumerate(zip(grads32, stateful, strict=True)):
+            x, c = fb.inputs(g, {k: v[i] for k, v in worker.items()}, prep) if s else (g, None)
+            xs.append(x)
+            carry.append(c)
+
+        # each lane once, on its leaves
         outs: list = [None] * len(leaves)
         res: list = [None] * len(leaves)
         new_server = list(server) if server is not None else None
         new_shared = {k: list(v) for k, v in shared.items()}
-
-        dense = [i for i, m in enumerate(methods) if m == "f32"]
-        if dense:
-            means = psum_mean_leaves([xs[i] for i in dense], names, n)
-            for i, y in zip(dense, means, strict=True):
-                outs[i] = y
-
-        wide = [i for i, m in enumerate(methods) if m == "bf16"]
-        if wide:
-            o, r = owner_compute_leaves(
-                [xs[i] for i in wide],
-                BF16,
-                names=names,
-                n=n,
-                seed_worker=ctx.seed_for(7),
-                seed_server=ctx.seed_for(8),
-                residual=residual,
-                fold=residual,
-            )
-            for j, i in enumerate(wide):
-                outs[i] = o[j]
-                if residual:
-                    res[i] = r[j]
-
-        mine = [i for i, m in enumerate(methods) if m == "codec"]
-        if mine:
-            o, r, srv, shr = self._reduce(
-                [xs[i] for i in mine],
-                [shapes[i] for i in mine],
+        for lane in ("f32", "bf16", "codec"):
+            idx = [i for i, m in enumerate(methods) if m == lane]
+            if not idx:
+                continue
+            o, r, srv, shr = getattr(self, f"_{lane}_lane")(
+                [xs[i] for i in idx],
+                [shapes[i] for i in idx],
                 ctx,
-                [server[i] for i in mine] if server is not None else None,
-                {k: [v[i] for i in mine] for k, v in shared.items()},
+                [server[i] for i in idx] if server is not None else None,
+                {k: [v[i] for i in idx] for k, v in shared.items()},
             )
-            for j, i in enumerate(mine):
+            for j, i in enumerate(idx):
                 outs[i] = o[j]
                 if r is not None:
                     res[i] = r[j]
@@ -389,9 +373,26 @@ class Codec:
                 for k, v in shr.items():
                     new_shared[k][i] = v[j]
 
-        new_worker, outs = self._outputs(
-            grads32, xs, outs, res, worker, stateful, methods, new_shared, ctx
-        )
+        # new buffers and outputs: the feedback rule's, on leaves with state
+        new_worker = {k: [None] * len(leaves) for k in worker}
+        for i, s in enumerate(stateful):
+            if not s:
+                continue
+            bufs, shr, outs[i] = fb.outputs(
+                grads32[i],
+                xs[i],
+                outs[i],
+                res[i],
+                {k: v[i] for k, v in worker.items()},
+                {k: v[i] for k, v in new_shared.items()},
+                carry[i],
+                methods[i],
+            )
+            for k, v in bufs.items():
+                new_worker[k][i] = v
+            for k, v in shr.items():
+                new_shared[k][i] = v
+
         unflat = lambda lst: jax.tree_util.tree_unflatten(treedef, lst)
         mean = unflat([o.astype(x.dtype) for o, x in zip(outs, leaves, strict=True)])
         new_state = CompressionState(
@@ -406,42 +407,39 @@ class Codec:
         )
         return mean, new_state
 
+    # ---------------------------------------------------------------- lanes
+    @property
+    def feedback(self) -> NoFeedback:
+        """The error-feedback rule (a strategy of :mod:`adaptjax.compression._feedback`)."""
+        return feedback_for(self.error_feedback)
+
+    def _f32_lane(self, xs, shapes, ctx, server, shared):
+        """Leaves under ``min_size``: one float32 psum, nothing owed."""
+        del shapes, server, shared
+        return psum_mean_leaves(xs, ctx.names, ctx.n), None, None, {}
+
+    def _bf16_lane(self, xs, shapes, ctx, server, shared):
+        """Leaves the codec does not take: bf16 owner-compute (see ``owner_compute_leaves``)."""
+        del shapes, server, shared
+        o, r = owner_compute_leaves(
+            xs,
+            BF16,
+            names=ctx.names,
+            n=ctx.n,
+            seed_worker=ctx.seed_for(7),
+            seed_server=ctx.seed_for(8),
+            residual=ctx.residual,
+            fold=ctx.residual,
+        )
+        return o, (r if ctx.residual else None), None, {}
+
+    def _codec_lane(self, xs, shapes, ctx, server, shared):
+        """The codec's own leaves."""
+        return self._reduce(xs, shapes, ctx, server, shared)
+
     # ---------------------------------------------------------------- hooks
     def _check_axes(self, names) -> None:
         del names
-
-    def _always_residual(self) -> bool:
-        return False
-
-    def _inputs(self, grads, worker, stateful, methods, ctx):
-        """What each replica compresses, per leaf (error feedback folded in)."""
-        del methods, ctx
-        mode = self.error_feedback
-        if mode == "ef14":
-            pairs = zip(grads, worker["ef"], stateful, strict=True)
-            return [g + e if s else g for g, e, s in pairs]
-        if mode == "ef21":
-            pairs = zip(grads, worker["g"], stateful, strict=True)
-            return [g - e if s else g for g, e, s in pairs]
-        return list(grads)
-
-    def _outputs(self, grads, xs, outs, res, worker, stateful, methods, shared, ctx):
-        """New worker buffers and the outputs, from the residuals."""
-        del xs, methods, ctx
-        mode = self.error_feedback
-        if mode == "ef14":
-            new = [r if s else None for r, s in zip(res, stateful, strict=True)]
-            return {"ef": new}, outs
-        if mode == "ef21":
-            new_g = [g - r if s else None for g, r, s in zip(grads, res, stateful, strict=True)]
-            ghat = [
-                (h + o) if s else None
-                for h, o, s in zip(shared["ghat"], outs, stateful, strict=True)
-            ]
-            shared["ghat"] = ghat
-            outs = [h if s else o for h, o, s in zip(ghat, outs, stateful, strict=True)]
-            return {"g": new_g}, outs
-        return dict(worker), outs
 
     def _reduce(self, xs, shapes, ctx, server, shared):
         """Compressed mean of the codec's leaves.

@@ -40,9 +40,8 @@ from adaptjax.compression._collectives import (
     psum_mean,
     sparse_capacity,
 )
+from adaptjax.compression._feedback import MomentumCorrection
 from adaptjax.compression._layout import prod
-
-from adaptjax import tree_sq_norm
 
 _VARIANTS = ("threshold", "exact", "sampled", "approx")
 
@@ -422,51 +421,16 @@ class _DGC(_TopK):
         dens = tuple(positive_ratio(d, "warmup density") for d in self.warmup_densities)
         object.__setattr__(self, "warmup_densities", dens)
 
-    def _worker_keys(self):
-        return ("u", "v")
-
-    def _always_residual(self) -> bool:
-        return True
+    @property
+    def feedback(self):
+        """DGC's own rule: momentum correction, factor masking, local clipping."""
+        return MomentumCorrection(self.momentum, self.clip_norm)
 
     def stages(self) -> tuple[float, ...]:
         """Densities of the warm-up stages, ending at ``ratio``."""
         if self.warmup_steps == 0:
             return (self.ratio,)
         return tuple(d for d in self.warmup_densities if d > self.ratio) + (self.ratio,)
-
-    def _inputs(self, grads, worker, stateful, methods, ctx):
-        scale = 1.0
-        if self.clip_norm is not None:
-            # Local clipping at clip_norm / sqrt(N), so the mean stays under clip_norm.
-            norm = jnp.sqrt(tree_sq_norm([g for g, s in zip(grads, stateful, strict=True) if s]))
-            limit = self.clip_norm / math.sqrt(ctx.n)
-            scale = jnp.minimum(1.0, limit / jnp.maximum(norm, 1e-30))
-        us, xs = [], []
-        for g, u, v, s in zip(grads, worker["u"], worker["v"], stateful, strict=True):
-            if s:
-                u = self.momentum * u + scale * g
-                us.append(u)
-                xs.append(v + u)
-            else:
-                us.append(None)
-                xs.append(g)
-        ctx.extra["u"] = us
-        return xs
-
-    def _outputs(self, grads, xs, outs, res, worker, stateful, methods, shared, ctx):
-        del grads
-        new_u, new_v = [], []
-        for x, r, u, s, m in zip(xs, res, ctx.extra["u"], stateful, methods, strict=True):
-            if not s:
-                new_u.append(None)
-                new_v.append(None)
-            elif m == "codec":
-                new_u.append(jnp.where(r != x, 0.0, u))  # momentum-factor masking
-                new_v.append(r)
-            else:
-                new_u.append(u)
-                new_v.append(r)
-        return {"u": new_u, "v": new_v}, outs
 
     def _reduce(self, xs, shapes, ctx, server, shared):
         stages = self.stages()
