@@ -172,7 +172,9 @@ def powersgd(
       rank: ``r`` >= 1; a matrix with ``min(n, m) < r`` goes in the bf16 lane.
       alternate: one all-reduce per step (``P`` or ``Q`` in turn) instead of two.
       axis_name: the data-parallel axis of the optax form.
-      error_feedback: ``"ef14"`` (default), ``"ef21"`` or ``None``.
+      error_feedback: ``"ef14"`` (default: a rank-``r`` approximation is biased
+        and PowerSGD needs feedback to match SGD; Vogels et al. 2019), ``"ef21"``
+        or ``None``.
       min_size: leaves with fewer elements go in one float32 psum.
       seed: seed of the initial factors.
 

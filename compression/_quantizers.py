@@ -232,7 +232,7 @@ def bf16(
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
-) -> Quantizer:
+) -> Codec:
     """bfloat16 gradients, moved as uint16 through all-to-all + all-gather.
 
     Bytes per device: ``4 d (N−1)/N``, like a bf16 psum, but through integer
@@ -241,7 +241,8 @@ def bf16(
 
     Args:
       axis_name: the data-parallel axis (or tuple of axes) of the optax form.
-      error_feedback: ``None``, ``"ef14"`` (residual) or ``"ef21"``.
+      error_feedback: ``None`` (default: rounding to bfloat16 errs by at most
+        2^-9 of each element, too little to owe), ``"ef14"`` or ``"ef21"``.
       min_size: leaves with fewer elements go in one float32 psum.
       fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
         over the others (``axis_name`` must then be a tuple holding it).
@@ -272,7 +273,7 @@ def fp16(
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
-) -> Quantizer:
+) -> Codec:
     """float16 gradients (values beyond ±65504 saturate), moved as uint16.
 
     Like :func:`bf16` with 3 more mantissa bits and 5 fewer exponent bits;
@@ -280,7 +281,8 @@ def fp16(
 
     Args:
       axis_name: the data-parallel axis (or tuple of axes) of the optax form.
-      error_feedback: ``None``, ``"ef14"`` (residual) or ``"ef21"``.
+      error_feedback: ``None`` (default: rounding to float16 errs by at most
+        2^-11 of each element, too little to owe), ``"ef14"`` or ``"ef21"``.
       min_size: leaves with fewer elements go in one float32 psum.
       fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
         over the others (``axis_name`` must then be a tuple holding it).
@@ -312,7 +314,7 @@ def onebit(
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
-) -> Quantizer:
+) -> Codec:
     """Sign compression with a scale (EF-signSGD, Seide's 1-bit SGD), 8 per byte.
 
     Each block of ``block`` elements is sent as its signs (1 bit each, packed 8
@@ -325,7 +327,9 @@ def onebit(
     Args:
       block: elements per scale block (a multiple of 32).
       axis_name: the data-parallel axis (or tuple of axes) of the optax form.
-      error_feedback: ``None``, ``"ef14"`` (residual) or ``"ef21"``.
+      error_feedback: ``"ef14"`` (default: signs are biased, and without feedback
+        sign compression can fail to converge; Karimireddy et al. 2019),
+        ``"ef21"`` or ``None``.
       min_size: leaves with fewer elements go in one float32 psum.
       fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
         over the others (``axis_name`` must then be a tuple holding it).
@@ -365,7 +369,7 @@ def terngrad(
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
-) -> Quantizer:
+) -> Codec:
     """TernGrad: ``s·sign(x)·Bernoulli(|x|/s)`` with ``s = max |x|`` per block.
 
     Unbiased; 2 bits per element (4 per byte) plus one float32 scale per block.
@@ -374,7 +378,8 @@ def terngrad(
     Args:
       block: elements per scale block (a multiple of 32).
       axis_name: the data-parallel axis (or tuple of axes) of the optax form.
-      error_feedback: ``None``, ``"ef14"`` (residual) or ``"ef21"``.
+      error_feedback: ``None`` (default: stochastic rounding is unbiased, so
+        SGD converges without a residual per parameter), ``"ef14"`` or ``"ef21"``.
       min_size: leaves with fewer elements go in one float32 psum.
       fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
         over the others (``axis_name`` must then be a tuple holding it).
@@ -411,7 +416,7 @@ def qsgd(
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
-) -> Quantizer:
+) -> Codec:
     """QSGD: ``‖x‖·sign(x_i)·ξ_i/s``, ``ξ_i`` stochastic rounding of ``s|x_i|/‖x‖``.
 
     The norm is taken per block (QSGD's bucketing). Unbiased. Codes take the
@@ -422,7 +427,8 @@ def qsgd(
       levels: ``s``, the number of levels, 1 to 127.
       block: elements per scale block (a multiple of 32).
       axis_name: the data-parallel axis (or tuple of axes) of the optax form.
-      error_feedback: ``None``, ``"ef14"`` (residual) or ``"ef21"``.
+      error_feedback: ``None`` (default: stochastic rounding is unbiased, so
+        SGD converges without a residual per parameter), ``"ef14"`` or ``"ef21"``.
       min_size: leaves with fewer elements go in one float32 psum.
       fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
         over the others (``axis_name`` must then be a tuple holding it).
@@ -459,7 +465,7 @@ def natural(
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
-) -> Quantizer:
+) -> Codec:
     """Natural compression: unbiased stochastic rounding to a power of two.
 
     ``|x| = 2^e (1 + f)`` becomes ``2^e`` with probability ``1 − f``, else
@@ -470,7 +476,8 @@ def natural(
     Args:
       block: elements per scale block (a multiple of 32).
       axis_name: the data-parallel axis (or tuple of axes) of the optax form.
-      error_feedback: ``None``, ``"ef14"`` (residual) or ``"ef21"``.
+      error_feedback: ``None`` (default: stochastic rounding is unbiased, so
+        SGD converges without a residual per parameter), ``"ef14"`` or ``"ef21"``.
       min_size: leaves with fewer elements go in one float32 psum.
       fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
         over the others (``axis_name`` must then be a tuple holding it).

@@ -473,7 +473,9 @@ def topk(
         ``"approx"`` (``lax.approx_max_k``, exact and slow on CPU) or
         ``"sampled"`` (threshold from a sample, fixed capacity ``k``, recall ~0.8).
       axis_name: the data-parallel axis of the optax form.
-      error_feedback: ``"ef14"`` (default), ``"ef21"`` or ``None``.
+      error_feedback: ``"ef14"`` (default: top-k is biased and leaves the small
+        entries behind every step; feedback sends them once they add up; Stich
+        et al. 2018), ``"ef21"`` or ``None``.
       min_size: leaves with fewer elements go in one float32 psum.
       seed: seed of the sampled variant.
 
@@ -520,7 +522,8 @@ def randomk(
     Args:
       ratio: fraction of entries kept, in (0, 1].
       axis_name: the data-parallel axis of the optax form.
-      error_feedback: ``None`` (default, unbiased), ``"ef14"`` or ``"ef21"``.
+      error_feedback: ``None`` (default: scaled random-k is unbiased), ``"ef14"``
+        or ``"ef21"`` (then unscaled, a contraction).
       min_size: leaves with fewer elements go in one float32 psum.
       seed: seed of the shared coordinates.
 
@@ -564,6 +567,8 @@ def dgc(
     ``ratio`` (each stage is its own static ``k``, selected by ``lax.switch``,
     so :func:`adaptjax.wire_bytes` lists every stage's all-gather). Use it with
     plain SGD: the momentum lives here.
+    The momentum correction is DGC's own error feedback (what is not sent stays
+    in ``v``), so it takes no ``error_feedback``.
 
     Args:
       ratio: final density, in (0, 1].

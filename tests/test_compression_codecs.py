@@ -252,3 +252,27 @@ def test_stochastic_codecs_are_unbiased(codec):
     assert ok.all(), np.flatnonzero(~ok)
     # the codec really is random (otherwise the test above is vacuous)
     assert np.mean(std > 0) > 0.5
+
+
+def test_factories_share_one_convention():
+    # the main parameter (ratio, rank, levels) is the one positional argument; the rest are
+    # keywords; every factory returns an exported Codec whose error-feedback default its
+    # docstring justifies ("default:" beside error_feedback)
+    import inspect
+
+    main = {"topk": "ratio", "randomk": "ratio", "dgc": "ratio", "qsgd": "levels",
+            "powersgd": "rank"}
+    assert "Codec" in ajc.__all__
+    for name in ("bf16", "fp16", "onebit", "terngrad", "qsgd", "natural", "topk", "randomk",
+                 "dgc", "powersgd"):
+        factory = getattr(ajc, name)
+        params = list(inspect.signature(factory).parameters.values())
+        positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+        assert positional == ([main[name]] if name in main else []), name
+        assert all(p.kind is p.KEYWORD_ONLY for p in params[len(positional):]), name
+        assert isinstance(factory(), ajc.Codec), name
+        doc = inspect.getdoc(factory)
+        if name == "dgc":  # momentum correction is its own feedback
+            assert "takes no ``error_feedback``" in " ".join(doc.split())
+        else:
+            assert "(default" in doc.split("error_feedback:")[1].split("\n")[0], name
