@@ -3,11 +3,12 @@
 Builds the step the controller of ``examples/digits.py`` builds (the NNX MLP,
 ``sync_gradients`` with the default monitors, injected Adam, ``update_norm``)
 for the configurations the job runs in, and variants that isolate one cost
-each: 1 device vs 8 (the shard_map), no monitors, a codec (1-bit). Each is
+each: 1 device vs 8 (the shard_map), no monitors, a codec (1-bit; and 1-bit with
+each leaf encoded on its own, as before its lane became one flat bucket). Each is
 built fresh (no cache hits) ``--repeats`` times; medians are printed.
 
 Usage:
-  python benchmarks/compile_time.py [--repeats 3]
+  python benchmarks/compile_time.py [--repeats 3] [--configs "job 8 dev b128,..."]
 
 The last line is ``compile_seconds_main_configs=<sum of the job's configurations>``.
 """
@@ -23,6 +24,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from adaptjax.compression import _quantizers  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import adaptjax  # noqa: E402
@@ -85,6 +87,8 @@ CONFIGS = {  # name: (devices, batch, codec, monitors); the first four are the j
     "job 8 dev b128": (8, 128, None, True),
     "job 4 dev b128": (4, 128, None, True),
     "job 8 dev b128 onebit": (8, 128, "onebit", True),
+    # the same with each leaf encoded on its own (before the lane became one bucket)
+    "8 dev b128 onebit per-leaf": (8, 128, "onebit-per-leaf", True),
     "1 dev b128": (1, 128, None, True),
     "8 dev b128 no monitors": (8, 128, None, False),
     "1 dev b128 no monitors": (1, 128, None, False),
@@ -94,14 +98,22 @@ CONFIGS = {  # name: (devices, batch, codec, monitors); the first four are the j
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated names of CONFIGS to run (default: all)")
     args = parser.parse_args()
+    bucket_max = _quantizers.BUCKET_MAX
     measure(8, 64)  # warm the tracing machinery (first-use imports, jax caches of primitives)
     main_total = 0.0
-    for name, (devices, batch, codec, monitors) in CONFIGS.items():
+    names = args.configs.split(",") if args.configs else list(CONFIGS)
+    for name in names:
+        devices, batch, codec, monitors = CONFIGS[name]
         runs = []
+        # A codec lane of up to BUCKET_MAX elements goes as one flat bucket; 0 turns that off.
+        _quantizers.BUCKET_MAX = 0 if codec == "onebit-per-leaf" else bucket_max
         for _ in range(args.repeats):
             jax.clear_caches()
             runs.append(measure(devices, batch, ajc.onebit() if codec else None, monitors))
+        _quantizers.BUCKET_MAX = bucket_max
         lower = statistics.median(r[0] for r in runs)
         xla = statistics.median(r[1] for r in runs)
         if name.startswith("job"):
