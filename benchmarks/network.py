@@ -88,13 +88,22 @@ def _data(rank: int, steps: int):
         yield x, np.argmax(x @ teacher, axis=1).astype(np.int32)
 
 
-def jax_worker(variant: str, rank: int, coordinator: str, steps: int, warmup: int) -> dict:
+def _jax_start(rank: int, coordinator: str | None):
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=2, process_id=rank)
+    if coordinator is not None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=2, process_id=rank
+        )
+    return jax
+
+
+def jax_worker(variant: str, rank: int, coordinator: str, steps: int, warmup: int) -> dict:
+    # "local": the same step on this process's device alone (no collective): compute only
+    jax = _jax_start(rank, None if variant == "local" else coordinator)
     import adaptjax.compression as ajc
     import jax.numpy as jnp
     import numpy as np
@@ -106,6 +115,7 @@ def jax_worker(variant: str, rank: int, coordinator: str, steps: int, warmup: in
 
     codec = {
         "dense": None,
+        "local": None,
         "bf16": lambda: ajc.bf16(),
         "onebit": lambda: ajc.onebit(),
         "powersgd4": lambda: ajc.powersgd(4),
@@ -124,7 +134,8 @@ def jax_worker(variant: str, rank: int, coordinator: str, steps: int, warmup: in
         logits = h @ p[-1]["w"] + p[-1]["b"]
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
-    mesh = adaptjax.make_mesh(2)  # one device per process, in process order
+    n = 1 if variant == "local" else 2
+    mesh = adaptjax.make_mesh(n)  # one device per process, in process order
     tx = optax.chain(adaptjax.sync_gradients("data", codec=codec), optax.sgd(0.05, momentum=0.9))
     state = adaptjax.init_state(params, tx, mesh)
     step = adaptjax.data_parallel_step(loss_fn, tx, mesh)
@@ -132,7 +143,7 @@ def jax_worker(variant: str, rank: int, coordinator: str, steps: int, warmup: in
     for x, y in _data(rank, warmup + steps):
         batch = {
             k: jax.make_array_from_process_local_data(
-                NamedSharding(mesh, P("data")), v, (2 * BATCH, *v.shape[1:])
+                NamedSharding(mesh, P("data")), v, (n * BATCH, *v.shape[1:])
             )
             for k, v in {"x": x, "y": y}.items()
         }
@@ -141,8 +152,66 @@ def jax_worker(variant: str, rank: int, coordinator: str, steps: int, warmup: in
         loss = float(metrics["loss"])  # waits for the step
         times.append(time.perf_counter() - t0)
         losses.append(loss)
-    wire = adaptjax.wire_bytes(step.jitted, state, batch).total
-    return {"s_per_step": float(np.median(times[warmup:])), "losses": losses, "wire": wire}
+    report = adaptjax.wire_bytes(step.jitted, state, batch)
+    return {
+        "s_per_step": float(np.median(times[warmup:])),
+        "losses": losses,
+        "wire": report.total,
+        "collectives": len(report.collectives),
+    }
+
+
+def bare_worker(rank: int, coordinator: str, reps: int) -> dict:
+    """Seconds of bare collectives of the shapes the variants' steps move."""
+    jax = _jax_start(rank, coordinator)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    shapes = [s for a, b in zip(SIZES[:-1], SIZES[1:], strict=True) for s in ((a, b), (b,))]
+    total = sum(int(np.prod(s)) for s in shapes)
+    onebit_words = 2 * 139_519  # one encoded copy (u32 words), as the onebit step's HLO shows
+
+    def timed(fn, *specs):
+        args = [
+            jax.make_array_from_process_local_data(
+                NamedSharding(mesh, P("d")), np.ones((1, *s), dt), (2, *s)
+            )
+            for s, dt in specs
+        ]
+        body = lambda *a: fn(*[x[0] for x in a])
+        f = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P(), check_vma=False)
+        )
+        jax.block_until_ready(f(*args))
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts))
+
+    psum = lambda *x: jax.lax.psum(x, "d")
+    gather = lambda x: jax.lax.all_gather(x, "d")
+    owner = lambda x: jax.lax.all_gather(jax.lax.all_to_all(x, "d", 0, 0)[0], "d")
+    return {
+        "psum f32 [8.4M], one buffer": timed(psum, ((total,), np.float32)),
+        "psum f32, 8 leaves in one tuple": timed(psum, *[(s, np.float32) for s in shapes]),
+        "psum bf16 [8.4M]": timed(psum, ((total,), jnp.bfloat16)),
+        "all_gather u16 [8.4M] (bf16 bits)": timed(gather, ((total,), np.uint16)),
+        "all_to_all+all_gather u16 (bf16 owner)": timed(owner, ((2, total // 2), np.uint16)),
+        "all_gather u32 (onebit bits)": timed(gather, ((onebit_words,), np.uint32)),
+        "all_to_all+all_gather u32 (onebit owner)": timed(
+            owner, ((2, onebit_words // 2), np.uint32)
+        ),
+        "psum f32 [16] (latency)": timed(psum, ((16,), np.float32)),
+        "all_gather u32 [16] (latency)": timed(gather, ((16,), np.uint32)),
+        "all_to_all u32 [2,8] (latency)": timed(
+            lambda x: jax.lax.all_to_all(x, "d", 0, 0), ((2, 8), np.uint32)
+        ),
+    }
 
 
 def torch_worker(variant: str, rank: int, coordinator: str, steps: int, warmup: int) -> dict:
@@ -168,7 +237,9 @@ def torch_worker(variant: str, rank: int, coordinator: str, steps: int, warmup: 
     for x, y in _data(rank, warmup + steps):
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
+        loss = torch.nn.functional.cross_entropy(
+            model(torch.from_numpy(x)), torch.from_numpy(y).long()
+        )
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
@@ -177,13 +248,18 @@ def torch_worker(variant: str, rank: int, coordinator: str, steps: int, warmup: 
     return {"s_per_step": float(np.median(times[warmup:])), "losses": losses, "wire": None}
 
 
-def run_variant(variant: str, steps: int, warmup: int) -> dict | None:
-    if variant.startswith("ddp"):
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            return None
-    port = 29000 + VARIANTS.index(variant) + int(time.time()) % 500 * 8
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run_worker(variant: str, steps: int, warmup: int) -> dict | None:
+    if variant.startswith("ddp") and not _has_torch():
+        return None
+    port = 29000 + (sum(map(ord, variant)) % 8) + int(time.time()) % 500 * 8
     coordinator = f"{ADDR[0]}:{port}"
     procs = [
         subprocess.Popen(
@@ -197,29 +273,56 @@ def run_variant(variant: str, steps: int, warmup: int) -> dict | None:
     outs = [p.communicate(timeout=1800) for p in procs]
     if any(p.returncode for p in procs):
         err = next(o[1] for p, o in zip(procs, outs, strict=True) if p.returncode)
-        raise RuntimeError(f"{variant} failed: {err.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"{variant} failed: {err.strip().splitlines()[-3:]}")
     return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
-def time_to_loss(result: dict, target: float, warmup: int) -> float:
-    losses = result["losses"][warmup:]
-    hits = [i for i, v in enumerate(losses) if v <= target]
+def smoothed(losses: list[float], window: int = 5) -> list[float]:
+    return [sum(losses[max(0, i - window + 1) : i + 1]) / min(i + 1, window)
+            for i in range(len(losses))]  # fmt: skip
+
+
+def time_to_loss(result: dict, target: float) -> float:
+    """Steps until the smoothed loss first reaches ``target``, times the measured s/step."""
+    hits = [i for i, v in enumerate(smoothed(result["losses"])) if v <= target]
     return (hits[0] + 1) * result["s_per_step"] if hits else float("nan")
+
+
+def _row(v: str, r: dict | None) -> str:
+    if r is None:
+        return f"{v:<12}{'n/a (pip install adaptjax[benchmarks])':>50}"
+    wire = "" if r["wire"] is None else f"{r['wire']:.3g}"
+    coll = "" if r.get("collectives") is None else str(r["collectives"])
+    return (
+        f"{v:<12}{r['s_per_step']:>9.3f}{wire:>12}{coll:>6}"
+        f"{len(r['losses']):>7}{r['losses'][-1]:>11.4f}"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--loss-steps", type=int, default=30, help="timed steps of dense and onebit (time to loss)"
+    )
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--uncapped", action="store_true")
-    parser.add_argument("--worker", choices=VARIANTS)
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also time compute alone and bare collectives"
+    )
+    parser.add_argument("--only", help="comma-separated variants (default: all)")
+    parser.add_argument("--worker", choices=(*VARIANTS, "local", "bare"))
     parser.add_argument("--rank", type=int)
     parser.add_argument("--coordinator")
     args = parser.parse_args()
     if args.worker:
-        fn = torch_worker if args.worker.startswith("ddp") else jax_worker
-        print(json.dumps(fn(args.worker, args.rank, args.coordinator, args.steps, args.warmup)))
+        if args.worker == "bare":
+            out = bare_worker(args.rank, args.coordinator, args.steps)
+        else:
+            fn = torch_worker if args.worker.startswith("ddp") else jax_worker
+            out = fn(args.worker, args.rank, args.coordinator, args.steps, args.warmup)
+        print(json.dumps(out))
         return 0
     if os.geteuid() != 0:
         print("benchmarks/network.py needs root (it creates network namespaces and a tc qdisc)")
@@ -228,29 +331,41 @@ def main() -> int:
         if shutil.which(tool) is None:
             print(f"benchmarks/network.py needs the {tool!r} command (iproute2)")
             return 1
+    variants = VARIANTS if not args.only else tuple(args.only.split(","))
+    link = "uncapped" if args.uncapped else args.rate
+    print(
+        f"link: veth between two namespaces, {link}; 2 processes x 1 CPU device, gloo; "
+        f"batch {BATCH}/process; MLP {'-'.join(map(str, SIZES))}; SGD momentum 0.9",
+        flush=True,
+    )
+    print(f"{'variant':<12}{'s/step':>9}{'wire B/dev':>12}{'coll':>6}{'steps':>7}{'last loss':>11}")
+    results: dict = {}
     setup(None if args.uncapped else args.rate)
     try:
-        results = {v: run_variant(v, args.steps, args.warmup) for v in VARIANTS}
+        for v in variants:
+            steps = args.loss_steps if v in ("dense", "onebit") else args.steps
+            results[v] = run_worker(v, steps, args.warmup)
+            print(_row(v, results[v]), flush=True)
+        if args.breakdown:
+            local = run_worker("local", args.steps, args.warmup)
+            print(f"{'compute only (1 device per process, no collective)':<52}"
+                  f"{local['s_per_step'] * 1e3:8.1f} ms", flush=True)  # fmt: skip
+            for name, sec in run_worker("bare", args.steps, 0).items():
+                print(f"{'bare ' + name:<52}{sec * 1e3:8.1f} ms", flush=True)
     finally:
         teardown()
-    link = "uncapped" if args.uncapped else args.rate
-    print(f"link: veth between two namespaces, {link}; 2 processes x 1 CPU device; batch 64/proc")
-    print(f"{'variant':<12}{'s/step':>10}{'wire B/dev':>14}{'final loss':>12}")
-    for v, r in results.items():
-        if r is None:
-            print(f"{v:<12}{'n/a (no torch)':>36}")
-            continue
-        wire = "" if r["wire"] is None else f"{r['wire']:.3g}"
-        print(f"{v:<12}{r['s_per_step']:>10.3f}{wire:>14}{r['losses'][-1]:>12.4f}")
-    dense, onebit = results["dense"], results["onebit"]
-    target = dense["losses"][-1] * 1.05
-    print(
-        f"time to loss {target:.4f}: dense {time_to_loss(dense, target, args.warmup):.2f} s, "
-        f"onebit {time_to_loss(onebit, target, args.warmup):.2f} s"
-    )
+    if "dense" in results and "onebit" in results:
+        dense, onebit = results["dense"], results["onebit"]
+        target = smoothed(dense["losses"])[-1]
+        t_dense, t_onebit = time_to_loss(dense, target), time_to_loss(onebit, target)
+        print(
+            f"time to smoothed training loss {target:.4f} (dense's after "
+            f"{len(dense['losses'])} steps, 5-step mean): dense {t_dense:.2f} s, "
+            f"onebit {t_onebit:.2f} s"
+        )
 
     def ratio(a, b):
-        ra, rb = results[a], results[b]
+        ra, rb = results.get(a), results.get(b)
         return float("nan") if ra is None or rb is None else ra["s_per_step"] / rb["s_per_step"]
 
     print(
