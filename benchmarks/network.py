@@ -11,17 +11,31 @@ Workload (issue 9): an MLP 1024-2048-2048-1024-10 (8.4M parameters), batch 64
 per process, SGD with momentum, one ``adaptjax.data_parallel_step`` per step
 with ``sync_gradients(codec)``: no codec, ``bf16``, ``onebit``,
 ``powersgd(4)``; and PyTorch DDP plain and with its fp16 compression hook
-(torch CPU is a benchmark-only extra: ``pip install torch``; without it those
-rows read ``n/a``). Also the time to a target training loss, dense vs onebit.
+(torch CPU is a benchmark-only extra, ``pip install adaptjax[benchmarks]``;
+without it those rows read ``n/a``). Side by side: ``dense_split`` (the dense
+all-reduce per leaf, XLA:CPU's ``cpu-all-reduce-combiner`` off), ``dense_noskip``
+(``skip_nonfinite=False``: no finiteness check and no ``lax.cond`` around the update) and
+``bf16_owner``/``onebit_owner`` (the owner-compute transport, all-to-all +
+all-gather, that two processes used before they took one all-gather).
+
+All variants run in ONE pair of processes, one step of each in turn, so that
+load from other programs hits every variant alike; ``s/step`` is the median
+and ``min`` the fastest of the timed steps, ``coll`` the collectives of the
+compiled step, ``loss@K`` the 5-step mean training loss at step ``K`` (the
+same data for every variant). dense and onebit run ``--loss-steps`` steps for
+the time to a target loss (dense's final 5-step mean). ``--breakdown`` also
+times the dense step on each process's device alone (compute only) and bare
+collectives of the shapes the steps move.
 
 Usage::
 
-    sudo python benchmarks/network.py [--steps 10] [--uncapped] [--rate 1gbit]
+    sudo python benchmarks/network.py [--steps 10] [--loss-steps 30] [--breakdown]
+        [--uncapped] [--rate 1gbit] [--only dense,onebit,...]
 
 The last line is ``network_dense_vs_ddp=<ratio> network_bf16_vs_ddp_fp16=<ratio>
-network_onebit_vs_ddp=<ratio>`` (seconds per step, adaptjax / DDP; ``nan``
-without torch). Run side by side in one run; on a shared machine the absolute
-times are noisy, the ratios less so.
+network_onebit_vs_ddp=<ratio>`` (median seconds per step, adaptjax / DDP;
+``nan`` without torch). On a shared machine the absolute times are noisy, the
+ratios less so.
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ BATCH = 64
 VARIANTS = ("dense", "bf16", "onebit", "powersgd4", "ddp", "ddp_fp16")
 # side by side: the dense all-reduce per leaf (XLA:CPU's combiner off) and the transport
 # before the fix (owner-compute's all-to-all + all-gather at 2 processes)
-ALL = (*VARIANTS, "dense_split", "bf16_owner", "onebit_owner")
+ALL = (*VARIANTS, "dense_split", "dense_noskip", "bf16_owner", "onebit_owner")
 
 
 # ---------------------------------------------------------------------- the network
@@ -107,6 +121,7 @@ def _jax_start(rank: int, coordinator: str | None):
 JAX_CODECS = {  # variant -> (codec factory name and args, transport forced, XLA compile options)
     "dense": (None, None, {}),
     "dense_split": (None, None, {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}),
+    "dense_noskip": (None, None, {}),  # data_parallel_step(..., skip_nonfinite=False)
     "bf16": (("bf16",), None, {}),
     "bf16_owner": (("bf16",), "owner", {}),
     "onebit": (("onebit",), None, {}),
@@ -142,13 +157,16 @@ def _jax_step(jax, variant: str, mesh):
     from adaptjax.compression import _collectives
 
     import adaptjax
+    from adaptjax._wire import parse_collectives
 
     spec, transport, options = JAX_CODECS[variant]
     codec = getattr(ajc, spec[0])(*spec[1:]) if spec else None
     params, loss_fn = _jax_model(jax)
     tx = optax.chain(adaptjax.sync_gradients("data", codec=codec), optax.sgd(0.05, momentum=0.9))
     state = adaptjax.init_state(params, tx, mesh)
-    step = adaptjax.data_parallel_step(loss_fn, tx, mesh)
+    step = adaptjax.data_parallel_step(
+        loss_fn, tx, mesh, skip_nonfinite=variant != "dense_noskip"
+    )
     batch = _jax_batch(jax, mesh, *next(_data(0, 1)))
     chosen = _collectives.choose_transport
     if transport is not None:  # the transport before the fix, for a side-by-side row
@@ -159,7 +177,9 @@ def _jax_step(jax, variant: str, mesh):
     finally:
         _collectives.choose_transport = chosen
     compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
-    return compiled, state, len(report.collectives), report.total
+    # collectives of the program that runs (the combiner off splits the all-reduce; same bytes)
+    count = len(parse_collectives(compiled.as_text(), mesh.devices.size))
+    return compiled, state, count, report.total
 
 
 def _jax_batch(jax, mesh, x, y):
@@ -251,9 +271,9 @@ def worker(variants, rank: int, coordinator: str, steps: int, warmup: int, extra
     if ddp:
         torch.distributed.destroy_process_group()
     return {
-        v: {
-            "s_per_step": float(np.median(times[v][warmup:])),
-            "s_min": float(np.min(times[v][warmup:])),
+        v: {  # the rounds every variant ran; the extra ones only extend the loss curve
+            "s_per_step": float(np.median(times[v][warmup : warmup + steps])),
+            "s_min": float(np.min(times[v][warmup : warmup + steps])),
             "losses": losses[v],
             "wire": built[v][3] if v in built else None,
             "collectives": built[v][2] if v in built else None,
@@ -372,14 +392,14 @@ def time_to_loss(result: dict, target: float) -> float:
     return (hits[0] + 1) * result["s_per_step"] if hits else float("nan")
 
 
-def _row(v: str, r: dict | None) -> str:
+def _row(v: str, r: dict | None, common: int) -> str:
     if r is None:
         return f"{v:<14}{'n/a (pip install adaptjax[benchmarks])':>50}"
     wire = "" if r["wire"] is None else f"{r['wire']:.3g}"
     coll = "" if r.get("collectives") is None else str(r["collectives"])
     return (
         f"{v:<14}{r['s_per_step']:>9.3f}{r['s_min']:>8.3f}{wire:>12}{coll:>6}"
-        f"{len(r['losses']):>7}{r['losses'][-1]:>11.4f}"
+        f"{len(r['losses']):>7}{smoothed(r['losses'][:common])[-1]:>12.4f}"
     )
 
 
@@ -447,10 +467,10 @@ def main() -> int:
         )  # fmt: skip
         print(
             f"{'variant':<14}{'s/step':>9}{'min':>8}{'wire B/dev':>12}{'coll':>6}{'steps':>7}"
-            f"{'last loss':>11}"
+            f"{'loss@' + str(args.warmup + args.steps):>12}"
         )
         for v in variants:
-            print(_row(v, results.get(v)), flush=True)
+            print(_row(v, results.get(v), args.warmup + args.steps), flush=True)
         if args.breakdown:
             local = run_worker("local", ["--steps", str(args.steps), "--warmup", str(args.warmup)])
             med, low = local["s_per_step"] * 1e3, local["s_min"] * 1e3
