@@ -40,6 +40,18 @@ def _sample_coordinates(tree, count, fraction: float):
 _WIRE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+def _psum_leaves(tree, axis_name):
+    """``psum`` leaf by leaf: one all-reduce per leaf in the program.
+
+    XLA:CPU's ``cpu-all-reduce-combiner`` joins them into one tuple all-reduce
+    (the same compiled program as one ``psum`` of the whole tree); with that
+    pass disabled (``--xla_disable_hlo_passes=cpu-all-reduce-combiner``) each
+    gradient's all-reduce can start as soon as the backward pass produced it.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [jax.lax.psum(x, axis_name) for x in leaves])
+
+
 class SyncState(NamedTuple):
     """State of :func:`sync_gradients`.
 
@@ -230,7 +242,7 @@ def sync_gradients(
         samples = None
         if codec is None:
             wire = updates if wdt is None else jax.tree.map(lambda g: g.astype(wdt), updates)
-            summed, summed_scalars = jax.lax.psum((wire, scalars), axis_name)
+            summed, summed_scalars = _psum_leaves((wire, scalars), axis_name)
             mean = jax.tree.map(lambda s, g: (s / n).astype(g.dtype), summed, updates)
             codec_state = ()
         else:

@@ -11,17 +11,31 @@ Workload (issue 9): an MLP 1024-2048-2048-1024-10 (8.4M parameters), batch 64
 per process, SGD with momentum, one ``adaptjax.data_parallel_step`` per step
 with ``sync_gradients(codec)``: no codec, ``bf16``, ``onebit``,
 ``powersgd(4)``; and PyTorch DDP plain and with its fp16 compression hook
-(torch CPU is a benchmark-only extra: ``pip install torch``; without it those
-rows read ``n/a``). Also the time to a target training loss, dense vs onebit.
+(torch CPU is a benchmark-only extra, ``pip install adaptjax[benchmarks]``;
+without it those rows read ``n/a``). Side by side: ``dense_split`` (the dense
+all-reduce per leaf, XLA:CPU's ``cpu-all-reduce-combiner`` off), ``dense_noskip``
+(``skip_nonfinite=False``: no finiteness check and no ``lax.cond`` around the update) and
+``bf16_owner``/``onebit_owner`` (the owner-compute transport, all-to-all +
+all-gather, that two processes used before they took one all-gather).
+
+All variants run in ONE pair of processes, one step of each in turn, so that
+load from other programs hits every variant alike; ``s/step`` is the median
+and ``min`` the fastest of the timed steps, ``coll`` the collectives of the
+compiled step, ``loss@K`` the 5-step mean training loss at step ``K`` (the
+same data for every variant). dense and onebit run ``--loss-steps`` steps for
+the time to a target loss (dense's final 5-step mean). ``--breakdown`` also
+times the dense step on each process's device alone (compute only) and bare
+collectives of the shapes the steps move.
 
 Usage::
 
-    sudo python benchmarks/network.py [--steps 10] [--uncapped] [--rate 1gbit]
+    sudo python benchmarks/network.py [--steps 10] [--loss-steps 30] [--breakdown]
+        [--uncapped] [--rate 1gbit] [--only dense,onebit,...]
 
 The last line is ``network_dense_vs_ddp=<ratio> network_bf16_vs_ddp_fp16=<ratio>
-network_onebit_vs_ddp=<ratio>`` (seconds per step, adaptjax / DDP; ``nan``
-without torch). Run side by side in one run; on a shared machine the absolute
-times are noisy, the ratios less so.
+network_onebit_vs_ddp=<ratio>`` (median seconds per step, adaptjax / DDP;
+``nan`` without torch). On a shared machine the absolute times are noisy, the
+ratios less so.
 """
 
 from __future__ import annotations
@@ -41,6 +55,9 @@ VETH = ("ajvethA", "ajvethB")
 SIZES = (1024, 2048, 2048, 1024, 10)
 BATCH = 64
 VARIANTS = ("dense", "bf16", "onebit", "powersgd4", "ddp", "ddp_fp16")
+# side by side: the dense all-reduce per leaf (XLA:CPU's combiner off) and the transport
+# before the fix (owner-compute's all-to-all + all-gather at 2 processes)
+ALL = (*VARIANTS, "dense_split", "dense_noskip", "bf16_owner", "onebit_owner")
 
 
 # ---------------------------------------------------------------------- the network
@@ -88,32 +105,38 @@ def _data(rank: int, steps: int):
         yield x, np.argmax(x @ teacher, axis=1).astype(np.int32)
 
 
-def jax_worker(variant: str, rank: int, coordinator: str, steps: int, warmup: int) -> dict:
+def _jax_start(rank: int, coordinator: str | None):
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=2, process_id=rank)
-    import adaptjax.compression as ajc
-    import jax.numpy as jnp
+    if coordinator is not None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=2, process_id=rank
+        )
+    return jax
+
+
+JAX_CODECS = {  # variant -> (codec factory name and args, transport forced, XLA compile options)
+    "dense": (None, None, {}),
+    "dense_split": (None, None, {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}),
+    "dense_noskip": (None, None, {}),  # data_parallel_step(..., skip_nonfinite=False)
+    "bf16": (("bf16",), None, {}),
+    "bf16_owner": (("bf16",), "owner", {}),
+    "onebit": (("onebit",), None, {}),
+    "onebit_owner": (("onebit",), "owner", {}),
+    "powersgd4": (("powersgd", 4), None, {}),
+}
+
+
+def _jax_model(jax):
     import numpy as np
     import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    import adaptjax
-
-    codec = {
-        "dense": None,
-        "bf16": lambda: ajc.bf16(),
-        "onebit": lambda: ajc.onebit(),
-        "powersgd4": lambda: ajc.powersgd(4),
-    }[variant]
-    codec = codec() if codec else None
     keys = jax.random.split(jax.random.key(0), len(SIZES) - 1)
     params = [
-        {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
+        {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jax.numpy.zeros(b)}
         for k, a, b in zip(keys, SIZES[:-1], SIZES[1:], strict=True)
     ]
 
@@ -124,102 +147,294 @@ def jax_worker(variant: str, rank: int, coordinator: str, steps: int, warmup: in
         logits = h @ p[-1]["w"] + p[-1]["b"]
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
-    mesh = adaptjax.make_mesh(2)  # one device per process, in process order
+    return params, loss_fn
+
+
+def _jax_step(jax, variant: str, mesh):
+    """(compiled step, state, collectives, wire bytes) of one variant."""
+    import adaptjax.compression as ajc
+    import optax
+    from adaptjax.compression import _collectives
+
+    import adaptjax
+    from adaptjax._wire import parse_collectives
+
+    spec, transport, options = JAX_CODECS[variant]
+    codec = getattr(ajc, spec[0])(*spec[1:]) if spec else None
+    params, loss_fn = _jax_model(jax)
     tx = optax.chain(adaptjax.sync_gradients("data", codec=codec), optax.sgd(0.05, momentum=0.9))
     state = adaptjax.init_state(params, tx, mesh)
-    step = adaptjax.data_parallel_step(loss_fn, tx, mesh)
-    times, losses = [], []
-    for x, y in _data(rank, warmup + steps):
-        batch = {
-            k: jax.make_array_from_process_local_data(
-                NamedSharding(mesh, P("data")), v, (2 * BATCH, *v.shape[1:])
-            )
-            for k, v in {"x": x, "y": y}.items()
-        }
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch)
-        loss = float(metrics["loss"])  # waits for the step
-        times.append(time.perf_counter() - t0)
-        losses.append(loss)
-    wire = adaptjax.wire_bytes(step.jitted, state, batch).total
-    return {"s_per_step": float(np.median(times[warmup:])), "losses": losses, "wire": wire}
+    step = adaptjax.data_parallel_step(
+        loss_fn, tx, mesh, skip_nonfinite=variant != "dense_noskip"
+    )
+    batch = _jax_batch(jax, mesh, *next(_data(0, 1)))
+    chosen = _collectives.choose_transport
+    if transport is not None:  # the transport before the fix, for a side-by-side row
+        _collectives.choose_transport = lambda n: transport
+    try:
+        lowered = step.jitted.lower(state, batch)
+        report = adaptjax.wire_bytes(step.jitted, state, batch)
+    finally:
+        _collectives.choose_transport = chosen
+    compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+    # collectives of the program that runs (the combiner off splits the all-reduce; same bytes)
+    count = len(parse_collectives(compiled.as_text(), mesh.devices.size))
+    return compiled, state, count, report.total
 
 
-def torch_worker(variant: str, rank: int, coordinator: str, steps: int, warmup: int) -> dict:
-    import numpy as np
+def _jax_batch(jax, mesh, x, y):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.devices.size
+    return {
+        k: jax.make_array_from_process_local_data(
+            NamedSharding(mesh, P("data")), v, (n * BATCH, *v.shape[1:])
+        )
+        for k, v in {"x": x, "y": y}.items()
+    }
+
+
+def _ddp_models(rank: int, coordinator: str, variants):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     host, port = coordinator.split(":")
     os.environ["GLOO_SOCKET_IFNAME"] = VETH[rank]
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=2)
-    torch.manual_seed(0)
-    layers = []
-    for a, b in zip(SIZES[:-1], SIZES[1:], strict=True):
-        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    model = DDP(torch.nn.Sequential(*layers[:-1]))
-    if variant == "ddp_fp16":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{host}:{int(port) + 1}", rank=rank, world_size=2
+    )
+    out = {}
+    for v in variants:
+        torch.manual_seed(0)
+        layers = []
+        for a, b in zip(SIZES[:-1], SIZES[1:], strict=True):
+            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+        model = DDP(torch.nn.Sequential(*layers[:-1]))
+        if v == "ddp_fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    times, losses = [], []
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        out[v] = (model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    return out
+
+
+def worker(variants, rank: int, coordinator: str, steps: int, warmup: int, extra: dict) -> dict:
+    """All variants in one pair of processes, one step of each in turn (round robin).
+
+    Load from other programs on the machine then hits every variant alike; the
+    variants in ``extra`` run that many more rounds (time to a training loss).
+    """
+    jax = _jax_start(rank, coordinator)
+    import numpy as np
+
+    import adaptjax
+
+    mesh = adaptjax.make_mesh(2)  # one device per process, in process order
+    built, torch_steps = {}, {}
+    for v in variants:
+        if v in JAX_CODECS:
+            built[v] = list(_jax_step(jax, v, mesh))
+    ddp = [v for v in variants if v.startswith("ddp")]
+    if ddp:
+        import torch
+
+        torch_steps = _ddp_models(rank, coordinator, ddp)
+    data = {v: _data(rank, warmup + steps + extra.get(v, 0)) for v in variants}
+    times = {v: [] for v in variants}
+    losses = {v: [] for v in variants}
+
+    def one(v):
+        x, y = next(data[v])
+        t0 = time.perf_counter()
+        if v in built:
+            compiled, state = built[v][:2]
+            state, metrics = compiled(state, _jax_batch(jax, mesh, x, y))
+            loss = float(metrics["loss"])  # waits for the step
+            built[v][1] = state
+        else:
+            model, opt = torch_steps[v]
+            opt.zero_grad()
+            out = model(torch.from_numpy(x))
+            lt = torch.nn.functional.cross_entropy(out, torch.from_numpy(y).long())
+            lt.backward()
+            opt.step()
+            loss = float(lt)
+        times[v].append(time.perf_counter() - t0)
+        losses[v].append(loss)
+
+    for r in range(warmup + steps + max(extra.values(), default=0)):
+        for v in variants:
+            if r < warmup + steps + extra.get(v, 0):
+                one(v)
+    if ddp:
+        torch.distributed.destroy_process_group()
+    return {
+        v: {  # the rounds every variant ran; the extra ones only extend the loss curve
+            "s_per_step": float(np.median(times[v][warmup : warmup + steps])),
+            "s_min": float(np.min(times[v][warmup : warmup + steps])),
+            "losses": losses[v],
+            "wire": built[v][3] if v in built else None,
+            "collectives": built[v][2] if v in built else None,
+        }
+        for v in variants
+    }
+
+
+def local_worker(rank: int, steps: int, warmup: int) -> dict:
+    """The dense step on this process's device alone (no collective): compute only."""
+    jax = _jax_start(rank, None)
+    import numpy as np
+
+    import adaptjax
+
+    mesh = adaptjax.make_mesh(1)
+    compiled, state, _, _ = _jax_step(jax, "dense", mesh)
+    times = []
     for x, y in _data(rank, warmup + steps):
         t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
-        loss.backward()
-        opt.step()
+        state, metrics = compiled(state, _jax_batch(jax, mesh, x, y))
+        float(metrics["loss"])
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    dist.destroy_process_group()
-    return {"s_per_step": float(np.median(times[warmup:])), "losses": losses, "wire": None}
+    return {"s_per_step": float(np.median(times[warmup:])), "s_min": float(np.min(times[warmup:]))}
 
 
-def run_variant(variant: str, steps: int, warmup: int) -> dict | None:
-    if variant.startswith("ddp"):
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            return None
-    port = 29000 + VARIANTS.index(variant) + int(time.time()) % 500 * 8
+def bare_worker(rank: int, coordinator: str, reps: int) -> dict:
+    """Seconds of bare collectives of the shapes the variants' steps move."""
+    jax = _jax_start(rank, coordinator)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    shapes = [s for a, b in zip(SIZES[:-1], SIZES[1:], strict=True) for s in ((a, b), (b,))]
+    total = sum(int(np.prod(s)) for s in shapes)
+    onebit_words = 2 * 139_519  # one encoded copy (u32 words), as the onebit step's HLO shows
+
+    def timed(fn, *specs):  # compiled and run once; timed below, round robin
+        args = [
+            jax.make_array_from_process_local_data(
+                NamedSharding(mesh, P("d")), np.ones((1, *s), dt), (2, *s)
+            )
+            for s, dt in specs
+        ]
+        body = lambda *a: fn(*[x[0] for x in a])
+        f = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P(), check_vma=False)
+        )
+        jax.block_until_ready(f(*args))
+        return f, args
+
+    psum = lambda *x: jax.lax.psum(x, "d")
+    gather = lambda x: jax.lax.all_gather(x, "d")
+    owner = lambda x: jax.lax.all_gather(jax.lax.all_to_all(x, "d", 0, 0)[0], "d")
+    cases = {
+        "psum f32 [8.4M], one buffer": timed(psum, ((total,), np.float32)),
+        "psum f32, 8 leaves in one tuple": timed(psum, *[(s, np.float32) for s in shapes]),
+        "psum bf16 [8.4M]": timed(psum, ((total,), jnp.bfloat16)),
+        "all_gather u16 [8.4M] (bf16 bits)": timed(gather, ((total,), np.uint16)),
+        "all_to_all+all_gather u16 (bf16 owner)": timed(owner, ((2, total // 2), np.uint16)),
+        "all_gather u32 (onebit bits)": timed(gather, ((onebit_words,), np.uint32)),
+        "all_to_all+all_gather u32 (onebit owner)": timed(
+            owner, ((2, onebit_words // 2), np.uint32)
+        ),
+        "psum f32 [16] (latency)": timed(psum, ((16,), np.float32)),
+        "all_gather u32 [16] (latency)": timed(gather, ((16,), np.uint32)),
+        "all_to_all u32 [2,8] (latency)": timed(
+            lambda x: jax.lax.all_to_all(x, "d", 0, 0), ((2, 8), np.uint32)
+        ),
+    }
+    times: dict = {k: [] for k in cases}
+    for _ in range(reps):  # round robin, so that load changes hit every case alike
+        for k, (f, args) in cases.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[k].append(time.perf_counter() - t0)
+    return {k: (float(np.median(v)), float(np.min(v))) for k, v in times.items()}
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run_worker(kind: str, args: list[str]) -> dict:
+    port = 29000 + (sum(map(ord, kind)) % 4) * 2 + int(time.time()) % 500 * 8
     coordinator = f"{ADDR[0]}:{port}"
     procs = [
         subprocess.Popen(
             ["ip", "netns", "exec", NS[rank], sys.executable, os.path.abspath(__file__),
-             "--worker", variant, "--rank", str(rank), "--coordinator", coordinator,
-             "--steps", str(steps), "--warmup", str(warmup)],
+             "--worker", kind, "--rank", str(rank), "--coordinator", coordinator, *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         for rank in range(2)
     ]
-    outs = [p.communicate(timeout=1800) for p in procs]
+    outs = [p.communicate(timeout=3600) for p in procs]
     if any(p.returncode for p in procs):
         err = next(o[1] for p, o in zip(procs, outs, strict=True) if p.returncode)
-        raise RuntimeError(f"{variant} failed: {err.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"{kind} failed: {err.strip().splitlines()[-3:]}")
     return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
-def time_to_loss(result: dict, target: float, warmup: int) -> float:
-    losses = result["losses"][warmup:]
-    hits = [i for i, v in enumerate(losses) if v <= target]
+def smoothed(losses: list[float], window: int = 5) -> list[float]:
+    return [sum(losses[max(0, i - window + 1) : i + 1]) / min(i + 1, window)
+            for i in range(len(losses))]  # fmt: skip
+
+
+def time_to_loss(result: dict, target: float) -> float:
+    """Steps until the smoothed loss first reaches ``target``, times the measured s/step."""
+    hits = [i for i, v in enumerate(smoothed(result["losses"])) if v <= target]
     return (hits[0] + 1) * result["s_per_step"] if hits else float("nan")
+
+
+def _row(v: str, r: dict | None, common: int) -> str:
+    if r is None:
+        return f"{v:<14}{'n/a (pip install adaptjax[benchmarks])':>50}"
+    wire = "" if r["wire"] is None else f"{r['wire']:.3g}"
+    coll = "" if r.get("collectives") is None else str(r["collectives"])
+    return (
+        f"{v:<14}{r['s_per_step']:>9.3f}{r['s_min']:>8.3f}{wire:>12}{coll:>6}"
+        f"{len(r['losses']):>7}{smoothed(r['losses'][:common])[-1]:>12.4f}"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--loss-steps", type=int, default=30, help="timed steps of dense and onebit (time to loss)"
+    )
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--uncapped", action="store_true")
-    parser.add_argument("--worker", choices=VARIANTS)
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also time compute alone and bare collectives"
+    )
+    parser.add_argument(
+        "--only", help=f"comma-separated variants (default: all of {', '.join(ALL)})"
+    )
+    parser.add_argument("--worker", choices=("all", "local", "bare"))
+    parser.add_argument("--variants")
+    parser.add_argument("--extra", default="{}")
     parser.add_argument("--rank", type=int)
     parser.add_argument("--coordinator")
     args = parser.parse_args()
+    if args.worker == "bare":
+        out = bare_worker(args.rank, args.coordinator, args.steps)
+    elif args.worker == "local":
+        out = local_worker(args.rank, args.steps, args.warmup)
+    elif args.worker == "all":
+        out = worker(
+            args.variants.split(","), args.rank, args.coordinator, args.steps, args.warmup,
+            json.loads(args.extra),
+        )  # fmt: skip
     if args.worker:
-        fn = torch_worker if args.worker.startswith("ddp") else jax_worker
-        print(json.dumps(fn(args.worker, args.rank, args.coordinator, args.steps, args.warmup)))
+        print(json.dumps(out))
         return 0
     if os.geteuid() != 0:
         print("benchmarks/network.py needs root (it creates network namespaces and a tc qdisc)")
@@ -228,29 +443,58 @@ def main() -> int:
         if shutil.which(tool) is None:
             print(f"benchmarks/network.py needs the {tool!r} command (iproute2)")
             return 1
+    variants = ALL if not args.only else tuple(args.only.split(","))
+    unknown = sorted(set(variants) - set(ALL))
+    if unknown:
+        print(f"unknown variants {unknown}; choose from {', '.join(ALL)}")
+        return 2
+    has_torch = _has_torch()
+    run = [v for v in variants if has_torch or not v.startswith("ddp")]
+    link = "uncapped" if args.uncapped else args.rate
+    print(
+        f"link: veth between two namespaces, {link}; 2 processes x 1 CPU device, gloo; "
+        f"batch {BATCH}/process; MLP {'-'.join(map(str, SIZES))}; SGD momentum 0.9; "
+        f"variants interleaved step by step in one pair of processes",
+        flush=True,
+    )
+    extra = {v: args.loss_steps - args.steps for v in ("dense", "onebit") if v in run}
     setup(None if args.uncapped else args.rate)
     try:
-        results = {v: run_variant(v, args.steps, args.warmup) for v in VARIANTS}
+        results = run_worker(
+            "all",
+            ["--variants", ",".join(run), "--steps", str(args.steps),
+             "--warmup", str(args.warmup), "--extra", json.dumps(extra)],
+        )  # fmt: skip
+        print(
+            f"{'variant':<14}{'s/step':>9}{'min':>8}{'wire B/dev':>12}{'coll':>6}{'steps':>7}"
+            f"{'loss@' + str(args.warmup + args.steps):>12}"
+        )
+        for v in variants:
+            print(_row(v, results.get(v), args.warmup + args.steps), flush=True)
+        if args.breakdown:
+            local = run_worker("local", ["--steps", str(args.steps), "--warmup", str(args.warmup)])
+            med, low = local["s_per_step"] * 1e3, local["s_min"] * 1e3
+            print(f"{'(median / min ms)':<52}")
+            print(f"{'compute only (1 device per process, no collective)':<52}"
+                  f"{med:8.1f} {low:8.1f}", flush=True)  # fmt: skip
+            for name, (med, low) in run_worker("bare", ["--steps", str(args.steps)]).items():
+                print(f"{'bare ' + name:<52}{med * 1e3:8.1f} {low * 1e3:8.1f}", flush=True)
     finally:
         teardown()
-    link = "uncapped" if args.uncapped else args.rate
-    print(f"link: veth between two namespaces, {link}; 2 processes x 1 CPU device; batch 64/proc")
-    print(f"{'variant':<12}{'s/step':>10}{'wire B/dev':>14}{'final loss':>12}")
-    for v, r in results.items():
-        if r is None:
-            print(f"{v:<12}{'n/a (no torch)':>36}")
-            continue
-        wire = "" if r["wire"] is None else f"{r['wire']:.3g}"
-        print(f"{v:<12}{r['s_per_step']:>10.3f}{wire:>14}{r['losses'][-1]:>12.4f}")
-    dense, onebit = results["dense"], results["onebit"]
-    target = dense["losses"][-1] * 1.05
-    print(
-        f"time to loss {target:.4f}: dense {time_to_loss(dense, target, args.warmup):.2f} s, "
-        f"onebit {time_to_loss(onebit, target, args.warmup):.2f} s"
-    )
+    if "dense" in results and "onebit" in results:
+        dense, onebit = results["dense"], results["onebit"]
+        target = smoothed(dense["losses"])[-1]
+        t_dense, t_onebit = time_to_loss(dense, target), time_to_loss(onebit, target)
+        print(
+            f"time to smoothed training loss {target:.4f} (dense's after "
+            f"{len(dense['losses'])} steps, 5-step mean): dense {t_dense:.2f} s, onebit "
+            + (f"{t_onebit:.2f} s" if t_onebit == t_onebit else
+               f"not reached in {len(onebit['losses'])} steps "
+               f"(its smoothed loss: {smoothed(onebit['losses'])[-1]:.4f})")
+        )  # fmt: skip
 
     def ratio(a, b):
-        ra, rb = results[a], results[b]
+        ra, rb = results.get(a), results.get(b)
         return float("nan") if ra is None or rb is None else ra["s_per_step"] / rb["s_per_step"]
 
     print(

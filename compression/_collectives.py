@@ -11,6 +11,12 @@
   chunk. Bytes per device: ``2 (N−1)/N`` of one encoded copy of the gradient,
   nearly flat in ``N``. Narrow payloads always travel as integers (XLA on CPU
   widens a narrow float all-reduce to f32).
+* :func:`choose_transport` -- which of the two carries a quantised payload at
+  ``N`` replicas: at ``N = 2`` one all-gather of every replica's whole encoded
+  gradient sends exactly the bytes of owner-compute's all-to-all + all-gather
+  (``(N−1)·E = 2(N−1)/N·E``) in one collective instead of two, with no
+  re-encoding by an owner between them; above 2 it sends ``N/2`` times more, so
+  owner-compute is used.
 * two-level (``fast`` axis given): bf16 reduce-scatter over the fast axis (as
   uint16 through an all-to-all), the owner-compute pattern on each fast
   chunk over the slow axes, bf16 all-gather over the fast axis.
@@ -32,6 +38,7 @@ __all__ = [
     "axis_arg",
     "axis_tuple",
     "bound_size",
+    "choose_transport",
     "owner_compute",
     "owner_compute_leaves",
     "owner_sparse",
@@ -234,6 +241,28 @@ def owner_compute(
     return out, res, new_server
 
 
+TRANSPORTS = ("owner", "allgather")
+
+
+def choose_transport(n: int) -> str:
+    """The transport of a quantised payload over ``n`` replicas: ``"allgather"`` or ``"owner"``.
+
+    Bytes per device for an encoded gradient of ``E`` bytes: owner-compute
+    (all-to-all + all-gather) ``2 (n−1)/n · E``; one all-gather of the whole
+    encoded gradient ``(n−1) · E``. They are equal at ``n = 2``, where the
+    all-gather also saves a collective's round trip and the owner's decode,
+    re-encode pass between the two (across real processes over gloo each
+    collective is a network round trip, and the step waits for both). Above 2
+    the all-gather sends ``n/2`` times the bytes, so owner-compute wins there.
+
+    Example:
+      >>> from adaptjax.compression._collectives import choose_transport
+      >>> [choose_transport(n) for n in (2, 4)]
+      ['allgather', 'owner']
+    """
+    return "allgather" if int(n) == 2 else "owner"
+
+
 def _materialised(fn, index):
     """``fn()``, computed once into its own buffer.
 
@@ -256,6 +285,7 @@ def owner_compute_leaves(
     seed_server,
     residual: bool = False,
     fold: bool = False,
+    transport: str | None = None,
 ):
     """Owner-compute mean of a list of float32 leaves, without flattening them.
 
@@ -276,6 +306,11 @@ def owner_compute_leaves(
       residual: whether to return this replica's residual per leaf.
       fold: add ``n`` times the owner's re-encoding error to its residual on
         the chunk it owns (server-side error feedback without a server buffer).
+      transport: ``"owner"`` (all-to-all, owners decode, average and
+        re-encode, all-gather), ``"allgather"`` (one all-gather of every
+        replica's encoded rows, each replica decodes and averages all of them;
+        nothing is re-encoded, so ``fold`` adds nothing) or ``None`` for
+        :func:`choose_transport` of ``n``.
 
     Returns:
       ``(means, residuals or None)``, lists shaped like ``xs``. With ``residual``
@@ -306,6 +341,14 @@ def owner_compute_leaves(
     seeds_s = [mix_seed(seed_server, k) for k in range(len(views))]
     rows = [fmt.encode(v, s, c) for v, s, c in zip(views, seeds_w, valids, strict=True)]
     widths = [r.shape[1] for r in rows]
+    transport = choose_transport(n) if transport is None else transport
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS} or None, got {transport!r}")
+    if transport == "allgather":
+        outs_v, res_v = _gathered_means(fmt, views, rows, widths, names, n, residual)
+        return _assemble(xs, sizes, mains, owners, tails, lay, outs_v), (
+            _assemble(xs, sizes, mains, owners, tails, lay, res_v) if residual else None
+        )
     recv = _a2a(jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0], names, n)
     own_rows, means = [], []
     off = 0
@@ -335,18 +378,44 @@ def owner_compute_leaves(
                 r = r + jnp.where(mine, n * r_srv[None], 0.0)
             res_v.append(r.reshape(-1))
 
-    def assemble(parts):
-        rest = lay.unflatten(parts[-1], [(sizes[i] - mains[i],) for i in tails]) if tails else []
-        rest_of = dict(zip(tails, rest, strict=True))
-        main_of = {i: p for i, p in zip(owners, parts, strict=True) if i is not None}
-        out = []
-        for i, x in enumerate(xs):
-            pieces = [p for p in (main_of.get(i), rest_of.get(i)) if p is not None]
-            flat = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-            out.append(flat.reshape(jnp.shape(x)))
-        return out
+    return _assemble(xs, sizes, mains, owners, tails, lay, outs_v), (
+        _assemble(xs, sizes, mains, owners, tails, lay, res_v) if residual else None
+    )
 
-    return assemble(outs_v), (assemble(res_v) if residual else None)
+
+def _gathered_means(fmt, views, rows, widths, names, n, residual):
+    """The all-gather transport: every replica's encoded rows to every replica.
+
+    Each replica decodes the ``n`` copies of a view and averages them (the
+    adds fuse with the decodes into one pass); its residual is what its own
+    encoding lost, so ``mean_i(x_i) = mean + mean_i(residual_i)`` exactly.
+    """
+    sent = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
+    gathered = _gather(sent, names, n)  # (n replicas, n rows, words)
+    outs_v, res_v = [], []
+    off = 0
+    for v, w, row in zip(views, widths, rows, strict=True):
+        r_rows, nb = v.shape[0], v.shape[1]
+        part = gathered[:, :, off : off + w].reshape(n * r_rows, w)
+        decoded = fmt.decode(part, nb).reshape(n, r_rows, nb, fmt.block)
+        outs_v.append((sum_rows(decoded) / n).reshape(-1))
+        off += w
+        if residual:
+            res_v.append((v - fmt.reconstruct(v, row)).reshape(-1))
+    return outs_v, res_v
+
+
+def _assemble(xs, sizes, mains, owners, tails, lay, parts):
+    """Leaves shaped like ``xs`` from the flat parts of the main views and the tail view."""
+    rest = lay.unflatten(parts[-1], [(sizes[i] - mains[i],) for i in tails]) if tails else []
+    rest_of = dict(zip(tails, rest, strict=True))
+    main_of = {i: p for i, p in zip(owners, parts, strict=True) if i is not None}
+    out = []
+    for i, x in enumerate(xs):
+        pieces = [p for p in (main_of.get(i), rest_of.get(i)) if p is not None]
+        flat = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+        out.append(flat.reshape(jnp.shape(x)))
+    return out
 
 
 def sparse_capacity(k: int, n: int, factor: float = 2.0) -> tuple[int, int]:
