@@ -408,3 +408,27 @@ def _is_marked(opt_state) -> bool:
 def _mean0(x):
     x = np.asarray(x)
     return x.mean(axis=0, dtype=np.float64).astype(x.dtype)
+
+
+def register_strategies(obj, cache, depth: int = 0) -> None:
+    """Registers in ``cache`` (``add_sync``) every strategy ``obj`` holds, and the defaults.
+
+    Policies hold strategies as opaque values (``SwitchSync(to=...)``,
+    ``SetSync(...)``); a resumed run must know the one its checkpoint names.
+    """
+    if depth == 0:
+        for strategy in _defaults().values():
+            cache.add_sync(strategy)
+    if depth > 4 or obj is None or isinstance(obj, str | int | float | bool):
+        return
+    if isinstance(obj, SyncStrategy):
+        cache.add_sync(obj)
+        return
+    if isinstance(obj, dict):
+        values = obj.values()
+    elif isinstance(obj, list | tuple):
+        values = obj
+    else:
+        values = (getattr(obj, "__dict__", None) or {}).values()
+    for v in values:
+        register_strategies(v, cache, depth + 1)
