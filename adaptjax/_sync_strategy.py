@@ -30,6 +30,7 @@ does the same and passes ``local_params=`` to ``tx.update``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import ClassVar
 
 import jax
@@ -357,7 +358,8 @@ def rebuild_state(state, new_tx, mesh, *, carry_sync: bool):
     every replica when it keeps it per replica; local models start at the new
     global parameters. With ``carry_sync`` (S-SGD to S-SGD) the sync's count,
     monitor states and metrics carry over too; the codec's state and a DiLoCo
-    outer momentum start afresh.
+    outer momentum start afresh. ``new_tx`` is the controller's named chain
+    (``"sync"``, ``"optimizer"``, ...) or a :func:`sync_chain` (a tuple).
     """
     from adaptjax._per_replica import stack_replicas
     from adaptjax._state import init_state, train_state_shardings
@@ -366,11 +368,13 @@ def rebuild_state(state, new_tx, mesh, *, carry_sync: bool):
     old = jax.device_get(state)
     params = jax.device_get(consensus_params(old.params, old.opt_state))
     fresh = jax.device_get(init_state(params, new_tx, mesh))
-    opt_state = dict(fresh.opt_state)
-    old_opt = old.opt_state["optimizer"]
-    new_opt = fresh.opt_state["optimizer"]
+    named = isinstance(fresh.opt_state, dict)
+    opt_key, sync_slot = ("optimizer", "sync") if named else (1, 0)
+    opt_state = dict(fresh.opt_state) if named else list(fresh.opt_state)
+    old_opt = old.opt_state[opt_key]
+    new_opt = fresh.opt_state[opt_key]
     if _is_marked(old_opt) and _is_marked(new_opt):
-        opt_state["optimizer"] = old_opt  # per replica before and after: kept as it is
+        opt_state[opt_key] = old_opt  # per replica before and after: kept as it is
     else:
         replicated = jax.tree.map(
             lambda node: jax.tree.map(_mean0, node.value) if isinstance(node, PerReplica) else node,
@@ -379,13 +383,13 @@ def rebuild_state(state, new_tx, mesh, *, carry_sync: bool):
         )
         if _is_marked(new_opt):
             replicated = jax.device_get(stack_replicas(_mark(replicated), n))
-        opt_state["optimizer"] = replicated
+        opt_state[opt_key] = replicated
     if carry_sync:
-        sync = fresh.opt_state["sync"]
-        opt_state["sync"] = sync._replace(
-            count=old.opt_state["sync"].count,
-            monitor_states=old.opt_state["sync"].monitor_states,
-            metrics=old.opt_state["sync"].metrics,
+        sync = fresh.opt_state[sync_slot]
+        opt_state[sync_slot] = sync._replace(
+            count=old.opt_state[sync_slot].count,
+            monitor_states=old.opt_state[sync_slot].monitor_states,
+            metrics=old.opt_state[sync_slot].metrics,
         )
     new = dataclasses.replace(
         fresh,
@@ -393,7 +397,7 @@ def rebuild_state(state, new_tx, mesh, *, carry_sync: bool):
         nonfinite_count=old.nonfinite_count,
         model_state=old.model_state,
         graphdef=old.graphdef,
-        opt_state=type(fresh.opt_state)(opt_state),
+        opt_state=type(fresh.opt_state)(opt_state) if named else tuple(opt_state),
     )
     new = jax.tree.map(np.array, new)
     return jax.device_put(new, train_state_shardings(new, mesh))
@@ -419,12 +423,12 @@ def register_strategies(obj, cache, depth: int = 0) -> None:
     if depth == 0:
         for strategy in _defaults().values():
             cache.add_sync(strategy)
-    if depth > 4 or obj is None or isinstance(obj, str | int | float | bool):
+    if depth > 8 or obj is None or isinstance(obj, str | int | float | bool):
         return
     if isinstance(obj, SyncStrategy):
         cache.add_sync(obj)
         return
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):
         values = obj.values()
     elif isinstance(obj, list | tuple):
         values = obj
