@@ -191,7 +191,17 @@ class SyncStrategy:
 
     Subclasses set ``local_models`` and ``accepts_codec`` and implement
     ``post`` and ``wire_formula``.
-    """
+
+    Example:
+      >>> import adaptjax
+      >>> s = adaptjax.DiLoCo(H=64)
+      >>> isinstance(s, adaptjax.SyncStrategy), s.local_models, s == adaptjax.DiLoCo(H=64)
+      (True, True, True)
+      >>> adaptjax.Gossip().check(n_replicas=1)
+      Traceback (most recent call last):
+      ...
+      ValueError: gossip needs at least 2 replicas, got 1; use more devices or another strategy (e.g. adaptjax.SSGD())
+    """  # noqa: E501
 
     local_models: ClassVar[bool] = True
     accepts_codec: ClassVar[bool] = True
