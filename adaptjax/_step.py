@@ -97,8 +97,9 @@ class DataParallelStep:
     ``jitted`` directly skips both the batch check and this bound.
     """
 
-    def __init__(self, fn, *, mesh, axis_name, microbatches, n_replicas):
+    def __init__(self, fn, *, mesh, axis_name, microbatches, n_replicas, sync=None):
         self.jitted = fn
+        self.sync = sync  # the SyncStrategy the step was built for (None: not given)
         self.mesh = mesh
         self.axis_name = axis_name
         self.microbatches = microbatches
@@ -334,4 +335,11 @@ def data_parallel_step(
         return fn(state, batch)
 
     jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
-    return DataParallelStep(jitted, mesh=mesh, axis_name=axis_name, microbatches=k, n_replicas=n)
+    return DataParallelStep(
+        jitted,
+        mesh=mesh,
+        axis_name=axis_name,
+        microbatches=k,
+        n_replicas=n,
+        sync=None if sync is None else resolve_sync(sync),
+    )

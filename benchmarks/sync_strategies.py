@@ -23,6 +23,7 @@ The bytes, not a wall clock, are what a real interconnect would carry.
 
 Usage:
   python benchmarks/sync_strategies.py [--steps 512] [--quick]
+      [--outer-lr 0.7 --outer-momentum 0.9] [--workload module:function]
 
 The last line is ``diloco_bytes_ratio=<S-SGD bytes / DiLoCo H=32 bytes>
 diloco_loss_gap=<(DiLoCo H=32 final val loss - S-SGD's) / S-SGD's>``.
@@ -86,16 +87,19 @@ def digits_workload(seed: int = 0) -> Workload:
     return Workload(params, loss_fn, {"x": x_tr, "y": y_tr}, {"x": x_va, "y": y_va})
 
 
-STRATEGIES = {
-    "S-SGD": adaptjax.SSGD(),
-    "SMA": adaptjax.ModelAveraging(),
-    "local SGD H=8": adaptjax.LocalSGD(H=8),
-    "local SGD H=32": adaptjax.LocalSGD(H=32),
-    "DiLoCo H=32": adaptjax.DiLoCo(H=32),
-    "DiLoCo H=128": adaptjax.DiLoCo(H=128),
-    "gossip ring": adaptjax.Gossip("ring"),
-    "gossip exp": adaptjax.Gossip("exponential"),
-}
+def strategies(outer_lr: float = 0.7, outer_momentum: float = 0.9) -> dict:
+    """The strategies compared; DiLoCo's outer step as given (the paper's 0.7 / 0.9 by default)."""
+    outer = {"outer_lr": outer_lr, "outer_momentum": outer_momentum}
+    return {
+        "S-SGD": adaptjax.SSGD(),
+        "SMA": adaptjax.ModelAveraging(),
+        "local SGD H=8": adaptjax.LocalSGD(H=8),
+        "local SGD H=32": adaptjax.LocalSGD(H=32),
+        "DiLoCo H=32": adaptjax.DiLoCo(H=32, **outer),
+        "DiLoCo H=128": adaptjax.DiLoCo(H=128, **outer),
+        "gossip ring": adaptjax.Gossip("ring"),
+        "gossip exp": adaptjax.Gossip("exponential"),
+    }
 
 
 def batches(train: dict, steps: int, batch: int, seed: int):
@@ -139,6 +143,8 @@ def main():
     parser.add_argument("--eval-every", type=int, default=16)
     parser.add_argument("--target", type=float, default=0.15, help="validation loss to reach")
     parser.add_argument("--workload", default=None, help="module:function returning a Workload")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer lr")
+    parser.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's (Nesterov)")
     parser.add_argument("--quick", action="store_true", help="S-SGD and DiLoCo H=32 only")
     args = parser.parse_args()
 
@@ -147,14 +153,16 @@ def main():
         work = getattr(importlib.import_module(module), fn)()
     else:
         work = digits_workload()
-    names = ["S-SGD", "DiLoCo H=32"] if args.quick else list(STRATEGIES)
+    table = strategies(args.outer_lr, args.outer_momentum)
+    names = ["S-SGD", "DiLoCo H=32"] if args.quick else list(table)
     n_params = sum(x.size for x in jax.tree.leaves(work.params))
     print(f"{n_params} parameters, {args.devices} devices, global batch {args.batch}, "
-          f"{args.steps} steps, AdamW inner optimizer, validation every {args.eval_every} steps")
+          f"{args.steps} steps, AdamW inner optimizer, validation every {args.eval_every} steps, "
+          f"DiLoCo outer lr {args.outer_lr} momentum {args.outer_momentum} (Nesterov)")
     results = {}
     for name in names:
         results[name] = run(
-            work, STRATEGIES[name], devices=args.devices, steps=args.steps, batch=args.batch,
+            work, table[name], devices=args.devices, steps=args.steps, batch=args.batch,
             eval_every=args.eval_every,
         )
     base_wire, base_curve = results["S-SGD"]
