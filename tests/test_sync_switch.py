@@ -62,6 +62,26 @@ def test_switch_strategies_and_rescale_under_them_lose_nothing(tmp_path):
         ctrl.close()
 
 
+def test_switch_sync_policy_switches_once_through_the_controller(tmp_path):
+    diloco = adaptjax.DiLoCo(H=2)
+    policy = ajp.SwitchSync(diloco, when=lambda metrics, ctx: ctx.step >= 3)
+    x = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
+    ctrl = adaptjax.Controller(
+        model={"w": jnp.zeros(4)}, loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
+        optimizer=optax.sgd, hyperparams={"learning_rate": 0.05},
+        data=adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0), devices=4, batch_size=16,
+        policies=[policy], policy_every=1, run_dir=str(tmp_path), progress=False,
+        tensorboard=False,
+    )
+    try:
+        ctrl.run(steps=10)
+        switches = [e for e in ctrl.log.events if e["kind"] == "set_sync"]
+        assert [e["sync"] for e in switches] == [repr(diloco)]  # never re-emitted
+        assert ctrl.context().sync == diloco
+    finally:
+        ctrl.close()
+
+
 def test_controller_rejects_bad_sync_before_touching_the_disk(tmp_path):
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError, match="gossip needs at least 2 replicas"):
