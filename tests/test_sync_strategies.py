@@ -153,7 +153,12 @@ def test_fold_merge_averages_on_shrink_and_copies_on_grow():
 
 @pytest.mark.parametrize(
     "strategy",
-    [adaptjax.ModelAveraging(), adaptjax.LocalSGD(H=2), adaptjax.DiLoCo(H=2), adaptjax.Gossip()],
+    [
+        pytest.param(adaptjax.ModelAveraging(), marks=pytest.mark.slow),
+        pytest.param(adaptjax.LocalSGD(H=2), marks=pytest.mark.slow),
+        adaptjax.DiLoCo(H=2),
+        adaptjax.Gossip(),
+    ],
     ids=repr,
 )
 def test_rescale_8_4_8_keeps_the_mean_of_local_models_and_optimizer_state(strategy):
