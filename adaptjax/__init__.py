@@ -68,6 +68,25 @@ _LAZY = {
     "Collective": "adaptjax._wire",
     "WireReport": "adaptjax._wire",
     "wire_bytes": "adaptjax._wire",
+    # synchronisation strategies
+    "SyncStrategy": "adaptjax._sync_strategy",
+    "consensus_params": "adaptjax._sync_strategy",
+    "local_params": "adaptjax._sync_strategy",
+    "per_replica_optimizer": "adaptjax._sync_strategy",
+    "sync_chain": "adaptjax._sync_strategy",
+    "sync_key": "adaptjax._sync_strategy",
+    "SSGD": "adaptjax._ssgd",
+    "ModelAveraging": "adaptjax._model_averaging",
+    "ModelAveragingState": "adaptjax._model_averaging",
+    "model_averaging": "adaptjax._model_averaging",
+    "LocalSGD": "adaptjax._local_sgd",
+    "LocalSGDState": "adaptjax._local_sgd",
+    "local_sgd": "adaptjax._local_sgd",
+    "DiLoCo": "adaptjax._diloco",
+    "diloco": "adaptjax._diloco",
+    "Gossip": "adaptjax._gossip",
+    "GossipState": "adaptjax._gossip",
+    "gossip": "adaptjax._gossip",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
@@ -75,8 +94,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax._codec import GradientCodec
     from adaptjax._controller import EXIT_PREEMPTED, Controller, NonFiniteTraining
     from adaptjax._data import ArrayDataset, IterableDataset
+    from adaptjax._diloco import DiLoCo, diloco
     from adaptjax._distributed import EXIT_RESCALE, DecisionMismatch, initialize_distributed
+    from adaptjax._gossip import Gossip, GossipState, gossip
+    from adaptjax._local_sgd import LocalSGD, LocalSGDState, local_sgd
     from adaptjax._metrics import UpdateNormState, collect_metrics, read_metrics, update_norm
+    from adaptjax._model_averaging import ModelAveraging, ModelAveragingState, model_averaging
     from adaptjax._monitors import (
         GradientMonitor,
         GradientNoiseScale,
@@ -99,6 +122,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax._run_config import RunConfig, codec_key
     from adaptjax._run_lock import RunDirectoryLocked
     from adaptjax._run_log import RunLog
+    from adaptjax._ssgd import SSGD
     from adaptjax._state import (
         TrainState,
         abstract_state,
@@ -108,6 +132,14 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     )
     from adaptjax._step import DataParallelStep, data_parallel_step, make_mesh
     from adaptjax._sync import SyncState, noise_scale, sync_gradients
+    from adaptjax._sync_strategy import (
+        SyncStrategy,
+        consensus_params,
+        local_params,
+        per_replica_optimizer,
+        sync_chain,
+        sync_key,
+    )
     from adaptjax._tree import tree_sq_norm, tree_sq_norm_sampled, tree_vdot
     from adaptjax._wire import Collective, WireReport, wire_bytes
 
@@ -163,6 +195,24 @@ __all__ = [
     "tree_vdot",
     "update_norm",
     "wire_bytes",
+    "SyncStrategy",
+    "consensus_params",
+    "local_params",
+    "per_replica_optimizer",
+    "sync_chain",
+    "sync_key",
+    "SSGD",
+    "ModelAveraging",
+    "ModelAveragingState",
+    "model_averaging",
+    "LocalSGD",
+    "LocalSGDState",
+    "local_sgd",
+    "DiLoCo",
+    "diloco",
+    "Gossip",
+    "GossipState",
+    "gossip",
 ]
 
 

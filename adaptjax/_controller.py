@@ -47,6 +47,13 @@ from adaptjax._run_dir import RunDirectory, check_writable_dir, elapsed, user_st
 from adaptjax._state import merge_model, train_state_shardings
 from adaptjax._step import make_mesh
 from adaptjax._step_cache import OPTIMIZER, SYNC, StepCache
+from adaptjax._sync_strategy import (
+    consensus_params,
+    rebuild_state,
+    register_strategies,
+    resolve_sync,
+    sync_key,
+)
 from adaptjax._transition import Transition, plan_transition
 
 #: Exit code after SIGTERM: a checkpoint of the current step was written; start again to resume.
@@ -188,6 +195,12 @@ class Controller:
       microbatches: gradient accumulation steps.
       policies: policies from :mod:`adaptjax.policies`, combined with ``any_of``.
       codec: initial codec (``None``: dense fp32 sync).
+      sync: initial synchronisation strategy (:class:`adaptjax.SyncStrategy` or
+        its name; ``None``: S-SGD). ``SetSync`` (e.g. from
+        :class:`adaptjax.policies.SwitchSync`) changes it during the run: the
+        state is rebuilt without losing anything (the mean of the local
+        models becomes the model, optimizer state carries over) and each
+        strategy's step is compiled once and cached.
       monitors: monitors for :func:`adaptjax.sync_gradients` (default: noise
         scale, SNR and gradient norm).
       norm_chunks: see :func:`adaptjax.sync_gradients` (``None``: its default).
@@ -247,6 +260,7 @@ class Controller:
         microbatches: int = 1,
         policies: Sequence[ajp.Policy] = (),
         codec=None,
+        sync=None,
         monitors: Sequence[Any] | None = None,
         norm_chunks: int | None = None,
         has_aux: bool = False,
@@ -266,7 +280,8 @@ class Controller:
     ):
         # ---- every argument is checked before anything touches the disk ----------------
         run_dir = os.fspath(run_dir)
-        self.config = RunConfig(devices, batch_size, microbatches, codec_key(codec))
+        resolve_sync(sync).check(devices, codec)
+        self.config = RunConfig(devices, batch_size, microbatches, codec_key(codec), sync_key(sync))
         # Under a launcher that may start more processes, a policy may ask for their devices.
         available = max(len(jax.devices()), jax.local_device_count() * max_processes())
         self.max_devices = (
@@ -351,6 +366,8 @@ class Controller:
         )
         self.steps.add_codec(codec)
         _find_codecs(list(policies), self.steps.codecs)
+        self.steps.add_sync(sync)
+        register_strategies(list(policies), self.steps)
         self._warn_unproducible_metrics(monitors, link_bandwidth, eval_fn)
         enable_compilation_cache(compilation_cache_dir)
 
@@ -378,6 +395,7 @@ class Controller:
                         batch_size=batch_size,
                         microbatches=microbatches,
                         codec=codec_key(codec),
+                        sync=sync_key(sync),
                     ),
                     hyperparams,
                     tensorboard,
@@ -441,8 +459,13 @@ class Controller:
     # ------------------------------------------------------------------ the loop
     @property
     def model(self):
-        """The current model (NNX module) or params, on the host's view of the mesh."""
-        return merge_model(self.state.graphdef, self.state.params, self.state.model_state)
+        """The current model (NNX module) or params, on the host's view of the mesh.
+
+        Under a strategy with local models, the mean of the replicas' models
+        (:func:`adaptjax.consensus_params`).
+        """
+        params = consensus_params(self.state.params, self.state.opt_state)
+        return merge_model(self.state.graphdef, params, self.state.model_state)
 
     @property
     def run_dir(self) -> str:
@@ -600,6 +623,7 @@ class Controller:
             hyperparams=self.hyperparams,
             codec=self.steps.codecs.get(self.config.codec),
             samples_seen=self.samples_seen,
+            sync=self.steps.strategies.get(self.config.sync),
         )
 
     def _decide(self, snapshot: Snapshot) -> None:
@@ -630,12 +654,14 @@ class Controller:
         actions = ajp.validate_actions(list(actions))
         names = self.hyperparams.keys()
         plan = plan_transition(
-            actions, self.config, max_devices=self.max_devices, hyperparam_names=names
+            actions, self.config, max_devices=self.max_devices, hyperparam_names=names,
+            strategies=self.steps.strategies,
         )
         if plan.rollback is not None:
             self.rollback(plan.rollback)
             plan = plan_transition(
-                actions, self.config, max_devices=self.max_devices, hyperparam_names=names
+                actions, self.config, max_devices=self.max_devices, hyperparam_names=names,
+                strategies=self.steps.strategies,
             )
         self._carry_out(plan)
 
@@ -644,6 +670,8 @@ class Controller:
             self.set_hyperparams(plan.hyperparams)
         if plan.codec_changed:
             self._swap_codec(plan.codec)
+        if plan.sync_changed:
+            self._swap_sync(plan.sync)
         new = plan.config
         if plan.requested_batch is not None:
             self.log.event(
@@ -712,6 +740,14 @@ class Controller:
 
     def _swap_codec(self, codec) -> None:
         key = self.steps.add_codec(codec)
+        if self.config.sync is not None:  # a strategy with local models: one rebuild
+            new = self.config.replace(codec=key)
+            tx = self.steps.tx(new.codec, new.sync)
+            mesh = self.steps.mesh(new.devices)
+            self.state = rebuild_state(self.state, tx, mesh, carry_sync=False)
+            self.config = new
+            self.log.event("set_codec", step=self.step, codec=key)
+            return
         old = self.state
         fresh = self.steps.init_state(self.config.replace(codec=key))
         sync = fresh.opt_state[SYNC]._replace(
@@ -724,6 +760,19 @@ class Controller:
         self.state = dataclasses.replace(old, opt_state=type(old.opt_state)(opt_state))
         self.config = self.config.replace(codec=key)
         self.log.event("set_codec", step=self.step, codec=key)
+
+    def set_sync(self, strategy) -> None:
+        """Switches the synchronisation strategy (a strategy, its name, or ``None``: S-SGD)."""
+        self.apply([ajp.SetSync(strategy)])
+
+    def _swap_sync(self, strategy) -> None:
+        key = self.steps.add_sync(strategy)
+        new = self.config.replace(sync=key)
+        tx = self.steps.tx(new.codec, new.sync)
+        carry = key is None and self.config.sync is None
+        self.state = rebuild_state(self.state, tx, self.steps.mesh(new.devices), carry_sync=carry)
+        self.config = new
+        self.log.event("set_sync", step=self.step, sync=repr(self.steps.strategy(key)))
 
     def _rescale_to(self, new: RunConfig) -> None:
         """A transition to another mesh: checkpoint with ``new`` as the config, reshard onto it.
@@ -823,6 +872,7 @@ class Controller:
             batch_size=self.config.batch_size if batch_size is None else batch_size,
             microbatches=self.config.microbatches if microbatches is None else microbatches,
             codec=self.config.codec if codec is ... else self.steps.add_codec(codec),
+            sync=self.config.sync,
         )
         if not hasattr(self.data, "batch_at"):
             raise ValueError("precompile needs a dataset with batch_at (e.g. ArrayDataset)")
@@ -877,6 +927,11 @@ class Controller:
             raise ValueError(
                 f"the checkpoint was written with codec {config.codec!r}; pass that codec "
                 "as codec= or inside a policy"
+            )
+        if config.sync not in self.steps.strategies:
+            raise ValueError(
+                f"the checkpoint was written with sync strategy {config.sync}; pass it as sync= "
+                "or inside a policy"
             )
         return config
 

@@ -27,6 +27,12 @@ Its rule is carried by the marker (``merge=``):
     (preserves the total).
 * ``"first"``: every new replica gets old replica 0 (for local models that
     are kept in sync).
+* ``"fold"``: for state that *is* per replica (local models, their
+    optimizer moments): on a shrink, new replica ``j`` averages the old
+    replicas ``i`` with ``i % m == j``; on a grow, new replica ``j`` copies old
+    replica ``j % n``. When one count divides the other the mean over replicas
+    is preserved exactly (``8 -> 4 -> 8`` keeps it), and the replicas keep as
+    much of their spread as the new count can hold.
 * ``"zeros"``: reset.
 * a callable ``rule(old: np.ndarray[n, ...], m: int) -> np.ndarray[m, ...]``.
 """
@@ -44,7 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MergeRule = str | Callable[[np.ndarray, int], np.ndarray]
-_RULES = ("mean", "sum", "first", "zeros")
+_RULES = ("mean", "sum", "first", "fold", "zeros")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -55,7 +61,8 @@ class PerReplica:
     Attributes:
         value: the wrapped pytree.
         merge: how :func:`merge_replicas` maps ``n`` replicas to ``m`` (see module
-            docstring): ``"mean"``, ``"sum"``, ``"first"``, ``"zeros"`` or a callable.
+            docstring): ``"mean"``, ``"sum"``, ``"first"``, ``"fold"``, ``"zeros"`` or a
+            callable.
 
     Example:
         >>> import jax.numpy as jnp
@@ -183,6 +190,14 @@ def _merge_leaf(rule: MergeRule, old: np.ndarray, m: int) -> np.ndarray:
         new[0] = old.sum(axis=0, dtype=np.float64).astype(old.dtype)
     elif rule == "first":
         new = np.broadcast_to(old[0], (m, *old.shape[1:]))
+    elif rule == "fold":
+        if m >= n:
+            new = old[np.arange(m) % n]
+        else:
+            groups = np.arange(n) % m
+            new = np.stack(
+                [old[groups == j].mean(axis=0, dtype=np.float64) for j in range(m)]
+            ).astype(old.dtype)
     else:  # zeros
         new = np.zeros((m, *old.shape[1:]), old.dtype)
     if new.shape != (m, *old.shape[1:]):

@@ -21,11 +21,13 @@ class RunConfig:
       batch_size: global batch (samples per step).
       microbatches: gradient accumulation steps per replica.
       codec: the codec's key (see :func:`codec_key`), or ``None`` for a dense sync.
+      sync: the synchronisation strategy's key (see :func:`adaptjax.sync_key`),
+        or ``None`` for S-SGD.
 
     Example:
       >>> from adaptjax import RunConfig
       >>> RunConfig(devices=8, batch_size=64)
-      RunConfig(devices=8, batch_size=64, microbatches=1, codec=None)
+      RunConfig(devices=8, batch_size=64, microbatches=1, codec=None, sync=None)
       >>> RunConfig(devices=8, batch_size=60)
       Traceback (most recent call last):
       ...
@@ -36,12 +38,18 @@ class RunConfig:
     batch_size: int
     microbatches: int = 1
     codec: str | None = None
+    sync: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("devices", "batch_size", "microbatches"):
             object.__setattr__(self, name, check_count(getattr(self, name), name, positive=True))
         if self.codec is not None and not isinstance(self.codec, str):
             raise ValueError(f"codec must be a codec key (str) or None, got {self.codec!r}")
+        if self.sync is not None and not isinstance(self.sync, str):
+            raise ValueError(
+                f"sync must be a strategy key (adaptjax.sync_key(strategy)) or None, "
+                f"got {self.sync!r}"
+            )
         if self.batch_size < self.devices:
             raise ValueError(
                 f"batch_size {self.batch_size} is smaller than the replica count {self.devices}; "

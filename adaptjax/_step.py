@@ -23,6 +23,7 @@ from adaptjax._state import (
     model_state_after,
     train_state_specs,
 )
+from adaptjax._sync_strategy import find_model_sync, local_params, resolve_sync
 from adaptjax._tree import tree_sq_norm
 
 
@@ -96,8 +97,9 @@ class DataParallelStep:
     ``jitted`` directly skips both the batch check and this bound.
     """
 
-    def __init__(self, fn, *, mesh, axis_name, microbatches, n_replicas):
+    def __init__(self, fn, *, mesh, axis_name, microbatches, n_replicas, sync=None):
         self.jitted = fn
+        self.sync = sync  # the SyncStrategy the step was built for (None: not given)
         self.mesh = mesh
         self.axis_name = axis_name
         self.microbatches = microbatches
@@ -148,6 +150,7 @@ def data_parallel_step(
     axis_name: str | tuple[str, ...] = "data",
     donate: bool = True,
     skip_nonfinite: bool = True,
+    sync=None,
 ) -> DataParallelStep:
     """Builds ``step(state, batch) -> (state, metrics)``, jitted over ``mesh``.
 
@@ -197,6 +200,12 @@ def data_parallel_step(
       axis_name: the data-parallel axis (or tuple of axes).
       donate: donate the state buffers to the step.
       skip_nonfinite: skip updates whose loss or updates are not finite.
+      sync: the :class:`adaptjax.SyncStrategy` ``tx`` was built with (by
+        :func:`adaptjax.sync_chain`), or its name; checked against the mesh
+        (e.g. gossip needs two replicas) before anything compiles. Whatever
+        it is, a replica differentiates at its local model when ``tx`` keeps
+        one (:func:`adaptjax.local_params`) and ``tx.update`` then also
+        receives ``local_params``.
 
     Returns:
       A :class:`DataParallelStep`.
@@ -218,6 +227,8 @@ def data_parallel_step(
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     k = microbatches
+    if sync is not None:
+        resolve_sync(sync).check(n)
 
     def grad_of(params, model_state, graphdef, batch):
         """Loss, aux, grads and the model state the forward pass left behind."""
@@ -233,7 +244,10 @@ def data_parallel_step(
 
     def local_step(state: TrainState, batch):
         state = dataclasses.replace(state, opt_state=to_local(state.opt_state))
-        params = state.params
+        global_params = state.params
+        has_local = find_model_sync(state.opt_state) is not None
+        # strategies with local models: each replica differentiates at its own model
+        params = local_params(global_params, state.opt_state)
         b = jax.tree.leaves(batch)[0].shape[0]
         if k == 1:
             loss, aux, grads, model_state = grad_of(
@@ -273,14 +287,17 @@ def data_parallel_step(
             lambda x: jax.lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.floating) else x,
             model_state,
         )
+        extra = {"local_params": params} if has_local else {}
         updates, opt_state = tx.update(
             grads,
             state.opt_state,
-            params,
+            global_params,
             local_batch_size=b,
             microbatches=k,
             micro_sqnorm=micro_sq,
+            **extra,
         )
+        params = global_params
         new_params = optax.apply_updates(params, updates)
         loss = jax.lax.pmean(loss.astype(jnp.float32), axis_name)
         aux = jax.lax.pmean(aux, axis_name)
@@ -318,4 +335,11 @@ def data_parallel_step(
         return fn(state, batch)
 
     jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
-    return DataParallelStep(jitted, mesh=mesh, axis_name=axis_name, microbatches=k, n_replicas=n)
+    return DataParallelStep(
+        jitted,
+        mesh=mesh,
+        axis_name=axis_name,
+        microbatches=k,
+        n_replicas=n,
+        sync=None if sync is None else resolve_sync(sync),
+    )

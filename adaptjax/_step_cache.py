@@ -14,12 +14,16 @@ import optax
 from adaptjax._distributed import mesh_devices
 from adaptjax._metrics import update_norm
 from adaptjax._run_config import RunConfig, codec_key
+from adaptjax._ssgd import SSGD
 from adaptjax._state import abstract_state, init_state, shape_struct
 from adaptjax._step import DataParallelStep, data_parallel_step, make_mesh
 from adaptjax._sync import sync_gradients
+from adaptjax._sync_strategy import resolve_sync, sync_key
 
 #: Names of the controller's chain; optimizer state is addressed by them, never by position.
 SYNC, OPTIMIZER, UPDATE_NORM = "sync", "optimizer", "update_norm"
+#: The strategy's model synchronisation (only for strategies with local models).
+MODEL_SYNC = "model_sync"
 
 
 @dataclasses.dataclass
@@ -29,9 +33,13 @@ class StepCache:
     The transformation is ``optax.named_chain(("sync", sync_gradients(...)),
     ("optimizer", inject_hyperparams(optimizer)(**hyperparams)), ("update_norm",
     update_norm()))``, so ``state.opt_state["optimizer"]`` is the optimizer's
-    state whatever else the chain holds. Meshes are cached by device count,
-    transformations by codec key, compiled steps by the whole configuration:
-    returning to a configuration seen before compiles nothing.
+    state whatever else the chain holds. Under a synchronisation strategy with
+    local models (``RunConfig.sync``, see :class:`adaptjax.SyncStrategy`) the
+    chain is ``("sync", pass-through), ("optimizer", per-replica optimizer),
+    ("model_sync", the strategy's post step), ("update_norm", ...)``. Meshes
+    are cached by device count, transformations by codec and strategy key,
+    compiled steps by the whole configuration: returning to a configuration
+    seen before compiles nothing.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -54,10 +62,11 @@ class StepCache:
     norm_chunks: int | None = None  # None: sync_gradients' default
     has_aux: bool = False
     codecs: dict[str | None, Any] = dataclasses.field(default_factory=lambda: {None: None})
+    strategies: dict[str | None, Any] = dataclasses.field(default_factory=lambda: {None: SSGD()})
 
     def __post_init__(self) -> None:
         self._meshes: dict[int, Any] = {}
-        self._txs: dict[str | None, optax.GradientTransformation] = {}
+        self._txs: dict[tuple, optax.GradientTransformation] = {}
         self._steps: dict[RunConfig, DataParallelStep] = {}
         self._wire: dict[RunConfig, float | None] = {}
 
@@ -67,44 +76,73 @@ class StepCache:
         self.codecs.setdefault(key, codec)
         return key
 
+    def add_sync(self, strategy) -> str | None:
+        """Registers ``strategy`` (a strategy, a name or ``None``) and returns its key."""
+        strategy = resolve_sync(strategy)
+        key = sync_key(strategy)
+        self.strategies.setdefault(key, strategy)
+        return key
+
+    def strategy(self, key: str | None):
+        if key not in self.strategies:
+            raise ValueError(
+                f"sync strategy {key!r} is not known to this controller; pass it as sync= "
+                "or inside a policy (e.g. SwitchSync(strategy))"
+            )
+        return self.strategies[key]
+
     def mesh(self, devices: int):
         if devices not in self._meshes:
             self._meshes[devices] = make_mesh(devices, device_list=mesh_devices(devices))
         return self._meshes[devices]
 
-    def tx(self, key: str | None) -> optax.GradientTransformation:
-        if key not in self._txs:
+    def tx(self, key: str | None, sync: str | None = None) -> optax.GradientTransformation:
+        if (key, sync) not in self._txs:
             if key not in self.codecs:
                 raise ValueError(
                     f"codec {key!r} is not known to this controller; pass it as codec= "
                     "or inside a policy (e.g. SwitchCompression(codec))"
                 )
+            strategy = self.strategy(sync)
+            codec = self.codecs[key]
+            strategy.check(2, codec)
             opt = optax.inject_hyperparams(self.optimizer, hyperparam_dtype=np.float32)(
                 **self.hyperparams
             )
-            chunks = {} if self.norm_chunks is None else {"norm_chunks": self.norm_chunks}
-            sync = sync_gradients("data", codec=self.codecs[key], monitors=self.monitors, **chunks)
-            self._txs[key] = optax.named_chain(
-                (SYNC, sync), (OPTIMIZER, opt), (UPDATE_NORM, update_norm())
-            )
-        return self._txs[key]
+            if not strategy.local_models:
+                chunks = {} if self.norm_chunks is None else {"norm_chunks": self.norm_chunks}
+                pre = sync_gradients("data", codec=codec, monitors=self.monitors, **chunks)
+                parts = [(SYNC, pre), (OPTIMIZER, opt)]
+            else:
+                parts = [
+                    (SYNC, strategy.pre("data")),
+                    (OPTIMIZER, strategy.optimizer(opt)),
+                    (MODEL_SYNC, strategy.post("data", codec=codec)),
+                ]
+            self._txs[(key, sync)] = optax.named_chain(*parts, (UPDATE_NORM, update_norm()))
+        return self._txs[(key, sync)]
 
     def step(self, config: RunConfig) -> DataParallelStep:
         if config not in self._steps:
             self._steps[config] = data_parallel_step(
                 self.loss_fn,
-                self.tx(config.codec),
+                self.tx(config.codec, config.sync),
                 self.mesh(config.devices),
                 microbatches=config.microbatches,
                 has_aux=self.has_aux,
+                sync=self.strategy(config.sync),
             )
         return self._steps[config]
 
     def init_state(self, config: RunConfig):
-        return init_state(self.model, self.tx(config.codec), self.mesh(config.devices))
+        return init_state(
+            self.model, self.tx(config.codec, config.sync), self.mesh(config.devices)
+        )
 
     def abstract_state(self, config: RunConfig):
-        return abstract_state(self.model, self.tx(config.codec), self.mesh(config.devices))
+        return abstract_state(
+            self.model, self.tx(config.codec, config.sync), self.mesh(config.devices)
+        )
 
     def abstract_args(self, config: RunConfig, data):
         """The step's ``(state, batch)`` at ``config`` as ``ShapeDtypeStruct``s (no arrays)."""
@@ -125,6 +163,7 @@ class StepCache:
             total = None
             if hasattr(data, "batch_at"):
                 args = self.abstract_args(config, data)
-                total = wire_bytes(self.step(config).jitted, *args).total
+                report = wire_bytes(self.step(config).jitted, *args)
+                total = self.strategy(config.sync).amortised_bytes(report)
             self._wire[config] = total
         return self._wire[config]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from adaptjax import policies as ajp
 from adaptjax._run_config import RunConfig, codec_key, round_batch
+from adaptjax._sync_strategy import resolve_sync, sync_key
 
 _KEEP = object()  # "SetCodec was not asked for" (None means: back to a dense sync)
 
@@ -16,7 +17,8 @@ _KEEP = object()  # "SetCodec was not asked for" (None means: back to a dense sy
 class Transition:
     """A decision's actions folded into the changes they ask for, in the order they run.
 
-    Carried out as: ``rollback`` -> ``hyperparams`` -> ``codec`` -> the new
+    Carried out as: ``rollback`` -> ``hyperparams`` -> ``codec`` and ``sync``
+    (one rebuild of the state when the strategy changes) -> the new
     ``config`` (batch, micro-batches, devices; a new device count goes through a
     checkpoint that records ``config`` as the configuration the run continues
     in) -> ``checkpoint`` -> ``stop``. When two actions ask for the same thing,
@@ -28,6 +30,8 @@ class Transition:
       hyperparams: hyperparameter values to write into the optimizer state.
       codec: the codec object to switch to (``None``: dense) when ``codec_changed``.
       codec_changed: whether the codec changes.
+      sync: the :class:`adaptjax.SyncStrategy` to switch to when ``sync_changed``.
+      sync_changed: whether the synchronisation strategy changes.
       rollback: the reason of a ``Rollback``, or ``None``.
       checkpoint: whether a ``Checkpoint`` was asked for.
       stop: the reason of a ``Stop``, or ``None``.
@@ -38,7 +42,7 @@ class Transition:
       >>> t = plan_transition([ajp.Rescale(devices=3), ajp.SetBatchSize(64)],
       ...                     RunConfig(devices=8, batch_size=32), max_devices=8)
       >>> t.config, t.requested_batch
-      (RunConfig(devices=3, batch_size=63, microbatches=1, codec=None), 64)
+      (RunConfig(devices=3, batch_size=63, microbatches=1, codec=None, sync=None), 64)
     """
 
     config: RunConfig
@@ -46,6 +50,8 @@ class Transition:
     hyperparams: dict = dataclasses.field(default_factory=dict)
     codec: object = None
     codec_changed: bool = False
+    sync: object = None
+    sync_changed: bool = False
     rollback: str | None = None
     checkpoint: bool = False
     stop: str | None = None
@@ -57,16 +63,21 @@ def plan_transition(
     *,
     max_devices: int,
     hyperparam_names: Sequence[str] | None = None,
+    strategies: Mapping[str | None, object] | None = None,
 ) -> Transition:
     """Folds ``actions`` into one :class:`Transition` from ``config``; checks every request.
 
     Raises a one-line ``ValueError`` (before anything is carried out) for more
     devices than ``max_devices`` or a hyperparameter the optimizer does not
-    have (when ``hyperparam_names`` is given) or a learning rate <= 0.
+    have (when ``hyperparam_names`` is given) or a learning rate <= 0, and for
+    a synchronisation strategy that cannot run in the new configuration
+    (gossip on one replica, a codec the strategy cannot carry); ``strategies``
+    maps the current config's sync key to its strategy (``None``: S-SGD).
     """
     devices, batch, micro = config.devices, None, config.microbatches
     hyper: dict[str, float] = {}
     codec, codec_changed = _KEEP, False
+    sync = _KEEP
     rollback = stop = None
     checkpoint = False
     for action in ajp.validate_actions(list(actions)):
@@ -81,6 +92,8 @@ def plan_transition(
             )
         elif isinstance(action, ajp.SetCodec):
             codec = action.codec
+        elif isinstance(action, getattr(ajp, "SetSync", ())):
+            sync = resolve_sync(action.strategy)
         elif isinstance(action, ajp.Checkpoint):
             checkpoint = True
         elif isinstance(action, ajp.Stop):
@@ -103,6 +116,15 @@ def plan_transition(
         raise ValueError(f"learning_rate must be > 0, got {hyper['learning_rate']}")
     if codec is not _KEEP:
         codec_changed = codec_key(codec) != config.codec
+    sync_changed = sync is not _KEEP and sync_key(sync) != config.sync
+    if sync is _KEEP:
+        known = strategies or {}
+        sync = resolve_sync(known.get(config.sync) if config.sync in known else None)
+        if config.sync is not None and config.sync not in known:
+            sync = None  # unknown here: its checks ran when it was chosen
+    has_codec = (codec is not None) if codec is not _KEEP else config.codec is not None
+    if sync is not None:
+        sync.check(devices, object() if has_codec else None)
     wanted = config.batch_size if batch is None else batch
     rounded = round_batch(wanted, devices, micro)
     new = config.replace(
@@ -110,6 +132,7 @@ def plan_transition(
         batch_size=rounded,
         microbatches=micro,
         codec=codec_key(codec) if codec_changed else config.codec,
+        sync=sync_key(sync) if sync_changed else config.sync,
     )
     return Transition(
         config=new,
@@ -117,6 +140,8 @@ def plan_transition(
         hyperparams=hyper,
         codec=None if codec is _KEEP else codec,
         codec_changed=codec_changed,
+        sync=sync if sync_changed else None,
+        sync_changed=sync_changed,
         rollback=rollback,
         checkpoint=checkpoint,
         stop=stop,

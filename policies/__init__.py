@@ -31,6 +31,7 @@ from adaptjax.policies._actions import (
     SetBatchSize,
     SetCodec,
     SetHyperparams,
+    SetSync,
     Stop,
 )
 from adaptjax.policies._batch_size import AdaptiveBatchSize
@@ -49,6 +50,7 @@ from adaptjax.policies._plateau import EarlyStop, ReduceLROnPlateau
 from adaptjax.policies._policy import Policy, required_metrics, validate_actions
 from adaptjax.policies._schedule import Schedule
 from adaptjax.policies._switch_compression import SwitchCompression
+from adaptjax.policies._switch_sync import SwitchSync
 
 __all__ = [
     "ACTION_TYPES",
@@ -66,8 +68,10 @@ __all__ = [
     "SetBatchSize",
     "SetCodec",
     "SetHyperparams",
+    "SetSync",
     "Stop",
     "SwitchCompression",
+    "SwitchSync",
     "adascale_gain",
     "any_of",
     "cooldown",

@@ -13,6 +13,7 @@ action              what the controller does
 ``SetBatchSize``    changes the global batch (and optionally micro-batches)
 ``Rescale``         moves to a device count or a mesh shape (via a checkpoint)
 ``SetCodec``        switches gradient compression on (a codec) or off (None)
+``SetSync``         switches the synchronisation strategy (S-SGD, DiLoCo, ...)
 ``Checkpoint``      saves a checkpoint now
 ``Stop``            ends training
 ``Rollback``        restores the last checkpoint
@@ -152,6 +153,24 @@ class SetCodec:
 
 
 @dataclasses.dataclass(frozen=True)
+class SetSync:
+    """Switch how replicas synchronise (recompiles once per strategy; state is kept).
+
+    Args:
+      strategy: a strategy the user built (e.g. ``adaptjax.DiLoCo(H=32)``) or
+        its name (``"ssgd"``, ``"sma"``, ``"local_sgd"``, ``"diloco"``,
+        ``"gossip"``), held as an opaque value and never inspected here;
+        ``None`` means S-SGD.
+
+    Example:
+      >>> SetSync("diloco")
+      SetSync(strategy='diloco')
+    """
+
+    strategy: object | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """Save a checkpoint now.
 
@@ -205,10 +224,11 @@ ACTION_TYPES: tuple[type, ...] = (
     Checkpoint,
     Stop,
     Rollback,
+    SetSync,
 )
 
 Action: TypeAlias = (
-    SetHyperparams | SetBatchSize | Rescale | SetCodec | Checkpoint | Stop | Rollback
+    SetHyperparams | SetBatchSize | Rescale | SetCodec | Checkpoint | Stop | Rollback | SetSync
 )
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -246,4 +266,7 @@ def action_signature(action: Action) -> list[Any]:
         return ["Rescale", action.devices, shape]
     if isinstance(action, SetCodec):
         return ["SetCodec", opaque_key(action.codec)]
+    if isinstance(action, SetSync):
+        strategy = action.strategy
+        return ["SetSync", strategy if isinstance(strategy, str) else opaque_key(strategy)]
     return [type(action).__name__]

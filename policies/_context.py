@@ -30,6 +30,8 @@ class Context:
       codec: the active compression codec (opaque), or ``None`` when uncompressed.
       samples_seen: training samples consumed so far, >= 0.
       base_batch_size: the batch size the hyperparameters were tuned for (M₀), if known.
+      sync: the active synchronisation strategy (opaque, e.g. ``adaptjax.DiLoCo``),
+        or ``None`` for S-SGD.
 
     Example:
       >>> ctx = Context(step=0, batch_size=64, microbatches=1, devices=8, max_devices=8,
@@ -47,6 +49,7 @@ class Context:
     codec: object | None = None
     samples_seen: int = 0
     base_batch_size: int | None = None
+    sync: object | None = None
 
     def __post_init__(self) -> None:
         owner = "Context"

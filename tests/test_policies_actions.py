@@ -17,6 +17,7 @@ def test_action_types_and_union():
         ajp.Checkpoint,
         ajp.Stop,
         ajp.Rollback,
+        ajp.SetSync,
     )
     assert set(ajp.Action.__args__) == set(ajp.ACTION_TYPES)
 
@@ -139,7 +140,9 @@ def test_validate_actions_accepts_lists_and_tuples():
 
 
 def test_validate_actions_names_the_offending_type_and_the_allowed_ones():
-    allowed = "SetHyperparams, SetBatchSize, Rescale, SetCodec, Checkpoint, Stop, Rollback"
+    allowed = (
+        "SetHyperparams, SetBatchSize, Rescale, SetCodec, Checkpoint, Stop, Rollback, SetSync"
+    )
     with pytest.raises(ValueError) as info:
         ajp.validate_actions([ajp.Checkpoint(), {"batch_size": 128}])
     text = str(info.value)

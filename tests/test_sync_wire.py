@@ -1,0 +1,91 @@
+"""Bytes each strategy sends per device per step, from the compiled HLO, against its formula."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import adaptjax
+
+STRATEGIES = (
+    "adaptjax.SSGD()",
+    "adaptjax.ModelAveraging()",
+    "adaptjax.LocalSGD(H=8)",
+    "adaptjax.DiLoCo(H=32)",
+    "adaptjax.Gossip('ring')",
+    "adaptjax.Gossip('exponential')",
+)
+PARAMS = {"w": jnp.zeros((1000,)), "b": jnp.zeros((24,))}
+PARAM_BYTES = 4 * 1024
+LOSS_BYTES = 4  # the step's pmean of the loss (one float32)
+
+
+def loss(p, b):
+    return jnp.mean((b["x"] @ p["w"][:8] + p["b"][0] - b["y"]) ** 2)
+
+
+def measured(strategy, n) -> float:
+    """Amortised bytes per device per step of the data-parallel step on ``n`` devices."""
+    tx = adaptjax.sync_chain(optax.sgd(0.1), strategy)
+    mesh = adaptjax.make_mesh(n)
+    state = adaptjax.abstract_state(PARAMS, tx, mesh)
+    sds = jax.ShapeDtypeStruct
+    batch = {"x": sds((n, 8), jnp.float32), "y": sds((n,), jnp.float32)}
+    step = adaptjax.data_parallel_step(loss, tx, mesh, sync=strategy)
+    return strategy.amortised_bytes(adaptjax.wire_bytes(step.jitted, state, batch))
+
+
+def expected(strategy, n) -> float:
+    loss_bytes = 2 * (n - 1) / n * LOSS_BYTES
+    return strategy.wire_formula(PARAM_BYTES, n) + loss_bytes
+
+
+@pytest.mark.parametrize(
+    "src",
+    [pytest.param(s, marks=pytest.mark.slow) if "Gossip('ring')" in s or "ModelAveraging" in s
+     else s for s in STRATEGIES],
+)
+def test_wire_bytes_match_formula_on_8_devices(src):
+    strategy = eval(src)
+    assert measured(strategy, 8) == pytest.approx(expected(strategy, 8), rel=1e-9)
+
+
+def test_formulas_state_the_savings():
+    ssgd = adaptjax.SSGD().wire_formula(PARAM_BYTES, 8)
+    assert ssgd / adaptjax.DiLoCo(H=32).wire_formula(PARAM_BYTES, 8) == 32
+    assert adaptjax.Gossip().wire_formula(PARAM_BYTES, 16) == PARAM_BYTES  # not 2(N-1)/N
+    assert adaptjax.ModelAveraging().wire_formula(PARAM_BYTES, 8) == ssgd
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {here!r})
+    import adaptjax, jax
+    import test_sync_wire as t
+    assert jax.device_count() == 16
+    out = {{src: [t.measured(eval(src), 16), t.expected(eval(src), 16)] for src in t.STRATEGIES}}
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+def test_wire_bytes_match_formula_on_16_devices():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=16"
+    env["JAX_PLATFORMS"] = "cpu"
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT.format(here=here)],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for src, (got, want) in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        assert got == pytest.approx(want, rel=1e-9), src
