@@ -32,6 +32,7 @@ from adaptjax.policies._actions import (
     SetCodec,
     SetHyperparams,
     Stop,
+    with_reason,
 )
 from adaptjax.policies._batch_size import AdaptiveBatchSize
 from adaptjax.policies._checks import read_metric
@@ -80,4 +81,5 @@ __all__ = [
     "statistical_efficiency",
     "validate_actions",
     "when",
+    "with_reason",
 ]
