@@ -259,9 +259,15 @@ def draw_events(axes, events: list[dict], label_ax=None) -> None:
             ax.axvline(step, color=colour, lw=0.8, alpha=0.55, ls="--")
     if label_ax is not None:
         ymax = label_ax.get_ylim()[1]
-        for i, (step, label, colour) in enumerate(marks):
+        lo, hi = label_ax.get_xlim()
+        near = 0.06 * (hi - lo)  # labels closer than this stack downwards
+        placed: list[tuple[float, int]] = []
+        for step, label, colour in marks:
+            busy = {level for x, level in placed if abs(x - step) < near}
+            level = min(set(range(len(busy) + 1)) - busy)
+            placed.append((step, level))
             label_ax.annotate(
-                label, (step, ymax), xytext=(2, -4 - 9 * (i % 3)), textcoords="offset points",
+                label, (step, ymax), xytext=(2, -4 - 8 * (level % 8)), textcoords="offset points",
                 fontsize=6.5, color=colour, rotation=0, va="top", ha="left", clip_on=True,
             )
 
@@ -324,7 +330,7 @@ def render(run_dir: str, out: str | None = None) -> str:
             twin.set_ylabel(key)
             break
     ax_loss.set_ylabel("loss")
-    ax_loss.legend(loc="upper right", fontsize=7)
+    ax_loss.legend(loc="center right", fontsize=7)
 
     s, v = _series(metrics, "batch_size")
     ax_batch.step(s, v, where="post", color="tab:red", lw=1.5, label="batch size")
@@ -334,8 +340,13 @@ def render(run_dir: str, out: str | None = None) -> str:
         ax_batch.plot(s, v, lw=0.8, color="tab:gray", alpha=0.9,
                       label="measured noise scale (AdaptiveBatchSize's input)")
     ax_batch.set_yscale("log")
-    ax_batch.set_ylabel("samples")
-    ax_batch.legend(loc="upper right", fontsize=7)
+    from matplotlib.ticker import LogLocator, ScalarFormatter
+
+    ax_batch.yaxis.set_major_locator(LogLocator(base=2))
+    ax_batch.yaxis.set_major_formatter(ScalarFormatter())
+    ax_batch.yaxis.set_minor_formatter(plt.NullFormatter())
+    ax_batch.set_ylabel("samples (log)")
+    ax_batch.legend(loc="best", fontsize=7)
 
     s, v = _series(metrics, "learning_rate")
     if s:

@@ -197,11 +197,10 @@ def main(argv=None):
     try:
         train, val, info = lm_data.load_corpus(
             args.data, context=cfg.context, max_train_bytes=args.max_train_bytes,
-            max_val_bytes=(args.val_windows + 1) * cfg.context * 2,
         )
     except ValueError as error:
         raise SystemExit(f"lm.py: {error}") from None
-    val = val[: args.val_windows]
+    val = lm_data.evenly_spaced(val, args.val_windows)
     print(f"corpus: {info['root']}  files: {info['train_files']} train / {info['val_files']} "
           f"validation  bytes: {info['train_bytes']} train, {len(val) * cfg.context} validation")
     model = ByteLM(cfg, nnx.Rngs(params=args.seed, dropout=args.seed + 1))

@@ -141,6 +141,20 @@ def windows(tokens: np.ndarray, context: int, stride: int | None = None) -> np.n
     return tokens[index]
 
 
+def evenly_spaced(rows: np.ndarray, n: int) -> np.ndarray:
+    """``n`` rows spread evenly over ``rows`` (all of them if there are fewer).
+
+    A validation subset drawn across every validation file, not the first one's.
+
+    Example:
+      >>> evenly_spaced(np.arange(10), 3).tolist()
+      [0, 3, 6]
+    """
+    if n >= len(rows):
+        return rows
+    return rows[np.arange(n) * (len(rows) // n)]
+
+
 def load_corpus(
     data_dir: str | os.PathLike | None = None,
     *,
