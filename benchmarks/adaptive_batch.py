@@ -30,7 +30,7 @@ steps for a 1B LM, McCandlish et al. / Pollux-style warm-up).
 
 Usage:
   python benchmarks/adaptive_batch.py [--seeds 3] [--sizes 32 64 128 256 512]
-      [--target 2.35] [--budget 60000]
+      [--target 2.35] [--budget 16000]
 
 Ends with ``adaptive_vs_best_fixed_time=<x> adaptive_vs_median_fixed_time=<y>``:
 the adaptive runs' mean measured wall time to the target over the best and the
@@ -198,7 +198,7 @@ def main():
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--sizes", type=int, nargs="+", default=[32, 64, 128, 256, 512])
     parser.add_argument("--target", type=float, default=2.35, help="validation loss, nats/byte")
-    parser.add_argument("--budget", type=int, default=40_000, help="sample cap of every run")
+    parser.add_argument("--budget", type=int, default=16_000, help="sample cap of every run")
     parser.add_argument("--lr", type=float, default=2e-3, help="learning rate at the smallest")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--val-windows", type=int, default=64)
