@@ -1,8 +1,10 @@
 """The ``adaptjax`` command: look at a run directory.
 
-``adaptjax summary RUN_DIR`` prints the events, compile seconds per
-configuration, the checkpoints and the last metrics; ``adaptjax plot RUN_DIR``
-draws the metrics (matplotlib) into ``RUN_DIR/metrics.png``. Both read JSONL
+``adaptjax summary RUN_DIR`` prints the events, every decision with its
+policy and reason, compile seconds per configuration, the checkpoints and the
+last metrics; ``adaptjax plot RUN_DIR`` draws the metrics, the codec and the
+events (matplotlib) into ``RUN_DIR/metrics.png``; ``adaptjax report RUN_DIR``
+(see ``_report.py``) writes ``report.png`` and ``summary.md``. All read JSONL
 only: this module imports nothing but the standard library (and matplotlib
 for ``plot``), never jax.
 """
@@ -16,6 +18,7 @@ import os
 import sys
 
 import adaptjax  # lazy: loads no jax
+from adaptjax import _report  # standard library only (matplotlib when drawing)
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -85,6 +88,7 @@ def summary(run_dir: str) -> str:
         if e["kind"] in ("rescale", "rollback", "resume"):
             detail = {k: v for k, v in e.items() if k not in ("time", "kind")}
             lines.append(f"  {e['kind']}: {detail}")
+    lines += _report.decision_lines(events)
     lines += _compile_lines(events)
     ckpt = os.path.join(run_dir, "checkpoints")
     if os.path.isdir(ckpt):
@@ -116,17 +120,23 @@ def plot(run_dir: str, keys: list[str] | None = None) -> str:
     import matplotlib.pyplot as plt
 
     metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    keys = keys or ["loss", "noise_scale", "batch_size", "devices", "step_time", "eval_accuracy"]
+    keys = keys or [
+        "loss", "eval_loss", "noise_scale", "batch_size", "learning_rate", "devices",
+        "step_time", "eval_accuracy",
+    ]
     keys = [k for k in keys if any(k in r for r in metrics)]
     if not keys:
         raise SystemExit(f"adaptjax: no metrics to plot in {run_dir}")
-    fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2.2 * len(keys)), sharex=True)
-    axes = [axes] if len(keys) == 1 else list(axes)
-    for ax, key in zip(axes, keys, strict=True):
+    events = _read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    fig, axes = plt.subplots(len(keys) + 1, 1, figsize=(8, 2.2 * len(keys) + 1.2), sharex=True)
+    axes = list(axes)
+    for ax, key in zip(axes, keys, strict=False):
         pts = [(r["step"], r[key]) for r in metrics if key in r]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1)
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
+    _report.draw_codec_band(axes[-1], metrics, events)
+    _report.draw_events(axes, events, label_ax=axes[0])
     axes[-1].set_xlabel("step")
     fig.tight_layout()
     out = os.path.join(run_dir, "metrics.png")
@@ -171,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("run_dir", help="the run directory")
     p.add_argument("--keys", nargs="*", default=None, help="metrics to plot (default: a few)")
+    _report.add_parser(sub)
     sub.add_parser("launch", help="run a script as N processes (see launch -h)", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:
@@ -180,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "summary":
         print(summary(args.run_dir))
+    elif args.command == "report":
+        print("\n".join(_report.report(args.run_dir)))
     else:
         print(plot(args.run_dir, args.keys))
     return 0

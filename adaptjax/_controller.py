@@ -382,6 +382,9 @@ class Controller:
         self.samples_seen = 0
         self.latest_metrics: dict[str, float] = {}
         self._to_decide: list[Snapshot] = []
+        # Hyperparameters in force, known on the host (None: read from the state once).
+        self._host_hparams: dict[str, float] | None = None
+        self._hparams_of_step: dict[int, dict[str, float]] = {}
         self._stop_reason: str | None = None
         self._preempted = threading.Event()
 
@@ -574,9 +577,12 @@ class Controller:
         batch = self._next_batch(config)
         before = fn.jitted._cache_size()
         t0 = time.perf_counter()
+        if self._host_hparams is None:
+            self._host_hparams = self.hyperparams
         self.state, metrics = fn(self.state, batch)
         compiled = fn.jitted._cache_size() > before
         self.step += 1
+        self._hparams_of_step[self.step] = self._host_hparams
         self.samples_seen += config.batch_size
         if compiled:
             self.compilations += 1
@@ -599,6 +605,12 @@ class Controller:
                 results = {f"eval_{k}": float(v) for k, v in self.eval_fn(self.model).items()}
                 snap.metrics.update(results)
                 self.log.event("eval", step=snap.step, latency_s=elapsed(t0), **results)
+            for key, value in self._hparams_of_step.pop(snap.step, {}).items():
+                snap.metrics.setdefault(key, value)  # e.g. learning_rate, for plots and TensorBoard
+            if self.link_bandwidth is not None and "comm_time" in snap.metrics:
+                snap.metrics.setdefault(  # bytes per device per step, from the compiled HLO
+                    "wire_bytes", snap.metrics["comm_time"] * float(self.link_bandwidth)
+                )
             self.latest_metrics = snap.metrics
             self.log.metrics(snap.step, snap.metrics)
             if snap.step % self.policy_every == 0:
@@ -646,6 +658,9 @@ class Controller:
                 step=self.step,
                 metrics_step=snapshot.step,
                 actions=[repr(a) for a in actions],
+                # Why, in the policies' words, and what they saw (adaptjax report lists both).
+                reasons=[getattr(a, "reason", "") for a in actions],
+                metrics=metrics,
             )
             self.apply(actions)
 
@@ -720,6 +735,8 @@ class Controller:
         self.log.event(
             "set_hyperparams", step=self.step, **{k: float(v) for k, v in values.items()}
         )
+        if self._host_hparams is not None:
+            self._host_hparams = {**self._host_hparams, **{k: float(v) for k, v in values.items()}}
 
     def set_batch_size(self, batch_size: int, microbatches: int | None = None) -> None:
         """Changes the global batch (and optionally the micro-batch count) from the next step."""
@@ -842,6 +859,7 @@ class Controller:
             target_state=self.steps.abstract_state(self.config),
             mesh=self.steps.mesh(self.config.devices),
         )
+        self._host_hparams = None  # the checkpoint's
         # The steps being undone happened: their rows are logged, but no policy decides on them.
         self._record(lag=0)
         self._to_decide.clear()

@@ -33,6 +33,7 @@ from adaptjax.policies._actions import (
     SetHyperparams,
     SetSync,
     Stop,
+    with_reason,
 )
 from adaptjax.policies._batch_size import AdaptiveBatchSize
 from adaptjax.policies._checks import read_metric
@@ -84,4 +85,5 @@ __all__ = [
     "statistical_efficiency",
     "validate_actions",
     "when",
+    "with_reason",
 ]

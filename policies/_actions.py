@@ -6,6 +6,12 @@ becomes a read-only :class:`FrozenMapping`, a mesh-shape list becomes a tuple),
 so two equal decisions compare equal and hash alike, and a bad field fails at
 the line that built it with a one-line ``ValueError``.
 
+Every action takes an optional keyword ``reason``: a human-readable sentence
+saying why it was proposed (built-in policies write ``"PolicyName: why"``). It
+is a description, not part of the decision: it is left out of ``==``, ``hash``
+and ``repr`` (``Stop`` and ``Rollback`` keep their positional ``reason``), and
+the controller logs it with the decision. :func:`with_reason` adds one.
+
 ==================  ========================================================
 action              what the controller does
 ==================  ========================================================
@@ -49,9 +55,11 @@ class SetHyperparams:
     """
 
     values: Mapping[str, float]
+    reason: str = dataclasses.field(default="", compare=False, repr=False, kw_only=True)
 
     def __post_init__(self) -> None:
         owner = "SetHyperparams"
+        check_str(self.reason, owner=owner, name="reason")
         check_mapping(self.values, owner=owner, name="values")
         if not self.values:
             raise ValueError(f"{owner}: values must name at least one hyperparameter, got {{}}")
@@ -79,9 +87,11 @@ class SetBatchSize:
 
     batch_size: int
     microbatches: int | None = None
+    reason: str = dataclasses.field(default="", compare=False, repr=False, kw_only=True)
 
     def __post_init__(self) -> None:
         owner = "SetBatchSize"
+        check_str(self.reason, owner=owner, name="reason")
         batch = check_int(self.batch_size, owner=owner, name="batch_size", minimum=1)
         micro = check_optional_int(self.microbatches, owner=owner, name="microbatches", minimum=1)
         if micro is not None and batch % micro:
@@ -111,9 +121,11 @@ class Rescale:
 
     devices: int | None = None
     mesh_shape: tuple[int, ...] | None = None
+    reason: str = dataclasses.field(default="", compare=False, repr=False, kw_only=True)
 
     def __post_init__(self) -> None:
         owner = "Rescale"
+        check_str(self.reason, owner=owner, name="reason")
         if (self.devices is None) == (self.mesh_shape is None):
             raise ValueError(
                 f"{owner}: give exactly one of devices and mesh_shape, got "
@@ -150,6 +162,10 @@ class SetCodec:
     """
 
     codec: object | None
+    reason: str = dataclasses.field(default="", compare=False, repr=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        check_str(self.reason, owner="SetCodec", name="reason")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +194,11 @@ class Checkpoint:
       >>> Checkpoint()
       Checkpoint()
     """
+
+    reason: str = dataclasses.field(default="", compare=False, repr=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        check_str(self.reason, owner="Checkpoint", name="reason")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +251,17 @@ ACTION_TYPES: tuple[type, ...] = (
 Action: TypeAlias = (
     SetHyperparams | SetBatchSize | Rescale | SetCodec | Checkpoint | Stop | Rollback | SetSync
 )
+
+def with_reason(action: Action, reason: str) -> Action:
+    """A copy of ``action`` carrying ``reason`` (why it was proposed), for the run's log.
+
+    Example:
+      >>> a = with_reason(SetBatchSize(128), "AdaptiveBatchSize: goodput +20%")
+      >>> a.reason, a == SetBatchSize(128)
+      ('AdaptiveBatchSize: goodput +20%', True)
+    """
+    return dataclasses.replace(action, reason=reason)
+
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 

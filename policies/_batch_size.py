@@ -292,7 +292,14 @@ class AdaptiveBatchSize(StatefulPolicy):
         if score(best) < (1.0 + self.gain_threshold) * score(current):
             return []
 
-        actions: list[Action] = [SetBatchSize(best)]
+        gain = score(best) / score(current) - 1.0
+        fit = "prior" if is_prior else "fit"
+        why = (
+            f"AdaptiveBatchSize: noise scale {phi:.4g}, step time T(M) = {alpha:.3g} + "
+            f"{beta:.3g}*M s ({fit}): predicted goodput at batch {best} is {gain:+.0%} vs "
+            f"{current}"
+        )
+        actions: list[Action] = [SetBatchSize(best, reason=why)]
         if self.lr_rule != "none":
             lr = self._current_lr(ctx)
             if lr != state["last_lr"]:  # changed by someone else: keep their change
@@ -301,7 +308,14 @@ class AdaptiveBatchSize(StatefulPolicy):
             factor = self._lr_factor(best / base, phi, metrics)
             new_lr = state["base_lr"] * factor
             state["pending"] = {"batch_size": best, "lr": new_lr, "lr_factor": factor}
-            actions.append(SetHyperparams({self.lr_key: new_lr}))
+            actions.append(
+                SetHyperparams(
+                    {self.lr_key: new_lr},
+                    reason=f"AdaptiveBatchSize: {self.lr_rule} learning-rate rule for batch "
+                    f"{best} = {best / base:.3g} x {base}: factor {factor:.3g} on base "
+                    f"{state['base_lr']:.3g}",
+                )
+            )
         return actions
 
 

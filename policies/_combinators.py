@@ -11,7 +11,13 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from adaptjax.policies._actions import ACTION_TYPES, Action, SetHyperparams, action_signature
+from adaptjax.policies._actions import (
+    ACTION_TYPES,
+    Action,
+    SetHyperparams,
+    action_signature,
+    with_reason,
+)
 from adaptjax.policies._checks import check_callable, check_float, check_int, short_repr
 from adaptjax.policies._context import Context
 from adaptjax.policies._policy import (
@@ -208,7 +214,9 @@ class When(Policy):
             fire = self.predicate(metrics, ctx)
         except KeyError:  # a metric the predicate reads is not available yet
             return []
-        return list(self.actions) if fire else []
+        if not fire:
+            return []
+        return [a if a.reason else with_reason(a, "when: its predicate held") for a in self.actions]
 
 
 def when(
@@ -263,7 +271,8 @@ class AnyOf(Policy):
                     kept = out[index].values
                     extra = {k: v for k, v in action.values.items() if k not in kept}
                     if extra:
-                        out[index] = SetHyperparams({**kept, **extra})
+                        reasons = "; ".join(r for r in (out[index].reason, action.reason) if r)
+                        out[index] = SetHyperparams({**kept, **extra}, reason=reasons)
         return out
 
     def required_metrics(self) -> frozenset[str]:

@@ -69,10 +69,12 @@ class ElasticScale(StatefulPolicy):
         """Returns ``[Rescale(devices=n)]`` when a due entry or the predicate asks for n."""
         wanted = None
         fired = self._state["fired"]
+        why = ""
         for step, devices in (self.schedule or {}).items():
             if step <= ctx.step and step not in fired:
                 fired.append(step)
                 wanted = devices  # the schedule is sorted: the latest due entry wins
+                why = f"ElasticScale: schedule entry {{{step}: {devices}}} is due"
         if wanted is None and self.predicate is not None:
             try:
                 wanted = self.predicate(metrics, ctx)
@@ -87,7 +89,10 @@ class ElasticScale(StatefulPolicy):
                 wanted = check_int(
                     wanted, owner="ElasticScale", name="the predicate's device count", minimum=1
                 )
+                why = f"ElasticScale: the predicate asked for {wanted} devices"
         if wanted is None:
             return []
         wanted = min(wanted, ctx.max_devices)
-        return [] if wanted == ctx.devices else [Rescale(devices=wanted)]
+        if wanted == ctx.devices:
+            return []
+        return [Rescale(devices=wanted, reason=f"{why}: {ctx.devices} -> {wanted} devices")]

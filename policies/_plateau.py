@@ -107,7 +107,11 @@ class ReduceLROnPlateau(StatefulPolicy):
         if reduced >= current:
             return []
         state["reductions"] += 1
-        return [SetHyperparams({self.key: reduced})]
+        why = (
+            f"ReduceLROnPlateau: {self.metric} has not improved on {state['best']:.6g} for "
+            f"{self.patience}+ steps: {self.key} {current:.3g} -> {reduced:.3g}"
+        )
+        return [SetHyperparams({self.key: reduced}, reason=why)]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -3,7 +3,7 @@
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from adaptjax.policies._actions import ACTION_TYPES, Action
+from adaptjax.policies._actions import ACTION_TYPES, Action, with_reason
 from adaptjax.policies._checks import check_int, check_mapping
 from adaptjax.policies._context import Context
 from adaptjax.policies._mapping import FrozenMapping
@@ -58,5 +58,8 @@ class Schedule(StatefulPolicy):
         for step, entry in self.actions.items():
             if step <= ctx.step and step not in fired:
                 fired.append(step)
-                out.extend(entry)
+                out.extend(
+                    a if a.reason else with_reason(a, f"Schedule: entry for step {step}")
+                    for a in entry
+                )
         return out

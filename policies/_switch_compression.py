@@ -72,7 +72,9 @@ class SwitchCompression(Policy):
         if share is None:
             return []
         if ctx.codec is None and share > self.when_comm_share_above:
-            return [SetCodec(self.codec)]
+            why = f"comm_share {share:.3g} > {self.when_comm_share_above:.3g}: compress"
+            return [SetCodec(self.codec, reason=f"SwitchCompression: {why}")]
         if ctx.codec is not None and self.off_below is not None and share < self.off_below:
-            return [SetCodec(None)]
+            why = f"comm_share {share:.3g} < off_below {self.off_below:.3g}: dense again"
+            return [SetCodec(None, reason=f"SwitchCompression: {why}")]
         return []
