@@ -3,12 +3,14 @@
 Per replica with ``b`` samples in ``k`` micro-batches on ``n`` replicas::
 
     T_compute = fixed + per_microbatch·k + per_sample·b + per_global_sample·n·b
+                + per_replica·n
 
-On real accelerators each replica computes alone and ``per_global_sample`` is
-0 (Pollux's T(M) = t₀ + t₁·M per replica). Simulated devices that share one
-host's cores (``--xla_force_host_platform_device_count``) run the replicas'
-work on the same cores, so the step grows with the global batch ``n·b``: the
-fit finds which of the two the measurements show. Coefficients are fitted by
+On real accelerators each replica computes alone and ``per_global_sample``
+and ``per_replica`` are 0 (Pollux's T(M) = t₀ + t₁·M per replica). Simulated
+devices that share one host's cores (``--xla_force_host_platform_device_count``)
+run the replicas' work on the same cores, so the step grows with the global
+batch ``n·b`` and with each replica's fixed work: the fit finds which the
+measurements show. Coefficients are fitted by
 non-negative least squares (none of them can be negative).
 
 References:
@@ -23,12 +25,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-FEATURES = ("fixed", "per_microbatch", "per_sample", "per_global_sample")
+FEATURES = ("fixed", "per_microbatch", "per_sample", "per_global_sample", "per_replica")
 
 
 def _features(devices: int, per_device_batch: float, microbatches: int) -> list[float]:
     return [1.0, float(microbatches), float(per_device_batch),
-            float(devices) * float(per_device_batch)]
+            float(devices) * float(per_device_batch), float(devices)]
 
 
 def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -50,6 +52,8 @@ class ComputeModel:
       per_sample: seconds per sample of one replica's batch.
       per_global_sample: seconds per sample of the global batch (replicas that
         share a host's cores; 0 on real accelerators).
+      per_replica: seconds per replica (fixed work of replicas sharing a host's
+        cores; 0 on real accelerators).
 
     Example:
       >>> from adaptjax.costs import ComputeModel
@@ -61,6 +65,7 @@ class ComputeModel:
     per_microbatch: float = 0.0
     per_sample: float = 0.0
     per_global_sample: float = 0.0
+    per_replica: float = 0.0
 
     def __post_init__(self) -> None:
         for name in FEATURES:
@@ -87,8 +92,8 @@ class ComputeModel:
         Host-shared work (``per_global_sample``) becomes per-replica work: one
         replica's share of it is what a replica computing alone spends.
         """
-        return ComputeModel(self.fixed, self.per_microbatch,
-                            self.per_sample + self.per_global_sample, 0.0)
+        return ComputeModel(self.fixed + self.per_replica, self.per_microbatch,
+                            self.per_sample + self.per_global_sample, 0.0, 0.0)
 
 
 def fit_compute(

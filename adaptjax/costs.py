@@ -26,20 +26,36 @@ from adaptjax._cost_model import (
     config_key,
     rescale_report,
 )
+from adaptjax._cost_simulate import (
+    Cluster,
+    SimEvent,
+    Simulation,
+    predicted_times,
+    read_run,
+    simulate,
+    wire_for,
+)
 
 __all__ = [
     "CannotPredict",
+    "Cluster",
     "CodecCost",
     "ComputeModel",
     "LinkModel",
     "Observation",
     "Prediction",
+    "SimEvent",
+    "Simulation",
     "StepTimeModel",
     "calibrate_links",
     "config_key",
     "fit_alpha_beta",
     "fit_compute",
     "message_steps",
+    "predicted_times",
+    "read_run",
     "rescale_report",
+    "simulate",
     "time_collectives",
+    "wire_for",
 ]
