@@ -26,6 +26,7 @@ from adaptjax._cost_model import (
     config_key,
     rescale_report,
 )
+from adaptjax._cost_planner import Planner
 from adaptjax._cost_simulate import (
     Cluster,
     SimEvent,
@@ -43,6 +44,7 @@ __all__ = [
     "ComputeModel",
     "LinkModel",
     "Observation",
+    "Planner",
     "Prediction",
     "SimEvent",
     "Simulation",
