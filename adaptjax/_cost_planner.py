@@ -167,6 +167,7 @@ class Planner:
     def predict(self, candidate) -> Prediction:
         """The model's :class:`Prediction` (raises :class:`CannotPredict`)."""
         config = self.config_of(candidate)
+        self.model.codec_time(config)  # a codec never measured: say so before compiling
         return self.model.predict(config, self._wire_known(config))
 
     def _wire_known(self, config: RunConfig) -> WireReport:

@@ -6,8 +6,8 @@ MLP of about 333K parameters (128-512-512-10), SGD, and every codec of
 
 1. **Calibration** (what a run sees anyway): the α–β fit of each collective
    kind from timed micro-collectives (:func:`adaptjax.costs.calibrate_links`),
-   the dense step at 7 configurations (1, 2, 4 and 8 devices, several batch
-   sizes, one with 2 micro-batches) and each codec at 2 configurations
+   the dense step at 9 configurations (1, 2, 4 and 8 devices, several batch
+   sizes, two with 2 micro-batches) and each codec at 2 configurations
    (2 devices x 64 and 8 devices x 128).
 2. **Held out**: every codec and the dense sync at (4 devices, 64) and
    (6, 96), plus dense at (1, 128), (4, 128), (8, 128) and (2, 64 in 2
@@ -31,7 +31,7 @@ under load, so compare within one run only.
 
 Usage::
 
-    python benchmarks/cost_model.py [--rounds 9] [--steps 3] [--json FILE]
+    python benchmarks/cost_model.py [--rounds 9] [--steps 5] [--json FILE]
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def kendall_tau(a, b) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -161,8 +161,8 @@ def main():
 
     all_codecs = codecs()
     calib, held = [], []
-    for n, b, k in [(1, 16, 1), (1, 64, 1), (2, 32, 1), (2, 128, 1), (8, 64, 1), (8, 256, 1),
-                    (4, 32, 2)]:
+    for n, b, k in [(1, 16, 1), (1, 64, 1), (2, 32, 1), (2, 128, 1), (4, 32, 1), (8, 64, 1),
+                    (8, 256, 1), (4, 32, 2), (8, 128, 2)]:
         calib.append(("dense", n, b, k))
     for name in all_codecs:
         if name != "dense":
