@@ -27,6 +27,7 @@ from adaptjax._cost_model import (
     rescale_report,
 )
 from adaptjax._cost_planner import Planner
+from adaptjax._cost_schedule import buckets, choose_bucket_bytes, choose_dense_lane
 from adaptjax._cost_simulate import (
     Cluster,
     SimEvent,
@@ -49,7 +50,10 @@ __all__ = [
     "SimEvent",
     "Simulation",
     "StepTimeModel",
+    "buckets",
     "calibrate_links",
+    "choose_bucket_bytes",
+    "choose_dense_lane",
     "config_key",
     "fit_alpha_beta",
     "fit_compute",

@@ -115,7 +115,8 @@ def test_fit_recovers_compute_and_codec_cost():
              + extra)
         return Observation(RunConfig(n, b, codec=codec), wire, t)
 
-    obs = [observe(n, b, None, 0.0, 4e6) for n, b in [(2, 16), (2, 64), (4, 64), (8, 128)]]
+    dense = [(1, 8), (2, 16), (2, 64), (4, 64), (4, 256), (8, 128)]
+    obs = [observe(n, b, None, 0.0, 4e6) for n, b in dense]
     obs += [observe(n, 64, "onebit()", 0.002 + 0.001 * n, 2e5) for n in (2, 8)]
     model = StepTimeModel.fit({"all-reduce": link}, obs)
     assert model.codecs[("onebit()", None)].fixed == pytest.approx(0.002, rel=1e-6)
@@ -162,3 +163,27 @@ def test_bad_inputs_name_the_fix():
         LinkModel.from_bandwidth(0)
     with pytest.raises(ValueError, match="step_time must be a positive number"):
         Observation(RunConfig(2, 8), [], 0.0)
+
+
+def test_dense_lane_follows_the_links():
+    from adaptjax.costs import choose_dense_lane
+
+    same = LinkModel(alpha=1e-5, beta=1e-9)
+    model = StepTimeModel({"all-reduce": same, "reduce-scatter": same, "all-gather": same})
+    choice, times = choose_dense_lane(model, 4e6, 8)
+    # Equal bytes and equal message steps (2(N-1) = (N-1) + (N-1)): a tie, one collective wins.
+    assert times["all-reduce"] == pytest.approx(times["reduce-scatter+all-gather"])
+    assert choice == "all-reduce"
+
+
+def test_bucket_size_trades_latency_for_overlap():
+    from adaptjax.costs import buckets, choose_bucket_bytes
+
+    assert sum(buckets([3e6, 1e5, 7e6], 1e6)) == pytest.approx(3e6 + 1e5 + 7e6)
+    model = StepTimeModel({"all-reduce": LinkModel(alpha=1e-4, beta=1e-9)})
+    sizes = (1e5, 1e6, 1e7, 1e8)
+    best, times = choose_bucket_bytes(model, [1e6] * 32, 8, candidates=sizes)
+    assert best == 1e8  # no overlap: fewest latencies
+    assert [times[s] for s in sizes] == sorted((times[s] for s in sizes), reverse=True)
+    best, _ = choose_bucket_bytes(model, [1e6] * 32, 8, candidates=sizes, overlap_compute=10.0)
+    assert best == 1e5  # everything but the last bucket hides: the smallest last bucket wins
