@@ -93,3 +93,31 @@ def test_planner_attached_to_a_controller_records_costs(tmp_path):
     assert loaded.step_time(Candidate(4, 32)) == pytest.approx(planner.step_time(
         Candidate(4, 32)))
     assert "dev batch" in _plan(str(tmp_path))[1]
+
+
+@pytest.mark.slow
+def test_simulate_a_recorded_run_on_slower_links(tmp_path):
+    from adaptjax.costs import Cluster, predicted_times, simulate, wire_for
+
+    planner = Planner(bandwidth=1e9)
+    policies = [ajp.ElasticScale(planner=planner, min_gain=10.0),
+                ajp.Schedule({5: ajp.SetBatchSize(64)})]
+    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(
+        policies=policies, checkpoint_every=None, devices=4, batch_size=32))
+    planner.attach(ctrl)
+    ctrl.run(steps=16)
+    ctrl.close()
+    model = Planner.load(str(tmp_path)).model
+
+    def replay(bandwidth):
+        times = predicted_times(model, Cluster(devices=8, bandwidth=bandwidth))
+        return simulate(str(tmp_path), [ajp.Schedule({5: ajp.SetBatchSize(64)})],
+                        step_time=times, policy_every=5, max_devices=8)
+
+    fast, slow = replay(1e9), replay(1e6)
+    assert [(e.step, e.kind) for e in fast.events] == [(e.step, e.kind) for e in slow.events]
+    assert fast.config.batch_size == 64
+    # Same steps, same compute; only the links differ: every step pays its bytes at 1 MB/s.
+    sent = wire_for(model, adaptjax.RunConfig(4, 32)).compiled_total
+    assert sent > 0
+    assert slow.seconds - fast.seconds == pytest.approx(16 * sent * (1 / 1e6 - 1 / 1e9))
