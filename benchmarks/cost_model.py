@@ -120,14 +120,16 @@ class Runner:
         # Compiled once: the executable both runs and is read for its collectives.
         self.compiled = self.step.jitted.lower(self.state, self.batch).compile()
         self.wire = adaptjax.wire_bytes(self.compiled)
-        self.times = []
+        self.times, self.cpu_times = [], []
         self.run(2)  # warm up
+        self.cpu_times.clear()
 
     def run(self, steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             self.state, metrics = self.compiled(self.state, self.batch)
         jax.block_until_ready((self.state, metrics))
+        self.cpu_times.append((time.process_time() - c0) / steps)
         return (time.perf_counter() - t0) / steps
 
     @property
@@ -137,6 +139,10 @@ class Runner:
     @property
     def fastest(self):
         return min(self.times)
+
+    @property
+    def cpu(self):
+        return statistics.median(self.cpu_times)
 
 
 def kendall_tau(a, b) -> float:
@@ -220,6 +226,16 @@ def main():
                          - runners[s].fastest) / runners[s].fastest for s in held)
     print(f"\nagainst the fastest round instead of the median (side figure): median error "
           f"{statistics.median(err_min):.3f}, p90 {float(np.percentile(err_min, 90)):.3f}")
+    # And against CPU seconds per step (all threads), which other jobs' load barely moves:
+    # how well the model's structure fits when contention is taken out (side figure).
+    model_cpu = costs.StepTimeModel.fit(links, [
+        costs.Observation(runners[s].config, runners[s].wire, runners[s].cpu) for s in calib])
+    pred_cpu = [model_cpu.predict(runners[s].config, runners[s].wire).step_time for s in held]
+    meas_cpu = [runners[s].cpu for s in held]
+    err_cpu = sorted(abs(p - m) / m for p, m in zip(pred_cpu, meas_cpu, strict=True))
+    print(f"against CPU seconds per step (side figure): median error "
+          f"{statistics.median(err_cpu):.3f}, p90 {float(np.percentile(err_cpu, 90)):.3f}, "
+          f"kendall tau {kendall_tau(pred_cpu, meas_cpu):.3f}")
 
     # The planner's choices, judged by measured values.
     cases = []
