@@ -80,9 +80,8 @@ def time_collectives(
                                          out_specs=P("calib")))
             t_base = _median_seconds(base, x, repeats)
             for kind in kinds:
-                spec_out = P() if kind == "all-gather" else P("calib")
-                if kind == "all-reduce":
-                    spec_out = P()
+                # psum and a tiled all_gather leave every replica the whole result.
+                spec_out = P() if kind in ("all-reduce", "all-gather") else P("calib")
                 body = _program(kind, "calib")
                 fn = jax.jit(jax.shard_map(lambda v, body=body: body(v * 2.0), mesh=mesh,
                                            in_specs=P("calib"), out_specs=spec_out,
