@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", help="the run directory")
     p.add_argument("--keys", nargs="*", default=None, help="metrics to plot (default: a few)")
     _report.add_parser(sub)
+    from adaptjax._cli_plan import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     sub.add_parser("launch", help="run a script as N processes (see launch -h)", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:
@@ -189,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch_main(argv[1:])
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        from adaptjax._cli_plan import run as plan_run
+
+        return plan_run(args)
     if args.command == "summary":
         print(summary(args.run_dir))
     elif args.command == "report":

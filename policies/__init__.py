@@ -47,6 +47,7 @@ from adaptjax.policies._goodput import (
     lr_scale,
     statistical_efficiency,
 )
+from adaptjax.policies._planner import Candidate, Planner
 from adaptjax.policies._plateau import EarlyStop, ReduceLROnPlateau
 from adaptjax.policies._policy import Policy, required_metrics, validate_actions
 from adaptjax.policies._schedule import Schedule
@@ -57,10 +58,12 @@ __all__ = [
     "ACTION_TYPES",
     "Action",
     "AdaptiveBatchSize",
+    "Candidate",
     "Checkpoint",
     "Context",
     "EarlyStop",
     "ElasticScale",
+    "Planner",
     "Policy",
     "ReduceLROnPlateau",
     "Rescale",

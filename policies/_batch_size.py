@@ -11,6 +11,7 @@ from adaptjax.policies._checks import (
     check_float,
     check_int,
     check_optional_int,
+    check_planner,
     check_str,
     read_metric,
 )
@@ -21,7 +22,9 @@ from adaptjax.policies._goodput import (
     fit_throughput,
     goodput,
     lr_scale,
+    statistical_efficiency,
 )
+from adaptjax.policies._planner import current, observe, predict
 from adaptjax.policies._policy import StatefulPolicy
 
 
@@ -53,6 +56,12 @@ class AdaptiveBatchSize(StatefulPolicy):
        current batch is at least ``gain_threshold``, together with
        ``SetHyperparams({lr_key: base_lr × rule(S)})``, S = M/M₀.
 
+    With a ``planner`` (e.g. ``adaptjax.costs.Planner``) step 2 asks it for the
+    step time T(M) of each candidate instead of fitting α + βM from this run's
+    noisy neighbouring batch sizes, and the candidates are every power-of-two
+    multiple of the current batch in [min, max] (plus both ends); where it
+    cannot predict the current batch, the fit above decides.
+
     M₀ is ``ctx.base_batch_size`` (else the batch size) and base_lr is
     ``ctx.hyperparams[lr_key]`` at the first decision; both are kept in the
     state. If something else changed the learning rate since this policy last
@@ -76,6 +85,7 @@ class AdaptiveBatchSize(StatefulPolicy):
       prior_overhead: the fixed-cost fraction assumed before two batch sizes
         are measured, in [0, 1).
       window: step times kept per batch size (the median is used), >= 1.
+      planner: an object following :class:`adaptjax.policies.Planner`, or ``None``.
 
     References:
       Qiao et al., "Pollux", OSDI 2021; Johnson et al., "AdaScale SGD", ICML 2020.
@@ -100,9 +110,11 @@ class AdaptiveBatchSize(StatefulPolicy):
     multiple_of: int | None = dataclasses.field(default=None, kw_only=True)
     prior_overhead: float = dataclasses.field(default=0.5, kw_only=True)
     window: int = dataclasses.field(default=16, kw_only=True)
+    planner: object = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         owner = "AdaptiveBatchSize"
+        check_planner(self.planner, owner)
         top = check_int(self.max_batch_size, owner=owner, name="max_batch_size", minimum=1)
         low = check_optional_int(self.min_batch_size, owner=owner, name="min_batch_size", minimum=1)
         if low is not None and low > top:
@@ -251,18 +263,27 @@ class AdaptiveBatchSize(StatefulPolicy):
             state["pending"] = None
 
         self._record(metrics, ctx)
+        if self.planner is not None:
+            observe(self.planner, metrics, ctx)
         phi = self._noise_scale(metrics)
         model = self._model(ctx)
-        if phi is None or model is None:
-            return []
-        alpha, beta, is_prior = model
-
         base = state["base_batch_size"]
         step = ctx.devices * ctx.microbatches
         if self.multiple_of is not None:
             step = math.lcm(step, self.multiple_of)
         low = -(-(self.min_batch_size or base) // step) * step
         high = self.max_batch_size // step * step
+        if phi is not None and low <= high and self.planner is not None:
+            planned = self._planned(ctx, phi, low, high, step)
+            if planned is not None:
+                why = (
+                    f"AdaptiveBatchSize: noise scale {phi:.4g}: the planner predicts a higher "
+                    f"goodput at batch {planned} than at {ctx.batch_size}"
+                )
+                return self._propose(planned, phi, metrics, ctx, why) if planned else []
+        if phi is None or model is None:
+            return []
+        alpha, beta, is_prior = model
         if low > high:
             return []
 
@@ -291,7 +312,6 @@ class AdaptiveBatchSize(StatefulPolicy):
         best = min(candidates, key=lambda m: (-score(m), m))
         if score(best) < (1.0 + self.gain_threshold) * score(current):
             return []
-
         gain = score(best) / score(current) - 1.0
         fit = "prior" if is_prior else "fit"
         why = (
@@ -299,12 +319,44 @@ class AdaptiveBatchSize(StatefulPolicy):
             f"{beta:.3g}*M s ({fit}): predicted goodput at batch {best} is {gain:+.0%} vs "
             f"{current}"
         )
+        return self._propose(best, phi, metrics, ctx, why)
+
+    def _planned(self, ctx: Context, phi: float, low: int, high: int, step: int) -> int | None:
+        """The planner's best batch (0: stay), or None when it cannot predict the current one."""
+        here = current(ctx)
+        base = self._state["base_batch_size"]
+
+        def score(m: int) -> float | None:
+            t = predict(self.planner, here._replace(batch_size=m))
+            if t is None:
+                return None
+            return m / t * statistical_efficiency(phi, m, base)
+
+        now = score(ctx.batch_size)
+        if now is None:
+            return None
+        candidates = {low, high}
+        for k in range(-12, 13):
+            m = int(round(ctx.batch_size * 2.0**k / step)) * step
+            if low <= m <= high:
+                candidates.add(m)
+        candidates.discard(ctx.batch_size)
+        scored = [(s, m) for m in candidates if (s := score(m)) is not None]
+        if not scored:
+            return 0
+        best_score, best = max(scored, key=lambda sm: (sm[0], -sm[1]))
+        return best if best_score >= (1.0 + self.gain_threshold) * now else 0
+
+    def _propose(self, best: int, phi: float, metrics: Mapping[str, float],
+                 ctx: Context, why: str) -> list[Action]:
+        state = self._state
         actions: list[Action] = [SetBatchSize(best, reason=why)]
         if self.lr_rule != "none":
             lr = self._current_lr(ctx)
             if lr != state["last_lr"]:  # changed by someone else: keep their change
                 state["base_lr"] = lr / state["lr_factor"]
                 state["last_lr"] = lr
+            base = state["base_batch_size"]
             factor = self._lr_factor(best / base, phi, metrics)
             new_lr = state["base_lr"] * factor
             state["pending"] = {"batch_size": best, "lr": new_lr, "lr_factor": factor}

@@ -138,3 +138,12 @@ def read_metric(metrics: Mapping[str, Any] | None, key: str) -> float | None:
     except (TypeError, ValueError, OverflowError):
         return None
     return result if math.isfinite(result) else None
+
+
+def check_planner(planner, owner: str) -> None:
+    """A ``planner=`` argument is ``None`` or has a callable ``step_time``."""
+    if planner is not None and not callable(getattr(planner, "step_time", None)):
+        raise ValueError(
+            f"{owner}: planner must have a step_time(candidate) method (see "
+            f"adaptjax.policies.Planner), got {short_repr(planner)}; or pass planner=None"
+        )

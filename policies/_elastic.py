@@ -4,9 +4,17 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from adaptjax.policies._actions import Action, Rescale
-from adaptjax.policies._checks import check_callable, check_int, check_mapping, short_repr
+from adaptjax.policies._checks import (
+    check_callable,
+    check_float,
+    check_int,
+    check_mapping,
+    check_planner,
+    short_repr,
+)
 from adaptjax.policies._context import Context
 from adaptjax.policies._mapping import FrozenMapping
+from adaptjax.policies._planner import current, observe, predict
 from adaptjax.policies._policy import StatefulPolicy
 
 
@@ -22,9 +30,20 @@ class ElasticScale(StatefulPolicy):
     a metric not available yet, counts as ``None``). A request is capped at
     ``ctx.max_devices`` and dropped when it equals ``ctx.devices``.
 
+    With a ``planner`` (e.g. ``adaptjax.costs.Planner``), at an evaluation
+    where neither asked for a count, the policy asks for the predicted step
+    time at every device count up to ``ctx.max_devices`` that divides the
+    batch (same global batch, so goodput follows throughput) and moves to the
+    fastest when it beats the current one by at least ``min_gain`` — fewer
+    devices when a slow link makes more of them slower. Counts it cannot
+    predict are left out.
+
     Args:
       schedule: ``{step: devices}``, steps >= 0, devices >= 1.
-      predicate: ``(metrics, ctx) -> int | None``. Give ``schedule``, ``predicate`` or both.
+      predicate: ``(metrics, ctx) -> int | None``. Give ``schedule``, ``predicate``,
+        ``planner`` or several.
+      planner: an object following :class:`adaptjax.policies.Planner`, or ``None``.
+      min_gain: with a planner, the smallest predicted relative speed-up worth a rescale.
 
     Example:
       >>> from adaptjax.policies import Context, ElasticScale
@@ -41,11 +60,19 @@ class ElasticScale(StatefulPolicy):
     predicate: Callable[[Mapping[str, float], Context], int | None] | None = dataclasses.field(
         default=None, kw_only=True
     )
+    planner: object = dataclasses.field(default=None, kw_only=True)
+    min_gain: float = dataclasses.field(default=0.05, kw_only=True)
 
     def __post_init__(self) -> None:
         owner = "ElasticScale"
-        if self.schedule is None and self.predicate is None:
-            raise ValueError(f"{owner}: give a schedule {{step: devices}}, a predicate, or both")
+        if self.schedule is None and self.predicate is None and self.planner is None:
+            raise ValueError(
+                f"{owner}: give a schedule {{step: devices}}, a predicate, a planner, or several"
+            )
+        check_planner(self.planner, owner)
+        object.__setattr__(
+            self, "min_gain", check_float(self.min_gain, owner=owner, name="min_gain", low=0.0)
+        )
         if self.schedule is not None:
             check_mapping(self.schedule, owner=owner, name="schedule")
             clean = {
@@ -90,9 +117,28 @@ class ElasticScale(StatefulPolicy):
                     wanted, owner="ElasticScale", name="the predicate's device count", minimum=1
                 )
                 why = f"ElasticScale: the predicate asked for {wanted} devices"
+        if wanted is None and self.planner is not None:
+            wanted = self._planned(metrics, ctx)
+            why = f"ElasticScale: the planner predicts a faster step on {wanted} devices"
         if wanted is None:
             return []
         wanted = min(wanted, ctx.max_devices)
         if wanted == ctx.devices:
             return []
         return [Rescale(devices=wanted, reason=f"{why}: {ctx.devices} -> {wanted} devices")]
+
+    def _planned(self, metrics: Mapping[str, float], ctx: Context) -> int | None:
+        """The device count with the fastest predicted step, if it pays; else None."""
+        observe(self.planner, metrics, ctx)
+        here = current(ctx)
+        now = predict(self.planner, here)
+        if now is None:
+            return None
+        best, best_time = None, now
+        for n in range(1, ctx.max_devices + 1):
+            if n == ctx.devices or ctx.batch_size % (n * ctx.microbatches):
+                continue
+            t = predict(self.planner, here._replace(devices=n))
+            if t is not None and t * (1.0 + self.min_gain) <= now and t < best_time:
+                best, best_time = n, t
+        return best

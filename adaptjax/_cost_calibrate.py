@@ -1,0 +1,131 @@
+"""Start-up calibration: a few timed micro-collectives fit each kind's α and β.
+
+Each kind (all-reduce, all-gather, all-to-all, reduce-scatter) is timed at a
+few message sizes on two group sizes (2 replicas and all of them), as the
+median of ``repeats`` runs, minus the median of the same program without the
+collective (launch overhead is a step's cost, not a collective's). The bytes
+of each timed program are read from its compiled HLO (:func:`adaptjax.wire_bytes`),
+so a collective XLA widens is timed and counted at the width it really runs.
+A few seconds in all.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+from adaptjax._cost_links import LinkModel, fit_alpha_beta
+
+DEFAULT_KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter")
+DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 20)  # bytes of the per-device f32 buffer
+
+
+def _program(kind: str, axis: str):
+    import jax
+
+    if kind == "all-reduce":
+        return lambda x: jax.lax.psum(x, axis)
+    if kind == "all-gather":
+        return lambda x: jax.lax.all_gather(x, axis, tiled=True)
+    if kind == "all-to-all":
+        return lambda x: jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
+    if kind == "reduce-scatter":
+        return lambda x: jax.lax.psum_scatter(x, axis, tiled=True)
+    raise ValueError(f"calibrate_links: unknown kind {kind!r}; use one of {DEFAULT_KINDS}")
+
+
+def _median_seconds(fn, x, repeats: int) -> float:
+    fn(x).block_until_ready()  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_collectives(
+    devices: int,
+    kinds: Sequence[str] = DEFAULT_KINDS,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 7,
+) -> list[tuple[str, int, float, float]]:
+    """Times micro-collectives on the first ``devices`` devices.
+
+    Returns:
+      ``(kind, group size, bytes each device sent, seconds)`` per timing.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from adaptjax._wire import wire_bytes
+
+    if devices < 2:
+        raise ValueError(
+            f"calibrate_links needs >= 2 devices to time a collective, got {devices}; "
+            "pin LinkModel.from_bandwidth(...) instead"
+        )
+    groups = sorted({2, devices})
+    out = []
+    for n in groups:
+        mesh = Mesh(np.array(jax.devices()[:n]), ("calib",))
+        for size in sizes:
+            elems = max(size // 4 // n, 1) * n  # divisible by n for scatter / all-to-all
+            x = jnp.ones((n * elems,), jnp.float32)
+            base = jax.jit(jax.shard_map(lambda v: v * 2.0, mesh=mesh, in_specs=P("calib"),
+                                         out_specs=P("calib")))
+            t_base = _median_seconds(base, x, repeats)
+            for kind in kinds:
+                # psum and a tiled all_gather leave every replica the whole result.
+                spec_out = P() if kind in ("all-reduce", "all-gather") else P("calib")
+                body = _program(kind, "calib")
+                fn = jax.jit(jax.shard_map(lambda v, body=body: body(v * 2.0), mesh=mesh,
+                                           in_specs=P("calib"), out_specs=spec_out,
+                                           check_vma=False))
+                report = wire_bytes(fn, x)
+                sent = sum(c.compiled_bytes for c in report.collectives if c.kind == kind)
+                secs = max(_median_seconds(fn, x, repeats) - t_base, 0.0)
+                out.append((kind, n, float(sent), secs))
+    return out
+
+
+def calibrate_links(
+    devices: int | None = None,
+    *,
+    kinds: Sequence[str] = DEFAULT_KINDS,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 7,
+) -> dict[str, LinkModel]:
+    """Fits α and β of each collective kind from timed micro-collectives.
+
+    Args:
+      devices: replicas to time over (default: every device).
+      kinds: the collective kinds to fit.
+      sizes: per-device buffer sizes in bytes (>= 2 distinct).
+      repeats: timed runs per program (the median is used).
+
+    Returns:
+      ``{kind: LinkModel}``, ready for :meth:`StepTimeModel.fit`.
+
+    Example:
+      >>> import jax
+      >>> from adaptjax.costs import calibrate_links
+      >>> links = calibrate_links(min(len(jax.devices()), 2), kinds=("all-reduce",),
+      ...                         sizes=(4096, 65536), repeats=3)
+      >>> links["all-reduce"].beta >= 0
+      True
+    """
+    import jax
+
+    n = len(jax.devices()) if devices is None else int(devices)
+    rows = time_collectives(n, kinds, sizes, repeats)
+    links = {}
+    for kind in kinds:
+        mine = [r for r in rows if r[0] == kind]
+        links[kind] = fit_alpha_beta(kind, [r[1] for r in mine], [r[2] for r in mine],
+                                     [r[3] for r in mine])
+    return links

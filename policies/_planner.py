@@ -1,0 +1,89 @@
+"""What a policy may ask a cost model: predicted step times, and what is worth probing.
+
+A planner is any object with a ``step_time`` method (and optionally
+``observe`` and ``explore``); policies take one as ``planner=`` and never
+import it, so this layer stays plain Python. ``adaptjax.costs.Planner`` is the
+library's, calibrated from timed collectives and the run's own step times.
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+from adaptjax.policies._checks import read_metric
+from adaptjax.policies._context import Context
+
+
+class Candidate(NamedTuple):
+    """A configuration a policy may move to.
+
+    Attributes:
+      devices: replicas.
+      batch_size: the global batch.
+      microbatches: micro-batches per replica.
+      codec: the codec object (opaque), or ``None`` for a dense sync.
+
+    Example:
+      >>> from adaptjax.policies import Candidate
+      >>> Candidate(8, 64)._replace(devices=4)
+      Candidate(devices=4, batch_size=64, microbatches=1, codec=None)
+    """
+
+    devices: int
+    batch_size: int
+    microbatches: int = 1
+    codec: object = None
+
+
+@runtime_checkable
+class Planner(Protocol):
+    """Predicts step times of configurations (``None``: the model cannot tell).
+
+    Optional methods a policy uses when present:
+
+    * ``observe(candidate, step_time)``: a measured step time at ``candidate``
+      (the policy passes on what the controller measured), for online refits;
+    * ``explore(candidates) -> Candidate | None``: the candidate worth probing
+      (cost-aware search), or ``None``.
+
+    Example:
+      >>> from adaptjax.policies import Candidate, Planner
+      >>> class Fixed:
+      ...     def step_time(self, candidate):
+      ...         return 0.1 if candidate.codec is None else 0.05
+      >>> isinstance(Fixed(), Planner), Fixed().step_time(Candidate(8, 64))
+      (True, 0.1)
+    """
+
+    def step_time(self, candidate: Candidate) -> float | None: ...
+
+
+def current(ctx: Context) -> Candidate:
+    """The :class:`Candidate` a context is in."""
+    return Candidate(ctx.devices, ctx.batch_size, ctx.microbatches, ctx.codec)
+
+
+def predict(planner, candidate: Candidate) -> float | None:
+    """``planner.step_time(candidate)`` as a positive float, or ``None`` when unknown."""
+    value = planner.step_time(candidate)
+    if value is None:
+        return None
+    value = float(value)
+    return value if value > 0.0 else None
+
+
+def observe(planner, metrics: Mapping[str, float], ctx: Context) -> None:
+    """Passes the measured step time of the current configuration to ``planner.observe``."""
+    hook = getattr(planner, "observe", None)
+    if hook is None:
+        return
+    step_time = read_metric(metrics, "step_time")
+    if step_time is not None and step_time > 0.0:
+        hook(current(ctx), step_time)
+
+
+def explore(planner, candidates: Sequence[Candidate]) -> Candidate | None:
+    """``planner.explore(candidates)`` when the planner searches, else ``None``."""
+    hook = getattr(planner, "explore", None)
+    if hook is None or not candidates:
+        return None
+    return hook(list(candidates))

@@ -1,0 +1,189 @@
+"""The cost model against math: α–β and compute fits, monotonicity, one-line refusals."""
+
+import itertools
+
+import pytest
+
+from adaptjax import Collective, RunConfig
+from adaptjax.costs import (
+    CannotPredict,
+    ComputeModel,
+    LinkModel,
+    Observation,
+    StepTimeModel,
+    fit_alpha_beta,
+    fit_compute,
+    message_steps,
+    rescale_report,
+)
+
+
+def _allreduce(n, message_bytes, is_async=False):
+    b = 2 * (n - 1) / n * message_bytes
+    return Collective("all-reduce", "f32", (int(message_bytes // 4),), int(message_bytes // 4), n,
+                      b, b, "f32", is_async=is_async)
+
+
+def _gather(n, message_bytes):
+    b = (n - 1) / n * message_bytes
+    return Collective("all-gather", "u32", (1,), 1, n, b, b, "u32")
+
+
+@pytest.mark.parametrize("kind", ["all-reduce", "all-gather", "all-to-all", "reduce-scatter"])
+def test_alpha_beta_fit_recovers_known_alpha_and_beta(kind):
+    alpha, beta = 3e-5, 2.5e-9
+    groups, sizes = zip(*itertools.product([2, 4, 8], [1e3, 1e5, 4e6]), strict=True)
+    secs = [message_steps(kind, n) * alpha + beta * b for n, b in zip(groups, sizes, strict=True)]
+    link = fit_alpha_beta(kind, groups, sizes, secs)
+    assert link.alpha == pytest.approx(alpha, rel=1e-9)
+    assert link.beta == pytest.approx(beta, rel=1e-9)
+
+
+def test_alpha_beta_fit_never_negative():
+    # Times that fall with size: the unconstrained fit has β < 0; the constrained one is 0.
+    link = fit_alpha_beta("all-reduce", [2, 2, 2], [1e3, 1e4, 1e5], [3e-3, 2e-3, 1e-3])
+    assert link.beta == 0.0 and link.alpha == pytest.approx(2e-3 / 2)
+
+
+def test_compute_fit_recovers_known_per_sample_cost():
+    fixed, per_sample = 0.004, 2e-4
+    configs = [(1, 8), (1, 32), (2, 16), (2, 64), (4, 64), (4, 256)]
+    secs = [fixed + per_sample * b / n for n, b in configs]
+    model = fit_compute([n for n, _ in configs], [b for _, b in configs], [1] * 6, secs)
+    assert model.fixed + model.per_microbatch == pytest.approx(fixed, rel=1e-6)
+    assert model.per_sample == pytest.approx(per_sample, rel=1e-6)
+    assert model.per_global_sample == pytest.approx(0.0, abs=1e-12)
+
+
+def test_compute_fit_finds_host_shared_devices():
+    # Simulated devices on one host: the step grows with the global batch n·b.
+    configs = [(1, 8), (2, 16), (2, 64), (4, 64), (8, 64)]
+    secs = [0.002 + 1e-4 * b for _, b in configs]
+    model = fit_compute([n for n, _ in configs], [b for _, b in configs], [1] * 5, secs)
+    assert model.per_global_sample == pytest.approx(1e-4, rel=1e-6)
+    assert model.per_sample == pytest.approx(0.0, abs=1e-12)
+
+
+def _model(link=None):
+    link = link or LinkModel(alpha=1e-4, beta=1e-8)
+    compute = ComputeModel(fixed=0.01, per_sample=1e-3)
+    return StepTimeModel({"all-reduce": link, "all-gather": link}, compute)
+
+
+def test_prediction_is_compute_plus_alpha_beta():
+    p = _model().predict(RunConfig(4, 64), [_allreduce(4, 4e6)])
+    assert p.compute == pytest.approx(0.01 + 1e-3 * 16)
+    assert p.comm == pytest.approx(6 * 1e-4 + 1e-8 * 1.5 * 4e6)
+    assert p.step_time == pytest.approx(p.compute + p.comm)
+    assert p.bytes == pytest.approx(1.5 * 4e6)
+
+
+def test_more_bytes_never_cheaper_on_the_same_link():
+    model = _model()
+    for n in (2, 4, 8):
+        times = [model.predict(RunConfig(n, 64), [_allreduce(n, m)]).step_time
+                 for m in (0, 1e3, 1e5, 1e6, 1e7, 1e8)]
+        assert times == sorted(times)
+        gathers = [model.predict(RunConfig(n, 64), [_gather(n, m)]).step_time
+                   for m in (1e3, 1e5, 1e7)]
+        assert gathers == sorted(gathers)
+
+
+def test_faster_link_never_slower():
+    slow, fast = LinkModel.from_bandwidth(1e8), LinkModel.from_bandwidth(1e9)
+    wire = [_allreduce(8, 4e6)]
+    assert (_model(fast).predict(RunConfig(8, 64), wire).step_time
+            <= _model(slow).predict(RunConfig(8, 64), wire).step_time)
+
+
+def test_overlap_hides_async_collectives_only_up_to_compute():
+    model = StepTimeModel({"*": LinkModel(0.0, 1e-8)}, ComputeModel(fixed=0.01), overlap=1.0)
+    sync = model.predict(RunConfig(2, 2), [_allreduce(2, 4e6)])
+    hidden = model.predict(RunConfig(2, 2), [_allreduce(2, 4e6, is_async=True)])
+    assert sync.hidden == 0.0
+    assert hidden.hidden == pytest.approx(min(sync.comm, 0.01))
+    assert hidden.step_time == pytest.approx(sync.step_time - hidden.hidden)
+
+
+def test_fit_recovers_compute_and_codec_cost():
+    link = LinkModel(alpha=1e-4, beta=1e-8)
+    compute = ComputeModel(fixed=0.005, per_global_sample=2e-4)
+
+    def observe(n, b, codec, extra, message):
+        wire = [_allreduce(n, message)]
+        t = (compute.time(devices=n, batch_size=b) + link.time("all-reduce", n, wire[0].bytes)
+             + extra)
+        return Observation(RunConfig(n, b, codec=codec), wire, t)
+
+    dense = [(1, 8), (2, 16), (2, 64), (4, 64), (4, 256), (8, 128)]
+    obs = [observe(n, b, None, 0.0, 4e6) for n, b in dense]
+    obs += [observe(n, 64, "onebit()", 0.002 + 0.001 * n, 2e5) for n in (2, 8)]
+    model = StepTimeModel.fit({"all-reduce": link}, obs)
+    assert model.codecs[("onebit()", None)].fixed == pytest.approx(0.002, rel=1e-6)
+    assert model.codecs[("onebit()", None)].per_device == pytest.approx(0.001, rel=1e-6)
+    truth = observe(4, 32, "onebit()", 0.002 + 0.004, 2e5)
+    assert model.predict(truth.config, truth.wire).step_time == pytest.approx(truth.step_time,
+                                                                             rel=1e-6)
+
+
+def test_rescale_report_keeps_the_message():
+    report = rescale_report([_allreduce(2, 4e6), _gather(2, 1e6)], 8)
+    assert [c.group_size for c in report.collectives] == [8, 8]
+    assert report.collectives[0].bytes == pytest.approx(2 * 7 / 8 * 4e6)
+    assert report.collectives[1].bytes == pytest.approx(7 / 8 * 1e6)
+
+
+def test_unknown_codec_says_so_in_one_line():
+    with pytest.raises(CannotPredict, match=r"cannot predict codec 'topk\(\)'.*measured") as e:
+        _model().predict(RunConfig(4, 64, codec="topk()"), [_allreduce(4, 1e3)])
+    assert "\n" not in str(e.value)
+
+
+def test_one_device_calibration_cannot_predict_communication():
+    model = StepTimeModel({}, ComputeModel(fixed=0.01))
+    assert model.predict(RunConfig(1, 8), []).step_time == pytest.approx(0.01)
+    with pytest.raises(CannotPredict, match="no collective was timed.*calibrated on one device"):
+        model.predict(RunConfig(4, 8), [_allreduce(4, 1e3)])
+
+
+def test_no_recorded_run_cannot_predict_compute():
+    model = StepTimeModel.fit({"all-reduce": LinkModel(0, 1e-9)}, [])
+    with pytest.raises(CannotPredict, match="no recorded step times"):
+        model.predict(RunConfig(2, 8), [_allreduce(2, 1e3)])
+
+
+def test_bad_inputs_name_the_fix():
+    with pytest.raises(ValueError, match="needs >= 2 timings"):
+        fit_alpha_beta("all-reduce", [2], [1e3], [1e-3])
+    with pytest.raises(ValueError, match="distinct per-replica batch sizes"):
+        fit_compute([2, 2], [8, 8], [1, 1], [0.1, 0.1])
+    with pytest.raises(ValueError, match="alpha must be a finite number >= 0"):
+        LinkModel(alpha=-1.0, beta=0.0)
+    with pytest.raises(ValueError, match="positive number of bytes/s"):
+        LinkModel.from_bandwidth(0)
+    with pytest.raises(ValueError, match="step_time must be a positive number"):
+        Observation(RunConfig(2, 8), [], 0.0)
+
+
+def test_dense_lane_follows_the_links():
+    from adaptjax.costs import choose_dense_lane
+
+    same = LinkModel(alpha=1e-5, beta=1e-9)
+    model = StepTimeModel({"all-reduce": same, "reduce-scatter": same, "all-gather": same})
+    choice, times = choose_dense_lane(model, 4e6, 8)
+    # Equal bytes and equal message steps (2(N-1) = (N-1) + (N-1)): a tie, one collective wins.
+    assert times["all-reduce"] == pytest.approx(times["reduce-scatter+all-gather"])
+    assert choice == "all-reduce"
+
+
+def test_bucket_size_trades_latency_for_overlap():
+    from adaptjax.costs import buckets, choose_bucket_bytes
+
+    assert sum(buckets([3e6, 1e5, 7e6], 1e6)) == pytest.approx(3e6 + 1e5 + 7e6)
+    model = StepTimeModel({"all-reduce": LinkModel(alpha=1e-4, beta=1e-9)})
+    sizes = (1e5, 1e6, 1e7, 1e8)
+    best, times = choose_bucket_bytes(model, [1e6] * 32, 8, candidates=sizes)
+    assert best == 1e8  # no overlap: fewest latencies
+    assert [times[s] for s in sizes] == sorted((times[s] for s in sizes), reverse=True)
+    best, _ = choose_bucket_bytes(model, [1e6] * 32, 8, candidates=sizes, overlap_compute=10.0)
+    assert best == 1e5  # everything but the last bucket hides: the smallest last bucket wins

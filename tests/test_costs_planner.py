@@ -1,0 +1,85 @@
+"""costs.Planner: online refits from observed step times, unknowns, cost-aware probing."""
+
+import pytest
+from adaptjax.policies import Candidate
+
+from adaptjax import Collective
+from adaptjax import policies as ajp
+from adaptjax.costs import CannotPredict, ComputeModel, LinkModel, Planner
+
+LINK = LinkModel(alpha=1e-4, beta=1e-8)
+COMPUTE = ComputeModel(fixed=0.01, per_sample=1e-3)
+CODEC_S = 0.004  # the codec's own seconds per step
+
+
+def _wire(config):
+    n = config.devices
+    message = 4e6 if config.codec is None else 2e5
+    b = 2 * (n - 1) / n * message
+    return [Collective("all-reduce", "f32", (1,), 1, n, b, b, "f32")]
+
+
+def _truth(c: Candidate) -> float:
+    config = Planner.config_of(c)
+    wire = _wire(config)[0]
+    extra = 0.0 if c.codec is None else CODEC_S
+    return (COMPUTE.time(devices=c.devices, batch_size=c.batch_size)
+            + LINK.time("all-reduce", c.devices, wire.bytes) + extra)
+
+
+def _planner(**kwargs):
+    return Planner({"all-reduce": LINK}, wire_of=_wire, **kwargs)
+
+
+def test_planner_refits_online_and_predicts_held_out_configurations():
+    planner = _planner()
+    for c in (Candidate(2, 16), Candidate(2, 64), Candidate(8, 64), Candidate(4, 128, codec="q"),
+              Candidate(8, 128, codec="q")):
+        planner.observe(c, _truth(c))
+    for c in (Candidate(4, 32), Candidate(6, 96), Candidate(2, 32, codec="q")):
+        assert planner.step_time(c) == pytest.approx(_truth(c), rel=1e-6)
+
+
+def test_planner_says_unknown_for_a_codec_never_measured():
+    planner = _planner()
+    for c in (Candidate(2, 16), Candidate(2, 64)):
+        planner.observe(c, _truth(c))
+    assert planner.step_time(Candidate(2, 64, codec="never")) is None
+    with pytest.raises(CannotPredict, match="cannot predict codec 'never'"):
+        planner.predict(Candidate(2, 64, codec="never"))
+
+
+def test_explore_probes_an_unknown_codec_only_when_the_horizon_pays_for_it():
+    cands = [Candidate(8, 64, codec="never")]
+    long_run, short_run = _planner(horizon_steps=100_000), _planner(horizon_steps=1)
+    for planner in (long_run, short_run):
+        for c in (Candidate(8, 64), Candidate(8, 256)):
+            planner.observe(c, _truth(c))
+    assert long_run.explore(cands) == cands[0]
+    assert short_run.explore(cands) is None
+    assert long_run.explore([Candidate(8, 64)]) is None  # measured already
+
+
+def test_switch_compression_with_the_planner_says_dont_compress():
+    planner = _planner()
+    # A codec that costs 10x the dense step on its own: compressing never pays.
+    for c in (Candidate(2, 16), Candidate(2, 64), Candidate(2, 64, codec="q")):
+        planner.observe(c, _truth(c) + (1.0 if c.codec else 0.0))
+    policy = ajp.SwitchCompression("q", planner=planner)
+    ctx = ajp.Context(step=10, batch_size=64, microbatches=1, devices=2, max_devices=8,
+                      hyperparams={}, codec="q")
+    assert policy.decide({"step_time": _truth(Candidate(2, 64, codec="q")) + 1.0}, ctx) == [
+        ajp.SetCodec(None)
+    ]
+
+
+def test_save_and_load_round_trip(tmp_path):
+    planner = _planner()
+    for c in (Candidate(2, 16), Candidate(2, 64), Candidate(8, 64)):
+        planner.observe(c, _truth(c))
+    planner.save(str(tmp_path / "costs.json"))
+    loaded = Planner.load(str(tmp_path))
+    c = Candidate(4, 32)  # never compiled: collectives rescaled from the 8-device step
+    assert loaded.step_time(c) == pytest.approx(_truth(c), rel=1e-6)
+    with pytest.raises(ValueError, match="no costs.json"):
+        Planner.load(str(tmp_path / "missing"))
