@@ -23,7 +23,12 @@ from typing import ClassVar
 import jax.numpy as jnp
 from adaptjax.compression._base import Codec
 from adaptjax.compression._bits import mix_seed
-from adaptjax.compression._collectives import bound_size, owner_compute, owner_compute_leaves
+from adaptjax.compression._collectives import (
+    bound_size,
+    choose_transport,
+    owner_compute,
+    owner_compute_leaves,
+)
 from adaptjax.compression._formats import (
     Cast,
     Format,
@@ -88,7 +93,9 @@ class Quantizer(Codec):
             )
 
     def _reduce(self, xs, shapes, ctx, server, shared):
-        if self.fast_axis is None and sum(prod(sh) for sh in shapes) > BUCKET_MAX:
+        big = sum(prod(sh) for sh in shapes) > BUCKET_MAX
+        if self.fast_axis is None and (big or choose_transport(ctx.n) != "owner"):
+            # the leaf-by-leaf path also carries the all-gather transport (2 replicas)
             outs, res = owner_compute_leaves(
                 xs,
                 self.fmt,
