@@ -184,6 +184,10 @@ class SetSync:
     """
 
     strategy: object | None
+    reason: str = dataclasses.field(default="", compare=False, repr=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        check_str(self.reason, owner="SetSync", name="reason")
 
 
 @dataclasses.dataclass(frozen=True)

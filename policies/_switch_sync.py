@@ -92,7 +92,13 @@ class SwitchSync(Policy):
         """Returns ``[SetSync(to)]`` when the rule holds and ``to`` is not running, else ``[]``."""
         if _same(ctx.sync, self.to) or not self._holds(metrics, ctx):
             return []
-        return [SetSync(self.to)]
+        if self.metric is None:
+            why = "SwitchSync: the user's rule holds"
+        else:
+            rule = f"below {self.below}" if self.below is not None else f"above {self.above}"
+            per = " x batch size" if self.relative_to_batch else ""
+            why = f"SwitchSync: {self.metric} {metrics.get(self.metric)!r} is {rule}{per}"
+        return [SetSync(self.to, reason=why)]
 
 
 def _same(running, wanted) -> bool:
