@@ -44,6 +44,7 @@ from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
 from adaptjax._per_replica import merge_replicas
 from adaptjax._run_config import RunConfig, codec_key
 from adaptjax._run_dir import RunDirectory, check_writable_dir, elapsed, user_stacklevel
+from adaptjax._run_lock import RunLock
 from adaptjax._state import merge_model, train_state_shardings
 from adaptjax._step import make_mesh
 from adaptjax._step_cache import OPTIMIZER, SYNC, StepCache
@@ -340,6 +341,8 @@ class Controller:
                     "iterable in adaptjax.IterableDataset"
                 )
         check_writable_dir(run_dir)
+        if is_primary():
+            RunLock.check_free(run_dir)  # a live owner is the first thing to report
         ckpt_dir = os.path.join(run_dir, "checkpoints")
         has_checkpoints = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
         if not resume and has_checkpoints:

@@ -40,27 +40,30 @@ class RunLock:
     """
 
     def __init__(self, run_dir: str | os.PathLike):
-        import fcntl
-
         self.path = os.path.join(os.fspath(run_dir), ".adaptjax.lock")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            where = (
-                "this process: close() the other Controller first"
-                if holder == str(os.getpid())
-                else "wait for it to finish, stop it, or choose another run_dir"
-            )
-            raise RunDirectoryLocked(
-                f"run_dir {os.path.dirname(self.path)} is in use by another controller "
-                f"(pid {holder}); {where}"
-            ) from None
+        _lock_or_raise(fd, self.path)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd: int | None = fd
+
+    @staticmethod
+    def check_free(run_dir: str | os.PathLike) -> None:
+        """Raises :class:`RunDirectoryLocked` if a live owner holds ``run_dir``.
+
+        Changes nothing on disk (no lock file is created), so a caller can ask
+        before any other check and report the owner first.
+        """
+        import fcntl
+
+        path = os.path.join(os.fspath(run_dir), ".adaptjax.lock")
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+        _lock_or_raise(fd, path)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
     @property
     def held(self) -> bool:
@@ -75,3 +78,23 @@ class RunLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def _lock_or_raise(fd: int, path: str) -> None:
+    """Takes ``flock(fd)`` exclusively or closes ``fd`` and raises naming the holder."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        where = (
+            "this process: close() the other Controller first"
+            if holder == str(os.getpid())
+            else "wait for it to finish, stop it, or choose another run_dir"
+        )
+        raise RunDirectoryLocked(
+            f"run_dir {os.path.dirname(path)} is in use by another controller "
+            f"(pid {holder}); {where}"
+        ) from None

@@ -129,6 +129,18 @@ def test_run_lock_names_the_holder_and_is_released(tmp_path):
     RunLock(tmp_path).release()
 
 
+def test_run_lock_check_free_asks_without_touching_the_disk(tmp_path):
+    RunLock.check_free(tmp_path)  # no lock file: free, and none is created
+    assert os.listdir(tmp_path) == []
+    lock = RunLock(tmp_path)
+    with pytest.raises(adaptjax.RunDirectoryLocked) as e:
+        RunLock.check_free(tmp_path)
+    assert f"pid {os.getpid()}" in _one_line(e)
+    lock.release()
+    RunLock.check_free(tmp_path)
+    RunLock(tmp_path).release()  # checking did not leave the lock taken
+
+
 def test_run_directory_logs_a_checkpoint_only_once_it_is_complete(tmp_path):
     import jax.numpy as jnp
     import optax

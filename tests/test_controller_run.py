@@ -259,6 +259,17 @@ def test_new_run_refuses_a_run_dir_with_checkpoints(tmp_path):
     assert snapshot(tmp_path) == before
 
 
+def test_a_live_owner_is_reported_before_the_checkpoints_it_wrote(tmp_path):
+    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+    ctrl.run(10)  # checkpoints on disk, and the controller still owns the directory
+    before = snapshot(tmp_path)
+    with pytest.raises(adaptjax.RunDirectoryLocked) as e:
+        adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs())
+    assert f"in use by another controller (pid {os.getpid()})" in _one_line(e)
+    assert snapshot(tmp_path) == before
+    ctrl.close()
+
+
 def test_policy_returning_an_unknown_action(tmp_path):
     class Bad(ajp.Policy):
         def decide(self, metrics, ctx):
