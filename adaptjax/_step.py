@@ -161,9 +161,13 @@ def data_parallel_step(
     another cross-replica reduction). ``tx.update`` receives the extra
     arguments ``local_batch_size``, ``microbatches`` and ``micro_sqnorm``.
 
-    Non-finite loss or updates skip the update when ``skip_nonfinite``: params,
-    optimizer and model state stay as they were and ``state.nonfinite_count``
-    grows.
+    A non-finite loss or gradient (on any replica) skips the update when
+    ``skip_nonfinite``: params, optimizer and model state stay as they were and
+    ``state.nonfinite_count`` grows. Like ``optax.apply_if_finite`` and
+    PyTorch's ``GradScaler``, the check reads the gradients, before ``tx``
+    runs (so it costs one reduction, not a pass over the updates and a copy of
+    the state); a ``tx`` that turns finite gradients into non-finite updates
+    is not caught (wrap it in ``optax.apply_if_finite``).
 
     Flax NNX models with state (call ``model.train()`` before
     :func:`adaptjax.init_state`): the step merges the module inside the
@@ -199,7 +203,7 @@ def data_parallel_step(
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       axis_name: the data-parallel axis (or tuple of axes).
       donate: donate the state buffers to the step.
-      skip_nonfinite: skip updates whose loss or updates are not finite.
+      skip_nonfinite: skip updates whose loss or gradients are not finite.
       sync: the :class:`adaptjax.SyncStrategy` ``tx`` was built with (by
         :func:`adaptjax.sync_chain`), or its name; checked against the mesh
         (e.g. gossip needs two replicas) before anything compiles. Whatever
@@ -287,6 +291,20 @@ def data_parallel_step(
             lambda x: jax.lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.floating) else x,
             model_state,
         )
+        if skip_nonfinite:
+            # Checked on the loss and the gradients, before the optimizer runs (as
+            # optax.apply_if_finite and PyTorch's GradScaler check gradients): the keep-or-
+            # skip choice is then a scalar known before the update, which XLA fuses into
+            # the optimizer's elementwise loops instead of a pass (and a copy of the
+            # state) after them. One collective of two scalars makes it global.
+            mean_loss_sq = jax.lax.pmean(
+                jnp.stack([loss.astype(jnp.float32), tree_sq_norm(grads)]), axis_name
+            )
+            ok = jnp.all(jnp.isfinite(mean_loss_sq))
+            loss = mean_loss_sq[0]
+        else:
+            ok = jnp.bool_(True)
+            loss = jax.lax.pmean(loss.astype(jnp.float32), axis_name)
         extra = {"local_params": params} if has_local else {}
         updates, opt_state = tx.update(
             grads,
@@ -299,16 +317,13 @@ def data_parallel_step(
         )
         params = global_params
         new_params = optax.apply_updates(params, updates)
-        loss = jax.lax.pmean(loss.astype(jnp.float32), axis_name)
         aux = jax.lax.pmean(aux, axis_name)
         if skip_nonfinite:
-            ok = jnp.isfinite(loss) & jnp.isfinite(tree_sq_norm(updates))
-
-            new = (new_params, opt_state, model_state)
-            old = (params, state.opt_state, state.model_state)
-            new_params, opt_state, model_state = jax.lax.cond(ok, lambda: new, lambda: old)
-        else:
-            ok = jnp.bool_(True)
+            new_params, opt_state, model_state = jax.tree.map(
+                lambda new, old: jax.lax.select(jnp.broadcast_to(ok, jnp.shape(new)), new, old),
+                (new_params, opt_state, model_state),
+                (params, state.opt_state, state.model_state),
+            )
         metrics = {"loss": loss, "nonfinite": (~ok).astype(jnp.float32)}
         metrics.update(collect_metrics(opt_state))
         if has_aux:

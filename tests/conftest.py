@@ -36,6 +36,17 @@ for _flag in _FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite's own persistent compilation cache: it starts empty (as on a fresh CI machine,
+# so the suite's time is honest), is shared with the jobs the tests start, and leaves the
+# user's ~/.cache alone.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="adaptjax-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 os.environ.setdefault("PJRT_NPROC", str(max(2 * DEVICES, os.cpu_count() or 1)))
 
 import jax  # noqa: E402

@@ -165,6 +165,41 @@ def test_nonfinite_gradient_skips_update_and_is_counted():
     assert float(m["nonfinite"]) == 1.0 and int(new.nonfinite_count) == 1
 
 
+def test_finite_loss_with_an_infinite_gradient_on_one_replica_skips_every_replica():
+    # d/dw sqrt(|w x|) is infinite at w x = 0 while the loss stays finite; only replica 0's
+    # rows have x = 0, yet every replica must skip (the check is global).
+    mesh = adaptjax.make_mesh(8)
+    tx = optax.chain(adaptjax.sync_gradients("data"), optax.adam(0.1))
+
+    def loss(p, b):
+        return jnp.mean(jnp.sqrt(jnp.abs(p["w"] * b["x"])))
+
+    step = adaptjax.data_parallel_step(loss, tx, mesh, donate=False)
+    state = adaptjax.init_state({"w": jnp.ones(())}, tx, mesh)
+    x = np.ones(16, np.float32)
+    x[:2] = 0.0  # replica 0's two rows
+    new, m = step(state, {"x": x})
+    assert np.isfinite(float(m["loss"])) and float(m["nonfinite"]) == 1.0
+    assert float(new.params["w"]) == 1.0 and int(new.nonfinite_count) == 1
+    for a, c in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(new.opt_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_the_guard_changes_nothing_on_a_finite_step():
+    mesh = adaptjax.make_mesh(8)
+    tx = _adam()
+    out = []
+    for guard in (True, False):
+        step = adaptjax.data_parallel_step(_loss, tx, mesh, skip_nonfinite=guard)
+        state = adaptjax.init_state(_mlp_params(), tx, mesh)
+        for b in _batches(3, 32):
+            state, m = step(state, b)
+        out.append((jax.device_get((state.params, state.opt_state)), float(m["loss"])))
+    # equal up to the rounding of XLA fusing the update differently (a few float32 ulps)
+    for a, c in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-9)
+
+
 # --- bad inputs: one-line ValueErrors before anything compiles -----------------
 
 
