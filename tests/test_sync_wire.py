@@ -23,7 +23,8 @@ STRATEGIES = (
 )
 PARAMS = {"w": jnp.zeros((1000,)), "b": jnp.zeros((24,))}
 PARAM_BYTES = 4 * 1024
-LOSS_BYTES = 4  # the step's pmean of the loss (one float32)
+# The step's one scalar pmean: the loss and the non-finite guard's |g|^2 (two float32).
+LOSS_BYTES = 8
 
 
 def loss(p, b):
