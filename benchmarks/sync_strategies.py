@@ -16,14 +16,16 @@ the same inner optimizer (AdamW), data order and step count, this prints:
 The workload is one function, :func:`digits_workload` (an MLP 64-256-256-10
 on scikit-learn's 8x8 digits, the model of ``examples/digits.py`` as a plain
 pytree): swap it for another that returns a :class:`Workload` (e.g. the
-transformer LM of ``examples/lm.py``) with ``--workload module:function``.
+transformer LM of ``examples/lm.py``, built in as ``--workload lm``: the
+``small`` size, dropout off, on the standard library's sources) with
+``--workload module:function``.
 
 Times are not reported: simulated CPU devices share a host and have no link.
 The bytes, not a wall clock, are what a real interconnect would carry.
 
 Usage:
   python benchmarks/sync_strategies.py [--steps 512] [--quick]
-      [--outer-lr 0.7 --outer-momentum 0.9] [--workload module:function]
+      [--outer-lr 0.7 --outer-momentum 0.9] [--workload digits|lm|module:function]
 
 The last line is ``diloco_bytes_ratio=<S-SGD bytes / DiLoCo H=32 bytes>
 diloco_loss_gap=<(DiLoCo H=32 final val loss - S-SGD's) / S-SGD's>``.
@@ -87,6 +89,31 @@ def digits_workload(seed: int = 0) -> Workload:
     return Workload(params, loss_fn, {"x": x_tr, "y": y_tr}, {"x": x_va, "y": y_va})
 
 
+def lm_workload(seed: int = 0, size: str = "small", val_windows: int = 256) -> Workload:
+    """``examples/lm.py``'s byte-level transformer (dropout off) on the stdlib's sources."""
+    import sys
+
+    from flax import nnx
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    import lm
+    import lm_data
+
+    cfg = dataclasses.replace(lm.SIZES[size], dropout=0.0)
+    graphdef, params, rest = nnx.split(lm.ByteLM(cfg, nnx.Rngs(seed)), nnx.Param, ...)
+    train, val, _ = lm_data.load_corpus(context=cfg.context, max_train_bytes=2_000_000)
+
+    def loss_fn(p, batch):
+        return lm.loss_fn(nnx.merge(graphdef, p, rest), batch)
+
+    return Workload(
+        params,
+        loss_fn,
+        {"tokens": train},
+        {"tokens": val[:val_windows]},
+    )
+
+
 def strategies(outer_lr: float = 0.7, outer_momentum: float = 0.9) -> dict:
     """The strategies compared; DiLoCo's outer step as given (the paper's 0.7 / 0.9 by default)."""
     outer = {"outer_lr": outer_lr, "outer_momentum": outer_momentum}
@@ -142,17 +169,22 @@ def main():
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--eval-every", type=int, default=16)
     parser.add_argument("--target", type=float, default=0.15, help="validation loss to reach")
-    parser.add_argument("--workload", default=None, help="module:function returning a Workload")
+    parser.add_argument(
+        "--workload", default="digits",
+        help="digits, lm (examples/lm.py, small, dropout off) or module:function -> Workload",
+    )
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer lr")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's (Nesterov)")
     parser.add_argument("--quick", action="store_true", help="S-SGD and DiLoCo H=32 only")
     args = parser.parse_args()
 
-    if args.workload:
+    if args.workload == "digits":
+        work = digits_workload()
+    elif args.workload == "lm":
+        work = lm_workload()
+    else:
         module, fn = args.workload.split(":")
         work = getattr(importlib.import_module(module), fn)()
-    else:
-        work = digits_workload()
     table = strategies(args.outer_lr, args.outer_momentum)
     names = ["S-SGD", "DiLoCo H=32"] if args.quick else list(table)
     n_params = sum(x.size for x in jax.tree.leaves(work.params))
