@@ -13,19 +13,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 
 import adaptjax  # lazy: loads no jax
 from adaptjax import _report  # standard library only (matplotlib when drawing)
-
-
-def _read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+from adaptjax._run_log import read_jsonl_rows  # standard library only
 
 
 def _check_run_dir(run_dir: str) -> None:
@@ -75,8 +68,8 @@ def summary(run_dir: str) -> str:
       steps logged: 3
     """
     _check_run_dir(run_dir)
-    metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    events = _read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    metrics = read_jsonl_rows(os.path.join(run_dir, "metrics.jsonl"))
+    events = read_jsonl_rows(os.path.join(run_dir, "events.jsonl"))
     lines = [
         f"run: {os.path.abspath(run_dir)}",
         f"steps logged: {metrics[-1]['step'] if metrics else 0}",
@@ -119,7 +112,7 @@ def plot(run_dir: str, keys: list[str] | None = None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    metrics = read_jsonl_rows(os.path.join(run_dir, "metrics.jsonl"))
     keys = keys or [
         "loss", "eval_loss", "noise_scale", "batch_size", "learning_rate", "devices",
         "step_time", "eval_accuracy",
@@ -127,7 +120,7 @@ def plot(run_dir: str, keys: list[str] | None = None) -> str:
     keys = [k for k in keys if any(k in r for r in metrics)]
     if not keys:
         raise SystemExit(f"adaptjax: no metrics to plot in {run_dir}")
-    events = _read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    events = read_jsonl_rows(os.path.join(run_dir, "events.jsonl"))
     fig, axes = plt.subplots(len(keys) + 1, 1, figsize=(8, 2.2 * len(keys) + 1.2), sharex=True)
     axes = list(axes)
     for ax, key in zip(axes, keys, strict=False):

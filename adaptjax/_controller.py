@@ -56,6 +56,7 @@ from adaptjax._sync_strategy import (
     sync_key,
 )
 from adaptjax._transition import Transition, plan_transition
+from adaptjax._walk import find_held
 
 #: Exit code after SIGTERM: a checkpoint of the current step was written; start again to resume.
 EXIT_PREEMPTED = 75
@@ -74,25 +75,18 @@ class NonFiniteTraining(RuntimeError):
     """
 
 
-def _find_codecs(obj, found: dict, depth: int = 0) -> None:
+def _find_codecs(obj, found: dict) -> None:
     """Collects codec objects held by policies (e.g. ``SwitchCompression.codec``)."""
-    if depth > 4 or obj is None or isinstance(obj, str | int | float | bool):
-        return
-    if isinstance(obj, ajp.SetCodec):
-        if obj.codec is not None:
-            found[codec_key(obj.codec)] = obj.codec
-        return
-    if isinstance(obj, GradientCodec) and not isinstance(obj, type):
-        found[codec_key(obj)] = obj
-        return
-    if isinstance(obj, Mapping):
-        values = obj.values()
-    elif isinstance(obj, list | tuple):
-        values = obj
-    else:
-        values = (getattr(obj, "__dict__", None) or {}).values()
-    for v in values:
-        _find_codecs(v, found, depth + 1)
+    held = find_held(
+        obj,
+        lambda o: isinstance(o, ajp.SetCodec)
+        or (isinstance(o, GradientCodec) and not isinstance(o, type)),
+        max_depth=4,
+    )
+    for o in held:
+        codec = o.codec if isinstance(o, ajp.SetCodec) else o
+        if codec is not None:
+            found[codec_key(codec)] = codec
 
 
 class _NoPolicy(ajp.Policy):

@@ -35,6 +35,7 @@ from adaptjax import policies as ajp
 from adaptjax._cost_links import LinkModel
 from adaptjax._cost_model import CannotPredict, StepTimeModel, config_key, rescale_report
 from adaptjax._run_config import RunConfig, codec_key
+from adaptjax._walk import find_held
 
 TIME_KEYS = ("step_time", "throughput", "comm_time", "comm_share")
 
@@ -174,24 +175,11 @@ def _first_config(events: list[dict], metrics: list[dict]) -> RunConfig:
     raise ValueError("the run records no configuration (no compile event); cannot replay it")
 
 
-def _find_codecs(obj, found: dict, depth: int = 0) -> None:
+def _find_codecs(obj, found: dict) -> None:
     """Codec objects held by policies (``SetCodec``/``SwitchCompression`` fields), by key."""
-    if depth > 6 or obj is None or isinstance(obj, str | int | float | bool):
-        return
-    if isinstance(obj, ajp.SetCodec):
-        found.setdefault(codec_key(obj.codec), obj.codec)
-        return
-    if isinstance(obj, ajp.SwitchCompression):
-        found.setdefault(codec_key(obj.codec), obj.codec)
-    if isinstance(obj, Mapping):
-        for v in obj.values():
-            _find_codecs(v, found, depth + 1)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            _find_codecs(v, found, depth + 1)
-    elif dataclasses.is_dataclass(obj):
-        for f in dataclasses.fields(obj):
-            _find_codecs(getattr(obj, f.name, None), found, depth + 1)
+    kinds = (ajp.SetCodec, ajp.SwitchCompression)
+    for o in find_held(obj, lambda o: isinstance(o, kinds), max_depth=6):
+        found.setdefault(codec_key(o.codec), o.codec)
 
 
 def simulate(

@@ -14,10 +14,11 @@ the picture), never jax.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
+
+from adaptjax._run_log import read_jsonl_rows  # standard library only
 
 # Events drawn as vertical markers, with their colour; the label says what happened.
 _MARKED = {
@@ -39,28 +40,13 @@ _KEY_METRICS = (
 )
 
 
-def _read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows
-
-
 def load_run(run_dir: str) -> tuple[list[dict], list[dict]]:
     """``(metrics rows, events)`` of a run directory; a one-line SystemExit if it is not one."""
     if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
         raise SystemExit(f"adaptjax: {run_dir} is not a run directory (no metrics.jsonl)")
     return (
-        _read_jsonl(os.path.join(run_dir, "metrics.jsonl")),
-        _read_jsonl(os.path.join(run_dir, "events.jsonl")),
+        read_jsonl_rows(os.path.join(run_dir, "metrics.jsonl")),
+        read_jsonl_rows(os.path.join(run_dir, "events.jsonl")),
     )
 
 

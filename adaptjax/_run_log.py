@@ -83,7 +83,7 @@ class RunLog:
         self._events.flush()
         return any(
             e.get("kind") == kind and e.get("step") == step
-            for e in _read_rows(os.path.join(self.run_dir, "events.jsonl"))
+            for e in read_jsonl_rows(os.path.join(self.run_dir, "events.jsonl"))
         )
 
     def truncate_after(self, step: int) -> None:
@@ -94,7 +94,7 @@ class RunLog:
         self._events.close()
         self._metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a", buffering=1 << 16)
         self._events = open(os.path.join(self.run_dir, "events.jsonl"), "a", buffering=1)
-        self.events = _read_rows(os.path.join(self.run_dir, "events.jsonl"))
+        self.events = read_jsonl_rows(os.path.join(self.run_dir, "events.jsonl"))
 
     def flush(self) -> None:
         """Hands buffered rows to the operating system."""
@@ -165,7 +165,7 @@ class NullRunLog:
         """Writes nothing."""
 
 
-def _read_rows(path: str) -> list[dict]:
+def read_jsonl_rows(path: str | os.PathLike) -> list[dict]:
     """The JSON rows of a ``.jsonl`` file, skipping a torn (unparseable) line."""
     if not os.path.exists(path):
         return []
@@ -191,7 +191,7 @@ def truncate_run_logs(run_dir: str | os.PathLike, step: int) -> None:
         path = os.path.join(os.fspath(run_dir), name)
         if not os.path.exists(path):
             continue
-        keep = [r for r in _read_rows(path) if int(r.get("step", 0)) <= step]
+        keep = [r for r in read_jsonl_rows(path) if int(r.get("step", 0)) <= step]
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in keep)

@@ -30,7 +30,6 @@ does the same and passes ``local_params=`` to ``tx.update``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import ClassVar
 
 import jax
@@ -39,6 +38,7 @@ import numpy as np
 import optax
 
 from adaptjax._per_replica import PerReplica
+from adaptjax._walk import find_held
 
 #: The merge rule of local models and their optimizer state on a rescale.
 LOCAL_MERGE = "fold"
@@ -424,25 +424,13 @@ def _mean0(x):
     return x.mean(axis=0, dtype=np.float64).astype(x.dtype)
 
 
-def register_strategies(obj, cache, depth: int = 0) -> None:
+def register_strategies(obj, cache) -> None:
     """Registers in ``cache`` (``add_sync``) every strategy ``obj`` holds, and the defaults.
 
     Policies hold strategies as opaque values (``SwitchSync(to=...)``,
     ``SetSync(...)``); a resumed run must know the one its checkpoint names.
     """
-    if depth == 0:
-        for strategy in _defaults().values():
-            cache.add_sync(strategy)
-    if depth > 8 or obj is None or isinstance(obj, str | int | float | bool):
-        return
-    if isinstance(obj, SyncStrategy):
-        cache.add_sync(obj)
-        return
-    if isinstance(obj, Mapping):
-        values = obj.values()
-    elif isinstance(obj, list | tuple):
-        values = obj
-    else:
-        values = (getattr(obj, "__dict__", None) or {}).values()
-    for v in values:
-        register_strategies(v, cache, depth + 1)
+    for strategy in _defaults().values():
+        cache.add_sync(strategy)
+    for strategy in find_held(obj, lambda o: isinstance(o, SyncStrategy)):
+        cache.add_sync(strategy)
