@@ -60,6 +60,15 @@ def test_summary_sums_compile_seconds_per_configuration(tmp_path):
     assert per_config[1].split()[:2] == ["0.25", "s"] and "devices=4" in per_config[1]
 
 
+def test_summary_reads_a_run_whose_last_lines_were_torn_by_a_kill(tmp_path):
+    run = _run_dir(tmp_path)
+    for name in ("metrics.jsonl", "events.jsonl"):
+        with open(run / name, "a") as f:
+            f.write('{"step": 6, "lo')  # the writer died mid-line
+    lines = _cli.summary(str(run)).splitlines()
+    assert "steps logged: 5" in lines and "compile seconds: 2.25 in 3 compile(s)" in lines
+
+
 def test_console_script_version_and_help_without_markup(tmp_path):
     import adaptjax
 
