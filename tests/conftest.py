@@ -107,3 +107,25 @@ def pytest_collection_modifyitems(config, items):
             and not item.get_closest_marker("timeout")
         ):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
+
+@pytest.fixture
+def json_from_python_on_devices():
+    """``run(code, devices)``: runs ``code`` in a fresh Python on ``devices`` simulated CPU
+    devices and returns its last stdout line, parsed as JSON."""
+    import json
+    import subprocess
+    import sys
+
+    def run(code: str, devices: int, timeout: float = 600):
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["JAX_PLATFORMS"] = "cpu"
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env, capture_output=True, text=True, timeout=timeout, check=False,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return run

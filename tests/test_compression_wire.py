@@ -8,11 +8,8 @@ plus all-gather of one row) is ``2(N−1)·row``; top-k ``8k(N−1)``; random-k
 ``8rn(N−1)/N`` on a P step, ``8rm(N−1)/N`` on a Q step (one ``lax.cond`` branch each).
 """
 
-import json
 import math
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -204,16 +201,8 @@ _SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_wire_bytes_match_formula_on_16_devices():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=16"
-    env["JAX_PLATFORMS"] = "cpu"
+def test_wire_bytes_match_formula_on_16_devices(json_from_python_on_devices):
     here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT.format(here=here)],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = json_from_python_on_devices(_SCRIPT.format(here=here), 16)
     for name, rows in results.items():
         _check(name, 16, rows)

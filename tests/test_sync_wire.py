@@ -1,9 +1,6 @@
 """Bytes each strategy sends per device per step, from the compiled HLO, against its formula."""
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -78,15 +75,7 @@ _SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_wire_bytes_match_formula_on_16_devices():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=16"
-    env["JAX_PLATFORMS"] = "cpu"
+def test_wire_bytes_match_formula_on_16_devices(json_from_python_on_devices):
     here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT.format(here=here)],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for src, (got, want) in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+    for src, (got, want) in json_from_python_on_devices(_SCRIPT.format(here=here), 16).items():
         assert got == pytest.approx(want, rel=1e-9), src
