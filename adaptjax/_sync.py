@@ -27,16 +27,24 @@ def _sample_coordinates(tree, count, fraction: float):
     replacement, each weighted ``d / k`` so that sums of squares stay unbiased.
     """
     key = jax.random.fold_in(jax.random.key(0x5A17), count)
+    leaves = jax.tree.leaves(tree)
+    sizes = [int(np.prod(np.shape(x))) for x in leaves]
+    ks = [max(_MIN_SAMPLE, int(np.ceil(fraction * d))) for d in sizes]
+    drawn = [(d, k) for d, k in zip(sizes, ks, strict=True) if d > k]
+    if drawn:
+        # one draw for every sampled leaf (one random-bits kernel, not one per leaf)
+        maxval = np.concatenate([np.full(k, d, np.int32) for d, k in drawn])
+        flat = jax.random.randint(key, (len(maxval),), 0, jnp.asarray(maxval), dtype=jnp.int32)
+        parts = iter(jnp.split(flat, np.cumsum([k for _, k in drawn])[:-1]))
     out = []
-    for i, x in enumerate(jax.tree.leaves(tree)):
-        d = int(np.prod(np.shape(x)))
-        k = max(_MIN_SAMPLE, int(np.ceil(fraction * d)))
+    for d, k in zip(sizes, ks, strict=True):
         if d <= k:
             out.append((jnp.arange(d, dtype=jnp.int32), 1.0))
         else:
-            idx = jax.random.randint(jax.random.fold_in(key, i), (k,), 0, d, dtype=jnp.int32)
-            out.append((idx, d / k))
+            out.append((next(parts), d / k))
     return out
+
+
 _WIRE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 

@@ -105,6 +105,9 @@ class WireReport:
     conditional are not added up: ``total`` takes their mean (what one call
     sends on average when the branches alternate, as PowerSGD's P and Q steps
     do), ``max_total`` the largest, and ``branch_totals`` lists each branch.
+    The non-finite guard of :func:`adaptjax.data_parallel_step` (a conditional
+    whose other branch skips the update and sends nothing) is the exception:
+    a step counts what its update sends.
 
     Attributes:
       collectives: the collectives in program-text order.
@@ -585,6 +588,12 @@ def _collectives(text: str, num_devices: int | None) -> tuple[list[_Coll], list[
     return colls, instrs, header
 
 
+# A conditional under this named scope is the non-finite guard of
+# adaptjax.data_parallel_step: ``lax.cond(ok, update, skip)``. Its skip branch sends
+# nothing and runs only on a rare bad step, so it is no branch point for the bytes:
+# what the update branch sends is what a step sends.
+GUARD_SCOPE = "adaptjax_nonfinite_guard"
+
 _CALLED = re.compile(
     r"\b(?:calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
 )
@@ -598,6 +607,8 @@ def _branch_paths(instrs: list[_Instr]) -> tuple[dict[str, tuple], dict[str, int
     caller's path. ``lax.cond`` lowers to a conditional on ``int(pred)``, so the
     false branch is 0; a predicate conditional (``true_computation=``) is
     listed true first in the text and numbered the same way: false 0, true 1.
+    A conditional under the named scope `GUARD_SCOPE` (the non-finite guard) is
+    not a branch point: its branches get its own path.
     """
     parent: dict[str, tuple[str, tuple | None]] = {}
     counts: dict[str, int] = {}
@@ -610,9 +621,11 @@ def _branch_paths(instrs: list[_Instr]) -> tuple[dict[str, tuple], dict[str, int
                 t = re.search(r"\btrue_computation=%?([\w.\-]+)", ins.attrs)
                 f = re.search(r"\bfalse_computation=%?([\w.\-]+)", ins.attrs)
                 names = [f.group(1), t.group(1)] if t and f else []
-            counts[ins.name] = len(names)
+            guard = re.search(r'op_name="[^"]*\b' + GUARD_SCOPE + r'/cond"', ins.attrs)
+            if not guard:
+                counts[ins.name] = len(names)
             for b, name in enumerate(names):
-                parent.setdefault(name, (ins.computation, (ins.name, b)))
+                parent.setdefault(name, (ins.computation, None if guard else (ins.name, b)))
             continue
         for name in _CALLED.findall(ins.attrs):
             parent.setdefault(name, (ins.computation, None))

@@ -8,6 +8,7 @@ reduce-scatter (N-1)/N*S, collective-permute S.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -463,6 +464,29 @@ def test_cond_branches_are_averaged_not_summed(mesh):
     assert report.static_total == pytest.approx(always + true_b + false_b)
     assert sorted(c.branch for c in report.collectives) == [(), ((name, 0),), ((name, 1),)]
     assert "branch 0, 1" in str(report)
+
+
+def test_the_nonfinite_guards_cond_counts_its_update_branch():
+    # data_parallel_step runs the update (and its gradient all-reduce) inside
+    # lax.cond(ok, update, skip): a step sends what the update sends, not half of it.
+    n = 8
+    mesh = adaptjax.make_mesh(n)
+    tx = optax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.1))
+    params = {"w": jnp.zeros((1000,)), "b": jnp.zeros((24,))}
+    batch = {"x": sds((8 * 2, 8)), "y": sds((8 * 2,))}
+
+    def loss(p, b):
+        return jnp.mean((b["x"] @ p["w"][:8] + p["b"][0] - b["y"]) ** 2)
+
+    totals = {}
+    for guard in (True, False):
+        step = adaptjax.data_parallel_step(loss, tx, mesh, skip_nonfinite=guard)
+        report = wire_bytes(step.jitted, adaptjax.abstract_state(params, tx, mesh), batch)
+        assert report.conditionals == ()
+        totals[guard] = report.total
+    grads = all_reduce(n, F32 * 1024)
+    assert totals[False] == pytest.approx(grads + all_reduce(n, F32))  # + the loss
+    assert totals[True] == pytest.approx(grads + all_reduce(n, 2 * F32))  # + loss and |g|^2
 
 
 def test_switch_with_a_branch_without_collectives_and_a_nested_cond(mesh):
