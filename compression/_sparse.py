@@ -93,19 +93,33 @@ def _compact(words, cap: int):
     """The first ``cap`` set positions of packed mask ``words``, ascending (``-1`` past them).
 
     A cumulative count over the words (not the elements: a cumsum over every
-    element is ~100x a copy on CPU), a binary search of each slot's word, and
-    the slot's bit within it. Returns (positions, count of set bits).
+    element is ~100x a copy on CPU), then each slot's word, and the slot's bit
+    within it. Slots find their words by a binary search each when there are
+    few of them; with many (``cap·log2(words) > 2·words``) each word with set
+    bits writes its index at its first slot and a running maximum over the
+    slots fills the rest, which reads every word once instead (half the time
+    at a ratio of 1%). Returns (positions, count of set bits).
     """
+    nwords = words.shape[0]
     cnt = jax.lax.population_count(words).astype(jnp.int32)
     # two-level cumulative count (within rows of 32 words, then over rows): cheaper on CPU
-    rows = jnp.pad(cnt, (0, -cnt.shape[0] % 32)).reshape(-1, 32)
+    rows = jnp.pad(cnt, (0, -nwords % 32)).reshape(-1, 32)
     inner = jnp.cumsum(rows, axis=1)
     outer = jnp.cumsum(inner[:, -1]) - inner[:, -1]
-    incl = (inner + outer[:, None]).reshape(-1)[: cnt.shape[0]]
+    incl = (inner + outer[:, None]).reshape(-1)[:nwords]
+    excl = incl - cnt
     slot = jnp.arange(cap, dtype=jnp.int32)
-    w = jnp.minimum(jnp.searchsorted(incl, slot, side="right"), words.shape[0] - 1)
-    w = w.astype(jnp.int32)
-    pos = 32 * w + _nth_set_bit(words[w], slot - (incl[w] - cnt[w]))
+    if cap * max(1, nwords.bit_length()) > 2 * nwords:
+        # a word's first slot is its exclusive count; words without set bits (or whose
+        # slots start past cap) write to the spare slot ``cap``, which is dropped
+        first = jnp.where((cnt > 0) & (excl < cap), excl, cap)
+        index = jnp.arange(nwords, dtype=jnp.int32)
+        starts = jnp.zeros((cap + 1,), jnp.int32).at[first].max(index, mode="drop")
+        w = jax.lax.cummax(starts[:cap])
+    else:
+        w = jnp.minimum(jnp.searchsorted(incl, slot, side="right"), nwords - 1)
+        w = w.astype(jnp.int32)
+    pos = 32 * w + _nth_set_bit(words[w], slot - excl[w])
     return jnp.where(slot < incl[-1], pos, -1), incl[-1]
 
 

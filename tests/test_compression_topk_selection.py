@@ -38,6 +38,20 @@ def test_threshold_recall_on_gaussian_is_at_least_095(ratio):
     np.testing.assert_array_equal(np.asarray(p["values"])[ok], np.asarray(x)[idx[ok]])
 
 
+@pytest.mark.parametrize("cap", [5, 300, 4000])
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.05, 0.5])
+def test_compaction_lists_the_first_cap_set_positions(cap, density):
+    # both ways of finding each slot's word (binary search for few slots, a running
+    # maximum over first slots for many) against numpy's flatnonzero
+    mask = np.random.default_rng(int(1000 * density) + cap).random(10_000) < density
+    mask[-1] = density > 0.2  # a set bit in the last, padded word
+    pos, count = jax.jit(lambda m: _sparse._compact(_sparse._mask_words(m), cap))(jnp.asarray(mask))
+    want = np.flatnonzero(mask)[:cap]
+    assert int(count) == int(mask.sum())
+    np.testing.assert_array_equal(np.asarray(pos)[: len(want)], want)
+    assert (np.asarray(pos)[len(want):] == -1).all()
+
+
 def test_threshold_plan_brackets_k_by_the_stated_margin():
     # Sample entries at or above the k-th largest: about Poisson(e), e = k·s/size. The
     # threshold (the r-th of the sample) is at most the k-th largest unless that count
