@@ -26,8 +26,8 @@ lowest predicted step time, for each codec the configuration with the highest
 predicted throughput, and the overall highest-throughput configuration — a
 choice counts when its measured value is within 5% of the best measured one.
 
-The machine this ran on has 2 cores shared with other jobs: timings are
-under load, so compare within one run only.
+On a shared machine the timings drift with other jobs' load (the summary line
+prints the load average), so compare within one run only.
 
 Usage::
 
@@ -265,7 +265,8 @@ def main():
     within = hits / len(cases)
     print(f"\n{len(rows)} held-out configurations, {len(calib)} calibration configurations; "
           f"{len(cases)} planner cases ({best_dense} where the best is no compression); "
-          f"machine under load (2 shared cores), medians of {args.rounds} rounds x "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; medians of "
+          f"{args.rounds} rounds x "
           f"{args.steps} steps; total {time.perf_counter() - t_start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

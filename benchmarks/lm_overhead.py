@@ -136,7 +136,7 @@ def main():
     print(
         f"model {dataclasses.asdict(cfg)} ({n_params} parameters), devices={args.devices}, "
         f"global batch {global_batch} x {cfg.context} tokens, {args.rounds} rounds of "
-        f"{args.block} steps (measured on a shared, loaded 2-core machine)"
+        f"{args.block} steps ({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})"
     )
     for name in steps:
         print(f"{name:>20}: median {med[name] * 1e3:8.2f} ms/step  {tokens / med[name]:9.0f} "
