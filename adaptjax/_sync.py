@@ -33,8 +33,9 @@ def _sample_coordinates(tree, count, fraction: float):
     drawn = [(d, k) for d, k in zip(sizes, ks, strict=True) if d > k]
     if drawn:
         # one draw for every sampled leaf (one random-bits kernel, not one per leaf)
-        maxval = np.concatenate([np.full(k, d, np.int32) for d, k in drawn])
-        flat = jax.random.randint(key, (len(maxval),), 0, jnp.asarray(maxval), dtype=jnp.int32)
+        # (broadcasts, not a host array: no constant of 1% of the model in the program)
+        maxval = jnp.concatenate([jnp.full((k,), d, jnp.int32) for d, k in drawn])
+        flat = jax.random.randint(key, maxval.shape, 0, maxval, dtype=jnp.int32)
         parts = iter(jnp.split(flat, np.cumsum([k for _, k in drawn])[:-1]))
     out = []
     for d, k in zip(sizes, ks, strict=True):

@@ -197,6 +197,31 @@ def test_noise_scale_with_a_codec_matches_the_analytic_value():
     assert results["dense"] == pytest.approx(32.0, rel=0.10)
 
 
+def test_shared_coordinates_estimate_each_leafs_square_norm_without_bias():
+    # One random draw serves every sampled leaf; each leaf must still get its own
+    # uniform coordinates, weighted d / k, so that E[w * sum x[idx]^2] = |x|^2 per leaf.
+    from adaptjax._sync import _sample_coordinates
+
+    rng = np.random.default_rng(6)
+    tree = {"a": rng.normal(size=(300, 100)), "b": rng.normal(size=(7,)),
+            "c": 3.0 + rng.normal(size=(5000,))}
+    tree = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+    leaves = jax.tree.leaves(tree)
+
+    @jax.jit
+    def estimates(count):
+        coords = _sample_coordinates(tree, count, 0.05)
+        return jnp.stack([w * jnp.sum(jnp.square(x.reshape(-1)[idx]))
+                          for x, (idx, w) in zip(leaves, coords, strict=True)])
+
+    draws = np.stack([np.asarray(estimates(jnp.int32(c))) for c in range(300)])
+    exact = np.array([float(jnp.sum(jnp.square(x))) for x in leaves])
+    np.testing.assert_allclose(draws[:, 1], exact[1], rtol=1e-5)  # "b" is taken whole
+    stderr = draws.std(axis=0) / np.sqrt(len(draws))
+    assert np.all(np.abs(draws.mean(axis=0) - exact) <= 4 * stderr + 1e-5 * exact)  # + f32 sums
+    assert stderr[0] > 0 and stderr[2] > 0  # the sampled leaves do vary
+
+
 def test_powersgd_leaf_thinner_than_the_rank_syncs_in_the_bf16_lane():
     # issue 10 item 5: (1001, 3) under the default rank 4 goes bf16 (exact on small integers)
     rng = np.random.default_rng(5)
