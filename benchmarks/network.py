@@ -10,7 +10,10 @@ gets ``GLOO_SOCKET_IFNAME``. Traffic stays inside the namespaces.
 Workload (issue 9): an MLP 1024-2048-2048-1024-10 (8.4M parameters), batch 64
 per process, SGD with momentum, one ``adaptjax.data_parallel_step`` per step
 with ``sync_gradients(codec)``: no codec, ``bf16``, ``onebit``,
-``powersgd(4)``; and PyTorch DDP plain and with its fp16 compression hook
+``powersgd(4)``; the synchronisation strategies ``sma``, ``localsgd32``,
+``diloco32`` and ``gossip`` (ring) with the same SGD inside (issue 12: their
+mean step time over 64 steps, so two outer syncs of H = 32 are amortised);
+and PyTorch DDP plain and with its fp16 compression hook
 (torch CPU is a benchmark-only extra, ``pip install adaptjax[benchmarks]``;
 without it those rows read ``n/a``). Side by side: ``dense_split`` (the dense
 all-reduce per leaf, XLA:CPU's ``cpu-all-reduce-combiner`` off), ``dense_noskip``
@@ -57,7 +60,10 @@ BATCH = 64
 VARIANTS = ("dense", "bf16", "onebit", "powersgd4", "ddp", "ddp_fp16")
 # side by side: the dense all-reduce per leaf (XLA:CPU's combiner off) and the transport
 # before the fix (owner-compute's all-to-all + all-gather at 2 processes)
-ALL = (*VARIANTS, "dense_split", "dense_noskip", "bf16_owner", "onebit_owner")
+# issue 12: the synchronisation strategies on the same link (dense, SGD momentum inside)
+SYNC_VARIANTS = ("sma", "localsgd32", "diloco32", "gossip")
+ALL = (*VARIANTS, "dense_split", "dense_noskip", "bf16_owner", "onebit_owner", *SYNC_VARIANTS)
+SYNC_STEPS = 64  # timed steps of a strategy variant: two outer syncs at H = 32
 
 
 # ---------------------------------------------------------------------- the network
@@ -128,6 +134,12 @@ JAX_CODECS = {  # variant -> (codec factory name and args, transport forced, XLA
     "onebit_owner": (("onebit",), "owner", {}),
     "powersgd4": (("powersgd", 4), None, {}),
 }
+JAX_SYNCS = {  # variant -> the adaptjax.SyncStrategy the step runs (no codec)
+    "sma": ("ModelAveraging",),
+    "localsgd32": ("LocalSGD", 32),
+    "diloco32": ("DiLoCo", 32),
+    "gossip": ("Gossip", "ring"),
+}
 
 
 def _jax_model(jax):
@@ -159,13 +171,20 @@ def _jax_step(jax, variant: str, mesh):
     import adaptjax
     from adaptjax._wire import parse_collectives
 
-    spec, transport, options = JAX_CODECS[variant]
+    spec, transport, options = JAX_CODECS.get(variant, (None, None, {}))
     codec = getattr(ajc, spec[0])(*spec[1:]) if spec else None
     params, loss_fn = _jax_model(jax)
-    tx = optax.chain(adaptjax.sync_gradients("data", codec=codec), optax.sgd(0.05, momentum=0.9))
+    inner = optax.sgd(0.05, momentum=0.9)
+    sync = None
+    if variant in JAX_SYNCS:
+        name, *args = JAX_SYNCS[variant]
+        sync = getattr(adaptjax, name)(*args)
+        tx = adaptjax.sync_chain(inner, sync)
+    else:
+        tx = optax.chain(adaptjax.sync_gradients("data", codec=codec), inner)
     state = adaptjax.init_state(params, tx, mesh)
     step = adaptjax.data_parallel_step(
-        loss_fn, tx, mesh, skip_nonfinite=variant != "dense_noskip"
+        loss_fn, tx, mesh, skip_nonfinite=variant != "dense_noskip", sync=sync
     )
     batch = _jax_batch(jax, mesh, *next(_data(0, 1)))
     chosen = _collectives.choose_transport
@@ -176,10 +195,11 @@ def _jax_step(jax, variant: str, mesh):
         report = adaptjax.wire_bytes(step.jitted, state, batch)
     finally:
         _collectives.choose_transport = chosen
+    wire = sync.amortised_bytes(report) if sync is not None else report.total
     compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
     # collectives of the program that runs (the combiner off splits the all-reduce; same bytes)
     count = len(parse_collectives(compiled.as_text(), mesh.devices.size))
-    return compiled, state, count, report.total
+    return compiled, state, count, wire
 
 
 def _jax_batch(jax, mesh, x, y):
@@ -234,7 +254,7 @@ def worker(variants, rank: int, coordinator: str, steps: int, warmup: int, extra
     mesh = adaptjax.make_mesh(2)  # one device per process, in process order
     built, torch_steps = {}, {}
     for v in variants:
-        if v in JAX_CODECS:
+        if v in JAX_CODECS or v in JAX_SYNCS:
             built[v] = list(_jax_step(jax, v, mesh))
     ddp = [v for v in variants if v.startswith("ddp")]
     if ddp:
@@ -274,6 +294,8 @@ def worker(variants, rank: int, coordinator: str, steps: int, warmup: int, extra
         v: {  # the rounds every variant ran; the extra ones only extend the loss curve
             "s_per_step": float(np.median(times[v][warmup : warmup + steps])),
             "s_min": float(np.min(times[v][warmup : warmup + steps])),
+            # every timed step, extra rounds included: a strategy's outer syncs amortised
+            "s_mean": float(np.mean(times[v][warmup:])),
             "losses": losses[v],
             "wire": built[v][3] if v in built else None,
             "collectives": built[v][2] if v in built else None,
@@ -458,6 +480,7 @@ def main() -> int:
         flush=True,
     )
     extra = {v: args.loss_steps - args.steps for v in ("dense", "onebit") if v in run}
+    extra.update({v: max(0, SYNC_STEPS - args.steps) for v in SYNC_VARIANTS if v in run})
     setup(None if args.uncapped else args.rate)
     try:
         results = run_worker(
@@ -492,6 +515,14 @@ def main() -> int:
                f"not reached in {len(onebit['losses'])} steps "
                f"(its smoothed loss: {smoothed(onebit['losses'])[-1]:.4f})")
         )  # fmt: skip
+
+    ran = [v for v in SYNC_VARIANTS if v in results]
+    if ran and "dense" in results:
+        rows = ", ".join(
+            f"{v} {results[v]['s_mean']:.3f}" for v in ("dense", *ran)
+        )
+        print(f"mean s/step over every timed step (a strategy's outer syncs amortised; "
+              f"{args.steps + extra.get(ran[0], 0)} steps each for the strategies): {rows}")
 
     def ratio(a, b):
         ra, rb = results.get(a), results.get(b)

@@ -39,7 +39,8 @@ def test_a_missing_torch_reads_as_the_extra_to_install(nw):
 def test_every_variant_of_the_issue_is_in_the_table(nw):
     assert set(nw.VARIANTS) == {"dense", "bf16", "onebit", "powersgd4", "ddp", "ddp_fp16"}
     assert set(nw.VARIANTS) <= set(nw.ALL)
-    assert set(nw.JAX_CODECS) == {v for v in nw.ALL if not v.startswith("ddp")}
+    assert set(nw.JAX_CODECS) | set(nw.JAX_SYNCS) == {v for v in nw.ALL if not v.startswith("ddp")}
+    assert set(nw.JAX_SYNCS) == set(nw.SYNC_VARIANTS)
 
 
 def test_torch_is_a_benchmarks_extra_only():
