@@ -53,13 +53,16 @@ def time_collectives(
 ) -> list[tuple[str, int, float, float]]:
     """Times micro-collectives on the first ``devices`` devices.
 
+    Under ``jax.distributed`` every process calls it (each supplies its own
+    shards) and only the group of all ``devices`` is timed: a group of two
+    would leave the other processes out of the program.
+
     Returns:
       ``(kind, group size, bytes each device sent, seconds)`` per timing.
     """
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh
+    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from adaptjax._wire import wire_bytes
@@ -69,13 +72,16 @@ def time_collectives(
             f"calibrate_links needs >= 2 devices to time a collective, got {devices}; "
             "pin LinkModel.from_bandwidth(...) instead"
         )
-    groups = sorted({2, devices})
+    groups = sorted({2, devices}) if jax.process_count() == 1 else [devices]
     out = []
     for n in groups:
         mesh = Mesh(np.array(jax.devices()[:n]), ("calib",))
         for size in sizes:
             elems = max(size // 4 // n, 1) * n  # divisible by n for scatter / all-to-all
-            x = jnp.ones((n * elems,), jnp.float32)
+            # Built shard by shard: under jax.distributed each process gives its own.
+            x = jax.make_array_from_callback(
+                (n * elems,), NamedSharding(mesh, P("calib")),
+                lambda index, size=n * elems: np.ones((size,), np.float32)[index])
             base = jax.jit(jax.shard_map(lambda v: v * 2.0, mesh=mesh, in_specs=P("calib"),
                                          out_specs=P("calib")))
             t_base = _median_seconds(base, x, repeats)
