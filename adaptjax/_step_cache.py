@@ -130,6 +130,8 @@ class StepCache:
         self, key: str | None, sync: str | None = None, **options: Any
     ) -> optax.GradientTransformation:
         """The chain for codec ``key`` and strategy ``sync``, with communication ``options``."""
+        defaults = {"dense_lane": "all-reduce", "bucket_bytes": None}
+        options = {k: v for k, v in options.items() if defaults.get(k, ...) != v}
         cache = (key, sync, *sorted(options.items()))
         if cache not in self._txs:
             if key not in self.codecs:

@@ -116,7 +116,8 @@ def test_step_cache_without_a_schedule_builds_as_before():
     config = adaptjax.RunConfig(4, 32)
     cache.step(config)
     assert cache.options_of[config] == {}
-    assert cache.tx(None, None) is cache.tx(None)
+    assert cache.tx(None, None) is cache.tx(None) is cache.tx(None, dense_lane="all-reduce")
+    assert cache.tx(None, dense_lane=RSAG) is not cache.tx(None)
     cache.schedule = lambda c: {"ring": True}
     with pytest.raises(ValueError, match=r"^schedule returned unknown step options \['ring'\]; "
                                          r"use \('dense_lane', 'bucket_bytes'\)$"):
