@@ -15,6 +15,12 @@ switch could save, and probing costs ``probe_steps`` steps plus a compile.
 The candidate with the most saving per second of probing is probed when the
 saving exceeds the cost.
 
+Attached to a controller, the planner also turns the communication knobs of
+each configuration's step (:meth:`Planner.schedule`): the dense lane (one
+all-reduce, or reduce-scatter + all-gather) and a quantizer codec's bucket
+size, whichever the calibrated links predict fastest at its device count.
+Each choice is logged (a ``schedule`` event) and saved in ``costs.json``.
+
 References:
   Jones, Schonlau and Welch, "Efficient Global Optimization of Expensive
   Black-Box Functions", 1998 (expected improvement).
@@ -40,6 +46,7 @@ from adaptjax._cost_model import (
     _Dense,
     as_report,
 )
+from adaptjax._cost_schedule import OWNER_COMPUTE, buckets, choose_bucket_bytes, choose_dense_lane
 from adaptjax._cost_simulate import wire_for
 from adaptjax._run_config import RunConfig, codec_key
 from adaptjax._wire import Collective, WireReport
@@ -99,6 +106,9 @@ class Planner:
         self.run_dir: str | None = None
         self._times: dict[RunConfig, float] = {}
         self._wires: dict[RunConfig, WireReport] = {}
+        self._steps = None  # the controller's StepCache, once attached
+        #: ``{config: {option: value, "predicted_s": {...}}}``: the choices of :meth:`schedule`.
+        self.schedules: dict[RunConfig, dict[str, Any]] = {}
         self.model = StepTimeModel(self.links or {})
 
     # ---- wiring ------------------------------------------------------------------------
@@ -106,7 +116,10 @@ class Planner:
         """Reads compiled steps' collectives from ``controller``; calibrates links if unset.
 
         Also saves the model to ``controller.run_dir/costs.json`` at every refit,
-        which ``adaptjax plan RUN_DIR`` reads.
+        which ``adaptjax plan RUN_DIR`` reads, and from then on builds each
+        configuration's step with the communication options :meth:`schedule`
+        predicts fastest (attach before the run starts: a step already built
+        keeps its options), logging each choice as a ``schedule`` event.
         """
         import jax
 
@@ -124,7 +137,67 @@ class Planner:
             n = min(controller.max_devices, len(jax.devices()))
             self.links = calibrate_links(n) if n >= 2 else {}
             self.model = dataclasses.replace(self.model, links=self.links)
+        self._steps = steps
+
+        def schedule(config: RunConfig) -> dict[str, Any]:
+            options = self.schedule(config)
+            if config in self.schedules:
+                controller.log.event("schedule", step=controller.step,
+                                     config=dataclasses.asdict(config), **self.schedules[config])
+            return options
+
+        steps.schedule = schedule
         return self
+
+    def schedule(self, config: RunConfig) -> dict[str, Any]:
+        """The communication options the model predicts fastest for ``config``'s step.
+
+        Without a codec (under a strategy that averages gradients),
+        ``{"dense_lane": ...}`` from :func:`adaptjax.costs.choose_dense_lane`
+        on the gradients' bytes; with a codec that has a ``bucket_bytes``
+        field (the quantizers), ``{"bucket_bytes": B}`` from
+        :func:`adaptjax.costs.choose_bucket_bytes` over the leaves the codec
+        compresses (``None``: one exchange, the codec's default, when the best
+        bucket holds the whole lane), with the backward pass the model has
+        fitted as overlap. ``{}`` when nothing is attached, on one device, or
+        when the links cannot tell (a collective kind never timed). The choice
+        and its predicted seconds are kept in :attr:`schedules`.
+        """
+        steps, n = self._steps, config.devices
+        if steps is None or n < 2:
+            return {}
+        codec = steps.codecs.get(config.codec)
+        leaves = steps.param_leaves()
+        try:
+            if codec is None:
+                if steps.strategy(config.sync).local_models:
+                    return {}
+                lane, times = choose_dense_lane(
+                    self.model, float(sum(math.prod(s) * d.itemsize for s, d in leaves)), n)
+                self.schedules[config] = {"dense_lane": lane, "predicted_s": times}
+                return {"dense_lane": lane}
+            if not (dataclasses.is_dataclass(codec) and hasattr(codec, "bucket_bytes")
+                    and hasattr(codec, "method") and getattr(codec, "bits", None)):
+                return {}
+            lane_bytes = [4.0 * math.prod(shape) for shape, _ in leaves
+                          if codec.method(shape, n) == "codec"]
+            if not lane_bytes:
+                return {}
+            overlap = 0.0
+            if self.model.compute is not None and self.model.overlap > 0:
+                overlap = self.model.overlap * self.model.compute.time(
+                    devices=n, batch_size=config.batch_size, microbatches=config.microbatches)
+            whole = sum(lane_bytes)
+            candidates = sorted({*(2.0**k for k in range(12, 29) if 2.0**k < whole), whole})
+            best, times = choose_bucket_bytes(
+                self.model, lane_bytes, n, kind=OWNER_COMPUTE, candidates=candidates,
+                overlap_compute=overlap, wire_fraction=float(codec.bits) / 32.0)
+        except CannotPredict:
+            return {}
+        bucket = None if len(buckets(lane_bytes, best)) == 1 else int(best)
+        self.schedules[config] = {"bucket_bytes": bucket, "buckets": len(buckets(lane_bytes, best)),
+                                  "predicted_s": times[best], "one_exchange_s": times[whole]}
+        return {"bucket_bytes": bucket}
 
     @staticmethod
     def config_of(candidate) -> RunConfig:
@@ -238,6 +311,8 @@ class Planner:
                  "wire": _wire_json(self._wire(c))}
                 for c, t in self._times.items()
             ],
+            "schedules": [{"config": dataclasses.asdict(c), **chosen}
+                          for c, chosen in self.schedules.items()],
         }
 
     def save(self, path: str) -> None:

@@ -9,12 +9,22 @@ links), so they can be asked before anything is compiled:
   links decide (on XLA:CPU across processes the pair measured about twice as
   slow as one all-reduce).
 * :func:`choose_bucket_bytes`: leaves fused into buckets of at most ``B``
-  bytes (a larger leaf split into ``ceil(s/B)`` pieces): fewer buckets pay
-  fewer latencies; smaller buckets let all but the last hide behind
-  ``overlap_compute`` seconds of backward pass.
+  bytes (a larger leaf split into ``ceil(s/B)`` pieces, :func:`buckets`):
+  fewer buckets pay fewer latencies; smaller buckets let all but the last
+  hide behind ``overlap_compute`` seconds of backward pass. With
+  ``kind="owner-compute"`` each bucket is a quantizer's exchange (an
+  all-to-all and an all-gather, or one all-gather at 2 replicas).
 
-These are the model's answers; the codecs' own bucketing (``min_size`` and
-the per-leaf plan of :mod:`adaptjax.compression`) is not driven by them yet.
+Both knobs are real: :func:`adaptjax.sync_gradients` takes
+``dense_lane="reduce-scatter+all-gather"``, and the quantizer codecs of
+:mod:`adaptjax.compression` take ``bucket_bytes`` (their bucketing is
+:func:`buckets`'). A :class:`~adaptjax.costs.Planner` attached to a
+controller turns them: each configuration's step is built with the lane or
+bucket size these functions predict fastest at its device count, on the
+calibrated links (:meth:`~adaptjax.costs.Planner.schedule`). Under the α–β
+model alone, without overlap, one bucket is never slower than several (each
+extra bucket pays its latency again), so buckets are chosen only where the
+model has fitted overlap between communication and computation.
 """
 
 from __future__ import annotations
@@ -23,7 +33,40 @@ import math
 from collections.abc import Sequence
 
 from adaptjax._cost_model import StepTimeModel
-from adaptjax._wire import _ring_bytes
+from adaptjax._wire import KINDS, _ring_bytes
+
+#: The exchange of one quantizer bucket (:mod:`adaptjax.compression`'s owner-compute).
+OWNER_COMPUTE = "owner-compute"
+
+
+def exchange_time(model: StepTimeModel, kind: str, devices: int, message_bytes: float) -> float:
+    """Predicted seconds of one ``kind`` collective (or owner-compute exchange) of a message.
+
+    ``message_bytes`` is the collective's per-device operand for the reducing
+    kinds and all-to-all (the whole message), as for all-reduce; for
+    ``"owner-compute"`` it is one replica's encoded bucket ``E``: an
+    all-to-all of ``E`` then an all-gather of each owner's ``E/N``, or at 2
+    replicas one all-gather of ``E`` (the same bytes in one collective; see
+    ``adaptjax.compression``'s ``choose_transport``).
+
+    Example:
+      >>> from adaptjax.costs import LinkModel, StepTimeModel
+      >>> from adaptjax._cost_schedule import exchange_time
+      >>> model = StepTimeModel({"*": LinkModel(0.0, 1e-9)})
+      >>> exchange_time(model, "owner-compute", 4, 4e6) == 2 * 3 / 4 * 4e6 * 1e-9
+      True
+    """
+    n = devices
+    if kind == OWNER_COMPUTE:
+        if n == 2:
+            return exchange_time(model, "all-gather", n, message_bytes)
+        return (exchange_time(model, "all-to-all", n, message_bytes)
+                + exchange_time(model, "all-gather", n, message_bytes / n))
+    if kind not in KINDS:
+        raise ValueError(
+            f"unknown collective kind {kind!r}: use one of {', '.join(KINDS)} or {OWNER_COMPUTE!r}"
+        )
+    return model.link(kind).time(kind, n, _ring_bytes(kind, n, message_bytes))
 
 
 def choose_dense_lane(
@@ -89,10 +132,13 @@ def choose_bucket_bytes(
     kind: str = "all-reduce",
     candidates: Sequence[float] = tuple(2.0**k for k in range(12, 29)),
     overlap_compute: float = 0.0,
+    wire_fraction: float = 1.0,
 ) -> tuple[float, dict[float, float]]:
     """The bucket size with the least predicted exposed communication.
 
-    Exposed time of buckets ``b₁..b_k`` (each a collective of ``kind``):
+    Exposed time of buckets ``b₁..b_k`` (each a collective of ``kind``, or an
+    ``"owner-compute"`` exchange, of ``wire_fraction·bᵢ`` bytes — a codec's
+    encoded share of a float32 bucket, e.g. ``bits / 32``):
     ``Σ t(bᵢ) − min(Σ t(bᵢ) − t(b_k), overlap_compute)`` — all but the last
     bucket can run while ``overlap_compute`` seconds of backward pass remain.
 
@@ -109,10 +155,11 @@ def choose_bucket_bytes(
       ...                     overlap_compute=1.0)[0]  # hidden behind the backward pass
       1000000.0
     """
-    link = model.link(kind)
+    if not 0.0 < wire_fraction:
+        raise ValueError(f"wire_fraction must be > 0, got {wire_fraction}")
     times = {}
     for size in candidates:
-        parts = [link.time(kind, devices, _ring_bytes(kind, devices, b))
+        parts = [exchange_time(model, kind, devices, wire_fraction * b)
                  for b in buckets(leaf_bytes, size)]
         total = math.fsum(parts)
         hidden = min(total - (parts[-1] if parts else 0.0), overlap_compute)

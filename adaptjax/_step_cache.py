@@ -15,7 +15,7 @@ from adaptjax._distributed import mesh_devices
 from adaptjax._metrics import update_norm
 from adaptjax._run_config import RunConfig, codec_key
 from adaptjax._ssgd import SSGD
-from adaptjax._state import abstract_state, init_state, shape_struct
+from adaptjax._state import abstract_state, init_state, shape_struct, split_model
 from adaptjax._step import DataParallelStep, data_parallel_step, make_mesh
 from adaptjax._sync import sync_gradients
 from adaptjax._sync_strategy import resolve_sync, sync_key
@@ -24,6 +24,8 @@ from adaptjax._sync_strategy import resolve_sync, sync_key
 SYNC, OPTIMIZER, UPDATE_NORM = "sync", "optimizer", "update_norm"
 #: The strategy's model synchronisation (only for strategies with local models).
 MODEL_SYNC = "model_sync"
+#: Communication options a schedule may choose for a configuration's step.
+STEP_OPTIONS = ("dense_lane", "bucket_bytes")
 
 
 @dataclasses.dataclass
@@ -40,6 +42,15 @@ class StepCache:
     are cached by device count, transformations by codec and strategy key,
     compiled steps by the whole configuration: returning to a configuration
     seen before compiles nothing.
+
+    ``schedule`` (set by :meth:`adaptjax.costs.Planner.attach`) maps a
+    configuration to its step's communication options (:data:`STEP_OPTIONS`):
+    ``dense_lane`` (of :func:`adaptjax.sync_gradients`, without a codec) and
+    ``bucket_bytes`` (a field of the codec, set on a copy of it). They change
+    the step's collectives, never the state's structure, so states are built
+    without them; each configuration's options are asked for once, when its
+    step is first built, and kept in :attr:`options_of`. Without a schedule
+    every step is built as before.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -63,8 +74,10 @@ class StepCache:
     has_aux: bool = False
     codecs: dict[str | None, Any] = dataclasses.field(default_factory=lambda: {None: None})
     strategies: dict[str | None, Any] = dataclasses.field(default_factory=lambda: {None: SSGD()})
+    schedule: Callable[[RunConfig], Mapping[str, Any]] | None = None
 
     def __post_init__(self) -> None:
+        self.options_of: dict[RunConfig, dict[str, Any]] = {}
         self._meshes: dict[int, Any] = {}
         self._txs: dict[tuple, optax.GradientTransformation] = {}
         self._steps: dict[RunConfig, DataParallelStep] = {}
@@ -96,8 +109,31 @@ class StepCache:
             self._meshes[devices] = make_mesh(devices, device_list=mesh_devices(devices))
         return self._meshes[devices]
 
-    def tx(self, key: str | None, sync: str | None = None) -> optax.GradientTransformation:
-        if (key, sync) not in self._txs:
+    def options(self, config: RunConfig) -> dict[str, Any]:
+        """The communication options of ``config``'s step (``{}`` without a schedule)."""
+        if config not in self.options_of:
+            chosen = dict(self.schedule(config)) if self.schedule is not None else {}
+            unknown = sorted(set(chosen) - set(STEP_OPTIONS))
+            if unknown:
+                raise ValueError(
+                    f"schedule returned unknown step options {unknown}; use {STEP_OPTIONS}"
+                )
+            self.options_of[config] = chosen
+        return self.options_of[config]
+
+    def param_leaves(self) -> list[tuple[tuple[int, ...], Any]]:
+        """``(shape, dtype)`` of each trained parameter (= gradient) leaf, in tree order."""
+        params = split_model(self.model)[1]
+        return [(tuple(np.shape(x)), np.dtype(x.dtype)) for x in jax.tree.leaves(params)]
+
+    def tx(
+        self, key: str | None, sync: str | None = None, **options: Any
+    ) -> optax.GradientTransformation:
+        """The chain for codec ``key`` and strategy ``sync``, with communication ``options``."""
+        defaults = {"dense_lane": "all-reduce", "bucket_bytes": None}
+        options = {k: v for k, v in options.items() if defaults.get(k, ...) != v}
+        cache = (key, sync, *sorted(options.items()))
+        if cache not in self._txs:
             if key not in self.codecs:
                 raise ValueError(
                     f"codec {key!r} is not known to this controller; pass it as codec= "
@@ -106,12 +142,17 @@ class StepCache:
             strategy = self.strategy(sync)
             codec = self.codecs[key]
             strategy.check(2, codec)
+            lane = {"dense_lane": options["dense_lane"]} if "dense_lane" in options else {}
+            if options.get("bucket_bytes") is not None and codec is not None:
+                codec = dataclasses.replace(codec, bucket_bytes=options["bucket_bytes"])
             opt = optax.inject_hyperparams(self.optimizer, hyperparam_dtype=np.float32)(
                 **self.hyperparams
             )
             if not strategy.local_models:
                 chunks = {} if self.norm_chunks is None else {"norm_chunks": self.norm_chunks}
-                pre = sync_gradients("data", codec=codec, monitors=self.monitors, **chunks)
+                pre = sync_gradients(
+                    "data", codec=codec, monitors=self.monitors, **chunks, **lane
+                )
                 parts = [(SYNC, pre), (OPTIMIZER, opt)]
             else:
                 parts = [
@@ -119,14 +160,14 @@ class StepCache:
                     (OPTIMIZER, strategy.optimizer(opt)),
                     (MODEL_SYNC, strategy.post("data", codec=codec)),
                 ]
-            self._txs[(key, sync)] = optax.named_chain(*parts, (UPDATE_NORM, update_norm()))
-        return self._txs[(key, sync)]
+            self._txs[cache] = optax.named_chain(*parts, (UPDATE_NORM, update_norm()))
+        return self._txs[cache]
 
     def step(self, config: RunConfig) -> DataParallelStep:
         if config not in self._steps:
             self._steps[config] = data_parallel_step(
                 self.loss_fn,
-                self.tx(config.codec, config.sync),
+                self.tx(config.codec, config.sync, **self.options(config)),
                 self.mesh(config.devices),
                 microbatches=config.microbatches,
                 has_aux=self.has_aux,

@@ -61,6 +61,38 @@ def _psum_leaves(tree, axis_name):
     return jax.tree.unflatten(treedef, [jax.lax.psum(x, axis_name) for x in leaves])
 
 
+#: The dense lane's collectives (``dense_lane=`` of :func:`sync_gradients`).
+DENSE_LANES = ("all-reduce", "reduce-scatter+all-gather")
+
+
+def _reduce_scatter_gather(tree, axis_name, n: int):
+    """The sum over ``axis_name`` of ``tree`` as one reduce-scatter and one all-gather.
+
+    Leaves of one dtype are raveled into one flat buffer, padded with zeros to a
+    multiple of ``n``; each replica receives the summed ``1/n`` of it
+    (``psum_scatter``) and an all-gather hands every replica every summed
+    chunk. Each of the two sends ``(n−1)/n`` of the buffer per device, the
+    bytes of one ring all-reduce together. (XLA:CPU joins neither per-leaf
+    reduce-scatters nor all-gathers, so one buffer per dtype keeps it at one
+    pair.)
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    out: list = [None] * len(leaves)
+    by_dtype: dict = {}
+    for i, x in enumerate(leaves):
+        by_dtype.setdefault(jnp.result_type(x), []).append(i)
+    for idx in by_dtype.values():
+        sizes = [int(np.size(leaves[i])) for i in idx]
+        flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in idx])
+        total = flat.shape[0]
+        flat = jnp.pad(flat, (0, -total % n))
+        part = jax.lax.psum_scatter(flat, axis_name, tiled=True)
+        whole = jax.lax.all_gather(part, axis_name, tiled=True, to="invarying")
+        for i, start, size in zip(idx, np.cumsum([0, *sizes[:-1]]), sizes, strict=True):
+            out[i] = whole[int(start) : int(start) + size].reshape(np.shape(leaves[i]))
+    return jax.tree.unflatten(treedef, out)
+
+
 class SyncState(NamedTuple):
     """State of :func:`sync_gradients`.
 
@@ -123,6 +155,7 @@ def sync_gradients(
     monitor_every: int = 1,
     norm_chunks: int = 32,
     codec_sample: float = 0.01,
+    dense_lane: str = "all-reduce",
 ) -> optax.GradientTransformationExtraArgs:
     """Averages per-replica gradients over ``axis_name`` with one collective.
 
@@ -159,6 +192,15 @@ def sync_gradients(
         step) in the small all-reduce that carries the monitors' scalars;
         ``‖Ḡ‖²`` is estimated from them without bias. That costs
         ``codec_sample`` of a dense fp32 psum (1% by default).
+      dense_lane: how the gradients travel without a codec: ``"all-reduce"``
+        (default: one ``psum`` per leaf, which XLA:CPU joins into one tuple
+        all-reduce, the monitors' scalars with them) or
+        ``"reduce-scatter+all-gather"`` (the leaves of each dtype in one flat
+        buffer: a reduce-scatter, then an all-gather; the same bytes and the
+        same mean; the monitors' scalars in their own small all-reduce).
+        Which is faster depends on the link;
+        :func:`adaptjax.costs.choose_dense_lane` predicts it, and a
+        :class:`adaptjax.costs.Planner` attached to a controller chooses it.
       norm_chunks: read only one of this many rotating chunks of each gradient
         leaf of 4096 elements or more for ``‖g_i‖²`` and ``‖Ḡ‖²`` (scaled up,
         unbiased, exact over any ``norm_chunks`` consecutive steps; see
@@ -201,6 +243,8 @@ def sync_gradients(
         raise ValueError(f"norm_chunks must be >= 1, got {norm_chunks}")
     if int(monitor_every) < 1:
         raise ValueError(f"monitor_every must be >= 1, got {monitor_every}")
+    if dense_lane not in DENSE_LANES:
+        raise ValueError(f"dense_lane must be one of {DENSE_LANES}, got {dense_lane!r}")
     for m in monitors:
         if not isinstance(m, GradientMonitor):
             raise ValueError(
@@ -251,7 +295,11 @@ def sync_gradients(
         samples = None
         if codec is None:
             wire = updates if wdt is None else jax.tree.map(lambda g: g.astype(wdt), updates)
-            summed, summed_scalars = _psum_leaves((wire, scalars), axis_name)
+            if dense_lane == "all-reduce":
+                summed, summed_scalars = _psum_leaves((wire, scalars), axis_name)
+            else:
+                summed = _reduce_scatter_gather(wire, axis_name, n)
+                summed_scalars = _psum_leaves(scalars, axis_name)
             mean = jax.tree.map(lambda s, g: (s / n).astype(g.dtype), summed, updates)
             codec_state = ()
         else:

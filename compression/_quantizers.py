@@ -13,6 +13,13 @@ kept (a param-sized server buffer cost three full passes per step).
 With ``fast_axis`` set and a tuple ``axis_name`` (a 2-D mesh), the fast axis
 carries bf16 (reduce-scatter, then all-gather) and only the slow axes carry the
 compressed payload, on ``1/F`` of the gradient.
+
+``bucket_bytes`` (off by default: the codec's whole lane is one exchange)
+fuses the codec's leaves, in order, into buckets of at most that many bytes
+of float32 gradient and splits a larger leaf into pieces of that size
+(:func:`bucket_plan`, the bucketing :func:`adaptjax.costs.buckets` models);
+each bucket is one owner-compute exchange (one all-to-all and one all-gather,
+or one all-gather at 2 replicas) with seeds of its own.
 """
 
 from __future__ import annotations
@@ -46,6 +53,55 @@ from adaptjax.compression._layout import make_layout, prod
 BUCKET_MAX = 1 << 20
 
 
+def bucket_plan(sizes, unit: int) -> list[list[tuple[int, int, int]]]:
+    """Leaves of ``sizes`` elements fused, in order, into buckets of at most ``unit``.
+
+    A leaf larger than ``unit`` closes the open bucket and is split into
+    pieces of ``unit`` elements (the last one shorter), each its own bucket;
+    this is :func:`adaptjax.costs.buckets` on ``4·size`` bytes with
+    ``4·unit``-byte buckets.
+
+    Returns:
+      One list per bucket of ``(leaf index, start, stop)`` element ranges.
+
+    Example:
+      >>> from adaptjax.compression._quantizers import bucket_plan
+      >>> bucket_plan([3, 3, 9, 1], 5)
+      [[(0, 0, 3)], [(1, 0, 3)], [(2, 0, 5)], [(2, 5, 9)], [(3, 0, 1)]]
+    """
+    out: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    fill = 0
+    for i, d in enumerate(int(x) for x in sizes):
+        if d > unit:
+            if cur:
+                out.append(cur)
+                cur, fill = [], 0
+            out += [[(i, a, min(d, a + unit))] for a in range(0, d, unit)]
+        elif fill + d > unit:
+            out.append(cur)
+            cur, fill = [(i, 0, d)], d
+        else:
+            cur.append((i, 0, d))
+            fill += d
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _check_bucket_bytes(value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or (
+        value < 4 or int(value) % 4
+    ):
+        raise ValueError(
+            f"bucket_bytes must be None or a positive multiple of 4 (bytes of float32 gradient "
+            f"per exchange), got {value!r}; e.g. 4 << 20"
+        )
+    return int(value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Quantizer(Codec):
     """An element-wise codec moved by the owner-compute pattern.
@@ -53,13 +109,28 @@ class Quantizer(Codec):
     Attributes:
       block: elements per scale block (a multiple of 32).
       fast_axis: the fast axis of a 2-D mesh for the two-level mode, or None.
+      bucket_bytes: ``None`` (the codec's lane in one exchange) or the most
+        bytes of float32 gradient (4 per element) one exchange carries: leaves
+        are fused into buckets of at most this size and a larger leaf is
+        split (see :func:`bucket_plan`). Shown in the ``repr`` (and so in
+        :func:`adaptjax.codec_key`) only when set.
     """
 
     block: int = 512
     fast_axis: str | None = None
+    bucket_bytes: int | None = dataclasses.field(default=None, repr=False)
+
+    def __repr__(self):
+        # the dataclass repr, with bucket_bytes only when set (codec keys of runs
+        # recorded before it existed stay the same)
+        shown = [f for f in dataclasses.fields(self) if f.repr or (
+            f.name == "bucket_bytes" and self.bucket_bytes is not None)]
+        body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)
+        return f"{type(self).__qualname__}({body})"
 
     def __post_init__(self):
         super().__post_init__()
+        object.__setattr__(self, "bucket_bytes", _check_bucket_bytes(self.bucket_bytes))
         if int(self.block) != self.block or self.block < 32 or self.block % 32:
             raise ValueError(f"block must be a positive multiple of 32, got {self.block}")
         object.__setattr__(self, "block", int(self.block))
@@ -93,6 +164,38 @@ class Quantizer(Codec):
             )
 
     def _reduce(self, xs, shapes, ctx, server, shared):
+        if self.bucket_bytes is None:
+            return self._reduce_bucket(xs, shapes, ctx, ctx.seed_for(0), ctx.seed_for(1))
+        plan = bucket_plan([prod(sh) for sh in shapes], self.bucket_bytes // 4)
+        pieces: list[list] = [[] for _ in xs]  # per leaf: (out, res, srv) of each piece
+        for b, segs in enumerate(plan):
+            seeds = (ctx.seed_for(0), ctx.seed_for(1))
+            if b:  # bucket 0 keeps the unbucketed seeds: one bucket is the default exactly
+                seeds = tuple(mix_seed(s, 0xB0C4E7, b) for s in seeds)
+            parts, part_shapes = [], []
+            for i, a, z in segs:
+                whole = (a, z) == (0, prod(shapes[i]))
+                parts.append(xs[i] if whole else jnp.ravel(xs[i])[a:z])
+                part_shapes.append(shapes[i] if whole else (z - a,))
+            o, r, v, _ = self._reduce_bucket(parts, part_shapes, ctx, *seeds)
+            for j, (i, _, _) in enumerate(segs):
+                pieces[i].append((o[j], None if r is None else r[j], None if v is None else v[j]))
+
+        def join(i, k):
+            got = [p[k] for p in pieces[i]]
+            if got[0] is None:
+                return None
+            if len(got) == 1:
+                return got[0]
+            return jnp.concatenate([jnp.ravel(g) for g in got]).reshape(shapes[i])
+
+        outs = [join(i, 0) for i in range(len(xs))]
+        res = [join(i, 1) for i in range(len(xs))]
+        srv = [join(i, 2) for i in range(len(xs))]
+        return outs, (None if res[0] is None else res), (None if srv[0] is None else srv), {}
+
+    def _reduce_bucket(self, xs, shapes, ctx, seed_worker, seed_server):
+        """One exchange: the compressed mean of ``xs`` (the whole lane or one bucket)."""
         big = sum(prod(sh) for sh in shapes) > BUCKET_MAX
         if self.fast_axis is None and (big or choose_transport(ctx.n) != "owner"):
             # the leaf-by-leaf path also carries the all-gather transport (2 replicas)
@@ -101,8 +204,8 @@ class Quantizer(Codec):
                 self.fmt,
                 names=ctx.names,
                 n=ctx.n,
-                seed_worker=ctx.seed_for(0),
-                seed_server=ctx.seed_for(1),
+                seed_worker=seed_worker,
+                seed_server=seed_server,
                 residual=ctx.residual,
                 fold=ctx.residual,
             )
@@ -121,8 +224,8 @@ class Quantizer(Codec):
             slow_size=s,
             fast=fast,
             fast_size=f,
-            seed_worker=ctx.seed_for(0),
-            seed_server=ctx.seed_for(1),
+            seed_worker=seed_worker,
+            seed_server=seed_server,
             valid=lay.block_counts(),
             residual=ctx.residual,
             server_mode="fold" if ctx.residual else None,
@@ -171,7 +274,7 @@ class Quantizer(Codec):
         return y.reshape(-1)[:size].reshape(shape)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # Quantizer.__repr__
 class _Cast(Quantizer):
     dtype: str = "bfloat16"
     block: int = 32
@@ -185,7 +288,7 @@ class _Cast(Quantizer):
         return Cast(bits=16, block=self.block, has_scale=False, dtype=self.dtype)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # Quantizer.__repr__
 class _OneBit(Quantizer):
     name: ClassVar[str] = "onebit"
 
@@ -194,7 +297,7 @@ class _OneBit(Quantizer):
         return Sign(bits=1, block=self.block)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # Quantizer.__repr__
 class _TernGrad(Quantizer):
     name: ClassVar[str] = "terngrad"
     randomness: ClassVar[str] = "per_replica"
@@ -204,7 +307,7 @@ class _TernGrad(Quantizer):
         return Ternary(bits=2, block=self.block)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # Quantizer.__repr__
 class _QSGD(Quantizer):
     levels: int = 7
     name: ClassVar[str] = "qsgd"
@@ -227,7 +330,7 @@ class _QSGD(Quantizer):
         )
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # Quantizer.__repr__
 class _Natural(Quantizer):
     name: ClassVar[str] = "natural"
     randomness: ClassVar[str] = "per_replica"
@@ -246,6 +349,7 @@ def bf16(
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
+    bucket_bytes: int | None = None,
 ) -> Codec:
     """bfloat16 gradients, moved as uint16 through all-to-all + all-gather.
 
@@ -261,6 +365,8 @@ def bf16(
       fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
         over the others (``axis_name`` must then be a tuple holding it).
       seed: seed of the random numbers (mixed with the step and replica index).
+      bucket_bytes: ``None`` (one exchange for the codec's leaves) or the most
+        float32 bytes of gradient per exchange (see :class:`Quantizer`).
 
     Returns:
       The codec (a :class:`Codec`).
@@ -276,6 +382,7 @@ def bf16(
         min_size=min_size,
         fast_axis=fast_axis,
         seed=seed,
+        bucket_bytes=bucket_bytes,
         dtype="bfloat16",
     )
 
@@ -287,6 +394,7 @@ def fp16(
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
+    bucket_bytes: int | None = None,
 ) -> Codec:
     """float16 gradients (values beyond ±65504 saturate), moved as uint16.
 
@@ -301,6 +409,8 @@ def fp16(
       fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
         over the others (``axis_name`` must then be a tuple holding it).
       seed: seed of the random numbers (mixed with the step and replica index).
+      bucket_bytes: ``None`` (one exchange for the codec's leaves) or the most
+        float32 bytes of gradient per exchange (see :class:`Quantizer`).
 
     Returns:
       The codec.
@@ -316,6 +426,7 @@ def fp16(
         min_size=min_size,
         fast_axis=fast_axis,
         seed=seed,
+        bucket_bytes=bucket_bytes,
         dtype="float16",
     )
 
@@ -328,6 +439,7 @@ def onebit(
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
+    bucket_bytes: int | None = None,
 ) -> Codec:
     """Sign compression with a scale (EF-signSGD, Seide's 1-bit SGD), 8 per byte.
 
@@ -348,6 +460,8 @@ def onebit(
       fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
         over the others (``axis_name`` must then be a tuple holding it).
       seed: seed of the random numbers (mixed with the step and replica index).
+      bucket_bytes: ``None`` (one exchange for the codec's leaves) or the most
+        float32 bytes of gradient per exchange (see :class:`Quantizer`).
 
     Returns:
       The codec.
@@ -371,6 +485,7 @@ def onebit(
         min_size=min_size,
         fast_axis=fast_axis,
         seed=seed,
+        bucket_bytes=bucket_bytes,
         block=block,
     )
 
@@ -383,6 +498,7 @@ def terngrad(
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
+    bucket_bytes: int | None = None,
 ) -> Codec:
     """TernGrad: ``s·sign(x)·Bernoulli(|x|/s)`` with ``s = max |x|`` per block.
 
@@ -398,6 +514,8 @@ def terngrad(
       fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
         over the others (``axis_name`` must then be a tuple holding it).
       seed: seed of the random numbers (mixed with the step and replica index).
+      bucket_bytes: ``None`` (one exchange for the codec's leaves) or the most
+        float32 bytes of gradient per exchange (see :class:`Quantizer`).
 
     Returns:
       The codec.
@@ -417,6 +535,7 @@ def terngrad(
         min_size=min_size,
         fast_axis=fast_axis,
         seed=seed,
+        bucket_bytes=bucket_bytes,
         block=block,
     )
 
@@ -430,6 +549,7 @@ def qsgd(
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
+    bucket_bytes: int | None = None,
 ) -> Codec:
     """QSGD: ``‖x‖·sign(x_i)·ξ_i/s``, ``ξ_i`` stochastic rounding of ``s|x_i|/‖x‖``.
 
@@ -447,6 +567,8 @@ def qsgd(
       fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
         over the others (``axis_name`` must then be a tuple holding it).
       seed: seed of the random numbers (mixed with the step and replica index).
+      bucket_bytes: ``None`` (one exchange for the codec's leaves) or the most
+        float32 bytes of gradient per exchange (see :class:`Quantizer`).
 
     Returns:
       The codec.
@@ -466,6 +588,7 @@ def qsgd(
         min_size=min_size,
         fast_axis=fast_axis,
         seed=seed,
+        bucket_bytes=bucket_bytes,
         block=block,
         levels=levels,
     )
@@ -479,6 +602,7 @@ def natural(
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
+    bucket_bytes: int | None = None,
 ) -> Codec:
     """Natural compression: unbiased stochastic rounding to a power of two.
 
@@ -496,6 +620,8 @@ def natural(
       fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
         over the others (``axis_name`` must then be a tuple holding it).
       seed: seed of the random numbers (mixed with the step and replica index).
+      bucket_bytes: ``None`` (one exchange for the codec's leaves) or the most
+        float32 bytes of gradient per exchange (see :class:`Quantizer`).
 
     Returns:
       The codec.
@@ -514,5 +640,6 @@ def natural(
         min_size=min_size,
         fast_axis=fast_axis,
         seed=seed,
+        bucket_bytes=bucket_bytes,
         block=block,
     )
