@@ -176,6 +176,15 @@ class Controller:
     :data:`EXIT_PREEMPTED` (75). Every argument is checked before anything
     touches the disk.
 
+    **Under** ``adaptjax plan SCRIPT``. With ``ADAPTJAX_PLAN_DIR`` set (the
+    command sets it for the script it runs) the controller writes only into
+    that directory (``run_dir`` is never opened, locked or created; ``resume``
+    starts fresh; no evaluation, TensorBoard or periodic checkpoint), and
+    :meth:`run` becomes a short probe: a few timed steps at each configuration
+    the cost model needs, observed into an :class:`adaptjax.costs.Planner`
+    (the policies' own, else a new one), which saves ``costs.json``; then the
+    process exits with status 0, without the policies' actions.
+
     Args:
       model: a flax NNX module or a pytree of float parameters (the initial values).
       loss_fn: ``loss_fn(model_or_params, batch) -> loss`` (or ``(loss, aux)``).

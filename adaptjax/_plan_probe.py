@@ -27,6 +27,8 @@ PLAN_DIR_ENV = "ADAPTJAX_PLAN_DIR"
 #: Timed steps per probed configuration (after the first, which may compile).
 PLAN_STEPS_ENV = "ADAPTJAX_PLAN_STEPS"
 DEFAULT_STEPS = 10
+#: Visits to each configuration: a burst of load on a shared machine lands on all of them.
+ROUNDS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +111,14 @@ def find_planner(policies):
 def probe(controller, request: PlanRequest, policies) -> str:
     """Times ``controller`` at each probe configuration; returns the saved costs.json path.
 
-    The policies never decide: each configuration runs ``request.steps + 1``
-    steps through the controller's own dispatch and metrics reader (the first
-    may compile and is not timed) and its median step time is observed into
-    the planner, which is attached to ``controller`` (its ``run_dir`` is the
-    plan directory's).
+    The policies never decide. The configurations are visited in
+    :data:`ROUNDS` rounds (forth, back, forth: one rescale between rounds),
+    ``request.steps`` timed steps each in all, through the controller's own
+    dispatch and metrics reader (the first step of a visit, which may compile,
+    is not timed); the median of a configuration's step intervals is observed
+    into the planner, which is attached to ``controller`` (its ``run_dir`` is
+    the plan directory's). Links the planner has none of are calibrated
+    afterwards, for the collective kinds the probed steps use only.
     """
     import jax
 
@@ -123,6 +128,12 @@ def probe(controller, request: PlanRequest, policies) -> str:
     from adaptjax._cost_planner import FILENAME, Planner
 
     ctrl = controller
+    if not hasattr(ctrl.data, "batch_at"):
+        raise ValueError(
+            "adaptjax plan reads each configuration's collectives from its compiled step and "
+            f"needs a dataset with batch_at; {type(ctrl.data).__name__} has none (use "
+            "adaptjax.ArrayDataset)"
+        )
     planner = find_planner(policies) or Planner()
     configs = probe_configs(ctrl.config, ctrl.steps.codecs, ctrl.max_devices)
     configs = [c for c in configs if c.devices <= ctrl.max_devices]
@@ -131,17 +142,21 @@ def probe(controller, request: PlanRequest, policies) -> str:
         planner.links = {}  # attach() would time every kind; time only those the steps use
     planner.attach(ctrl)
     times: dict[RunConfig, float] = {}
-    for config in configs:
-        _move_to(ctrl, config, ajp)
-        ctrl.reader.restart_clock()
-        for _ in range(request.steps + 1):
-            ctrl._dispatch()
-            ctrl._record(lag=1)
-        ctrl._record(lag=0)
-        ctrl._to_decide.clear()  # a probe decides nothing
-        t = ctrl.latest_metrics.get("step_time")
-        if t is not None:
-            times[config] = float(t)
+    rounds = min(ROUNDS, request.steps)
+    for r in range(rounds):
+        share = request.steps // rounds + (r < request.steps % rounds)
+        for config in configs if r % 2 == 0 else configs[::-1]:
+            _move_to(ctrl, config, ajp)
+            ctrl.reader.restart_clock()
+            for _ in range(share + 1):
+                ctrl._dispatch()
+                ctrl._record(lag=1)
+            ctrl._record(lag=0)
+            ctrl._to_decide.clear()  # a probe decides nothing
+            t = ctrl.latest_metrics.get("step_time")  # the median of every visit's intervals
+            if t is not None:
+                times[config] = float(t)
+    times = {c: times[c] for c in configs if c in times}  # the script's batch first
     if calibrate:
         kinds = sorted({c.kind for config in times for c in planner._wire(config).collectives
                         if message_steps(c.kind, c.group_size) > 0})

@@ -3,6 +3,7 @@
 import contextlib
 import io
 import os
+import sys
 import tempfile
 
 import pytest
@@ -127,3 +128,41 @@ def test_plan_probes_a_training_script_and_ranks_configurations(tmp_path, tmp_ro
             assert sent == 0
         elif dense:  # the ring all-reduce of the gradients, plus the monitors' scalars
             assert 2 * (n - 1) / n * 4 * params <= sent < 2 * (n - 1) / n * 4 * params + 64
+
+
+class _NoBatchAt:
+    """A dataset the controller accepts but a probe cannot read compiled steps from."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def next_batch(self, n):
+        return self.inner.next_batch(n)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
+
+
+def test_under_plan_a_controller_never_touches_its_run_dir(tmp_path, monkeypatch):
+    import adaptjax
+
+    sys.path.insert(0, HERE)
+    import controller_job as job
+
+    plan_dir, user = tmp_path / "plan", tmp_path / "user"
+    plan_dir.mkdir()
+    monkeypatch.setenv("ADAPTJAX_PLAN_DIR", str(plan_dir))
+    monkeypatch.setenv("ADAPTJAX_PLAN_STEPS", "0")
+    with pytest.raises(ValueError, match="ADAPTJAX_PLAN_STEPS='0': timed steps per "):
+        adaptjax.Controller(run_dir=user, **job.job_kwargs())
+    monkeypatch.setenv("ADAPTJAX_PLAN_STEPS", "2")
+    data = _NoBatchAt(adaptjax.ArrayDataset(job.make_data(), seed=0))
+    ctrl = adaptjax.Controller(run_dir=user, resume=True,  # no checkpoint needed: fresh
+                               **job.job_kwargs(data=data, devices=2, batch_size=8))
+    assert ctrl.run_dir == str(plan_dir / "run")
+    with pytest.raises(ValueError, match="needs a dataset with batch_at; _NoBatchAt has none"):
+        ctrl.run(10)
+    assert not user.exists()
