@@ -121,8 +121,8 @@ def test_plan_probes_a_training_script_and_ranks_configurations(tmp_path, tmp_ro
     goodputs = [float(r[8]) for r in rows]
     assert goodputs == sorted(goodputs, reverse=True)
     for (n, b, dense), r in key.items():
-        step = float(r[4]) / 1e3
-        assert step > 0 and float(r[7]) == pytest.approx(b / step, rel=1e-2)
+        step = float(r[4]) / 1e3  # printed to 0.01 ms: samples/s = batch / step within that
+        assert step > 0 and b / (step + 5e-6) * 0.999 <= float(r[7]) <= b / (step - 5e-6)
         sent = float(r[6])
         if n == 1:
             assert sent == 0
