@@ -38,12 +38,13 @@ def add_parser(sub) -> None:
         "plan",
         help="rank configurations by predicted step time and goodput (a run directory's "
         "costs.json, or a script probed for a few steps)",
-        description="Rank configurations (replicas, batch, micro-batches, codec) by predicted "
-        "goodput from the cost model a costs.Planner recorded in RUN_DIR/costs.json, or, given "
-        "a script (adaptjax plan train.py [options] -- SCRIPT_ARGS), from a short probe of it: "
-        "the script runs unmodified in a fresh directory, where its Controller writes (never "
-        "into its own run directory) and times --steps steps at each configuration the cost "
-        "model needs, then exits.",
+        usage="adaptjax plan [options] RUN_DIR_OR_SCRIPT [-- SCRIPT_ARGS ...]",
+        description="Rank configurations (replicas, batch, micro-batches, codec) by predicted\n"
+        "goodput from the cost model a costs.Planner recorded in RUN_DIR/costs.json,\n"
+        "or, given a script, from a short probe of it: the script runs unmodified in a\n"
+        "fresh directory, where its Controller writes (never into the script's own run\n"
+        "directory), times --steps steps at each configuration the cost model needs\n"
+        "and exits. Arguments after -- go to the script.",
         epilog="examples:\n  adaptjax plan runs/digits\n  adaptjax plan examples/digits.py "
         "--steps 5 -- --no-progress\n  adaptjax plan runs/digits --devices 64 --bandwidth 1.25e9",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -221,9 +222,11 @@ def run(args: argparse.Namespace, script_args: list[str] = ()) -> int:
         print(plan(target, **kw))
         return 0
     t0 = time.perf_counter()
-    directory = probe_script(target, list(script_args),
-                             steps=DEFAULT_STEPS if args.steps is None else args.steps,
-                             keep=args.keep)
+    steps = DEFAULT_STEPS if args.steps is None else args.steps
+    if os.path.isfile(target) and isinstance(steps, int) and steps >= 1:
+        print(f"adaptjax plan: probing {target}: {steps} timed steps per configuration...",
+              file=sys.stderr, flush=True)
+    directory = probe_script(target, list(script_args), steps=steps, keep=args.keep)
     try:
         table = plan(os.path.join(directory, "run"), **kw)
     finally:
