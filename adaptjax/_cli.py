@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="adaptjax",
         description="Look at an adaptjax run directory (the run_dir of adaptjax.Controller).",
         epilog="examples:\n  adaptjax summary runs/digits\n  adaptjax plot runs/digits "
-        "--keys loss noise_scale",
+        "--keys loss noise_scale\n  adaptjax plan examples/digits.py -- --no-progress",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"adaptjax {adaptjax.__version__}")
@@ -184,11 +184,15 @@ def main(argv: list[str] | None = None) -> int:
         from adaptjax._launch import main as launch_main
 
         return launch_main(argv[1:])
+    script_args: list[str] = []
+    if argv[:1] == ["plan"] and "--" in argv:  # plan SCRIPT [options] -- SCRIPT_ARGS
+        cut = argv.index("--")
+        argv, script_args = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
     if args.command == "plan":
         from adaptjax._cli_plan import run as plan_run
 
-        return plan_run(args)
+        return plan_run(args, script_args)
     if args.command == "summary":
         print(summary(args.run_dir))
     elif args.command == "report":

@@ -1,12 +1,21 @@
-"""``adaptjax plan RUN_DIR``: configurations ranked by predicted goodput.
+"""``adaptjax plan RUN_DIR_OR_SCRIPT``: configurations ranked by predicted goodput.
 
 Reads the run's ``costs.json`` (written by an attached
 :class:`adaptjax.costs.Planner`: timed collectives, measured step times and the
 collectives of each compiled step) and the noise scale of its last metrics,
 and prints every configuration of replicas x batch x micro-batches x codec it
 can predict, best predicted goodput first (samples per second x statistical
-efficiency, Pollux). ``--devices``/``--bandwidth``/``--latency`` ask the same
-of another cluster, whose replicas each have their own processor.
+efficiency, Pollux), with the measured step time of those that ran.
+``--devices``/``--bandwidth``/``--latency`` ask the same of another cluster,
+whose replicas each have their own processor.
+
+Given a script (``adaptjax plan train.py -- ARGS``), it first runs the script,
+unmodified, as a short probe (:mod:`adaptjax._plan_probe`): in a fresh plan
+directory (its working directory is ``cwd/`` there, so relative paths it writes
+land there), with ``ADAPTJAX_PLAN_DIR`` set so that its :class:`adaptjax.Controller`
+writes only there and times a few steps at each configuration the cost model
+needs; then it prints the table of that directory and deletes it (``--keep
+DIR`` keeps it).
 """
 
 from __future__ import annotations
@@ -14,17 +23,38 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from adaptjax._plan_probe import DEFAULT_STEPS, PLAN_DIR_ENV, PLAN_STEPS_ENV
 
 
 def add_parser(sub) -> None:
     """Registers the ``plan`` subcommand on the ``adaptjax`` parser's subparsers."""
     p = sub.add_parser(
         "plan",
-        help="rank configurations by predicted step time and goodput (reads RUN_DIR/costs.json)",
-        description="Rank configurations (replicas, batch, micro-batches, codec) by predicted "
-        "goodput from the cost model a costs.Planner recorded in RUN_DIR/costs.json.",
+        help="rank configurations by predicted step time and goodput (a run directory's "
+        "costs.json, or a script probed for a few steps)",
+        usage="adaptjax plan [options] RUN_DIR_OR_SCRIPT [-- SCRIPT_ARGS ...]",
+        description="Rank configurations (replicas, batch, micro-batches, codec) by predicted\n"
+        "goodput from the cost model a costs.Planner recorded in RUN_DIR/costs.json,\n"
+        "or, given a script, from a short probe of it: the script runs unmodified in a\n"
+        "fresh directory, where its Controller writes (never into the script's own run\n"
+        "directory), times --steps steps at each configuration the cost model needs\n"
+        "and exits. Arguments after -- go to the script.",
+        epilog="examples:\n  adaptjax plan runs/digits\n  adaptjax plan examples/digits.py "
+        "--steps 5 -- --no-progress\n  adaptjax plan runs/digits --devices 64 --bandwidth 1.25e9",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("run_dir", help="the run directory (a script is not accepted: run it first)")
+    p.add_argument("run_dir", metavar="RUN_DIR_OR_SCRIPT",
+                   help="a run directory, or a training script (arguments for it after --)")
+    p.add_argument("--steps", type=int, default=None, help="with a script: timed steps per "
+                   f"probed configuration (default {DEFAULT_STEPS})")
+    p.add_argument("--keep", default=None, metavar="DIR", help="with a script: probe in DIR "
+                   "(new or empty) and keep it, instead of a temporary directory")
     p.add_argument("--devices", type=int, default=None, help="replicas available (default: as "
                    "recorded); implies a cluster whose replicas have their own processors")
     p.add_argument("--bandwidth", type=float, default=None, help="link bytes/s for every "
@@ -45,10 +75,10 @@ def plan(run_dir: str, *, devices: int | None = None, bandwidth: float | None = 
       ...
       SystemExit: adaptjax plan: ... is not a run directory (no metrics.jsonl)
     """
-    if run_dir.endswith(".py") and os.path.isfile(run_dir):
+    if os.path.isfile(run_dir):
         raise SystemExit(
-            f"adaptjax plan: {run_dir} is a script; run it with a costs.Planner attached and "
-            "pass its run directory"
+            f"adaptjax plan: {run_dir} is a file, not a run directory; probe a script with "
+            "probe_script() (the command does it: adaptjax plan SCRIPT -- ARGS)"
         )
     if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
         raise SystemExit(f"adaptjax plan: {run_dir} is not a run directory (no metrics.jsonl)")
@@ -97,18 +127,113 @@ def plan(run_dir: str, *, devices: int | None = None, bandwidth: float | None = 
             else "no noise scale recorded: goodput = throughput")
     head = (f"configurations ranked by predicted goodput ({what}; base batch {base}; "
             f"{len(seen)} measured)")
+    head += "; meas ms: measured, - : predicted only"
     lines = [head, f"{'#':>3s} {'dev':>3s} {'batch':>5s} {'mb':>2s} {'step ms':>9s} "
-             f"{'bytes/dev':>11s} {'samples/s':>10s} {'goodput':>9s}  codec"]
+             f"{'meas ms':>9s} {'bytes/dev':>11s} {'samples/s':>10s} {'goodput':>9s}  codec"]
     for i, (g, c, p) in enumerate(out[:top], 1):
+        measured = planner._times.get(c)
+        meas = "-" if measured is None else f"{measured * 1e3:.2f}"
         lines.append(f"{i:3d} {c.devices:3d} {c.batch_size:5d} {c.microbatches:2d} "
-                     f"{p.step_time * 1e3:9.2f} {p.bytes:11.0f} {c.batch_size / p.step_time:10.1f} "
-                     f"{g:9.1f}  {c.codec or 'none'}")
+                     f"{p.step_time * 1e3:9.2f} {meas:>9s} {p.bytes:11.0f} "
+                     f"{c.batch_size / p.step_time:10.1f} {g:9.1f}  {c.codec or 'none'}")
     if unknown:
         lines.append(f"{len(unknown)} configuration(s) not predicted, e.g.: {unknown[0]}")
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    print(plan(args.run_dir, devices=args.devices, bandwidth=args.bandwidth,
-               latency=args.latency, top=args.top))
+def probe_script(script: str, script_args: list[str] = (), *, steps: int = DEFAULT_STEPS,
+                 keep: str | None = None) -> str:
+    """Runs ``script`` as a probe in a fresh plan directory; returns that directory.
+
+    The script runs unmodified (``python SCRIPT ARGS``) in ``DIR/cwd`` (so the
+    relative paths it writes land there; pass absolute paths to its inputs),
+    with ``ADAPTJAX_PLAN_DIR`` set to the plan directory ``DIR``: its
+    :class:`adaptjax.Controller` writes only there (``DIR/run``) and its
+    ``run`` times ``steps`` steps at each configuration the cost model needs,
+    saves ``DIR/run/costs.json`` and exits. Read the directory with
+    :func:`plan` (``plan(os.path.join(DIR, "run"))``).
+
+    Args:
+      script: the training script (it builds an ``adaptjax.Controller`` and calls ``run``).
+      script_args: its command-line arguments.
+      steps: timed steps per probed configuration (>= 1).
+      keep: probe in this new or empty directory (default: a temporary one,
+        removed when the probe fails).
+
+    Example:
+      >>> from adaptjax._cli_plan import probe_script
+      >>> probe_script("no_such_train.py")
+      Traceback (most recent call last):
+      ...
+      SystemExit: adaptjax plan: no script or run directory at no_such_train.py
+    """
+    if not os.path.isfile(script):
+        raise SystemExit(f"adaptjax plan: no script or run directory at {script}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise SystemExit(
+            f"adaptjax plan: --steps must be >= 1 (timed steps per configuration), got {steps}"
+        )
+    if keep is not None:
+        if os.path.exists(keep) and (not os.path.isdir(keep) or os.listdir(keep)):
+            raise SystemExit(f"adaptjax plan: --keep {keep} must be a new or empty directory")
+        os.makedirs(keep, exist_ok=True)
+        directory = os.path.abspath(keep)
+    else:
+        directory = tempfile.mkdtemp(prefix="adaptjax-plan-")
+    env = dict(os.environ, **{PLAN_DIR_ENV: directory, PLAN_STEPS_ENV: str(steps)})
+    if env.get("PYTHONPATH"):  # the script runs elsewhere: keep relative entries meaning the same
+        env["PYTHONPATH"] = os.pathsep.join(
+            os.path.abspath(p) if p else p for p in env["PYTHONPATH"].split(os.pathsep)
+        )
+    try:
+        cwd = os.path.join(directory, "cwd")  # relative paths the script writes land here
+        os.makedirs(cwd)
+        result = subprocess.run(
+            [sys.executable, os.path.abspath(script), *script_args], cwd=cwd, env=env,
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
+        )
+        if result.returncode != 0:
+            last = next((line.strip() for line in reversed(result.stderr.splitlines())
+                         if line.strip()), "(no output on stderr)")
+            raise SystemExit(
+                f"adaptjax plan: {script} exited with status {result.returncode}: {last}"
+            )
+        if not os.path.isfile(os.path.join(directory, "run", "costs.json")):
+            raise SystemExit(
+                f"adaptjax plan: {script} finished without running an adaptjax.Controller (no "
+                "costs.json written); the script must build one and call its run()"
+            )
+    except BaseException:
+        if keep is None:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return directory
+
+
+def run(args: argparse.Namespace, script_args: list[str] = ()) -> int:
+    target = args.run_dir
+    kw = dict(devices=args.devices, bandwidth=args.bandwidth, latency=args.latency, top=args.top)
+    if not os.path.isfile(target) and not target.endswith(".py"):
+        if args.steps is not None or args.keep is not None or script_args:
+            raise SystemExit(
+                f"adaptjax plan: --steps, --keep and arguments after -- are for a script; "
+                f"{target} is not a file"
+            )
+        print(plan(target, **kw))
+        return 0
+    t0 = time.perf_counter()
+    steps = DEFAULT_STEPS if args.steps is None else args.steps
+    if os.path.isfile(target) and isinstance(steps, int) and steps >= 1:
+        print(f"adaptjax plan: probing {target}: {steps} timed steps per configuration...",
+              file=sys.stderr, flush=True)
+    directory = probe_script(target, list(script_args), steps=steps, keep=args.keep)
+    try:
+        table = plan(os.path.join(directory, "run"), **kw)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(directory, ignore_errors=True)
+    print(table)
+    where = f"kept in {directory}" if args.keep is not None else "removed; --keep DIR keeps it"
+    print(f"adaptjax plan: probed {target} in {time.perf_counter() - t0:.1f} s (plan directory "
+          f"{where})", file=sys.stderr)
     return 0

@@ -42,6 +42,7 @@ from adaptjax._distributed import (
 from adaptjax._metrics_reader import MetricsReader, Snapshot
 from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
 from adaptjax._per_replica import merge_replicas
+from adaptjax._plan_probe import plan_request, probe
 from adaptjax._run_config import RunConfig, codec_key
 from adaptjax._run_dir import RunDirectory, check_writable_dir, elapsed, user_stacklevel
 from adaptjax._run_lock import RunLock
@@ -175,6 +176,15 @@ class Controller:
     :data:`EXIT_PREEMPTED` (75). Every argument is checked before anything
     touches the disk.
 
+    **Under** ``adaptjax plan SCRIPT``. With ``ADAPTJAX_PLAN_DIR`` set (the
+    command sets it for the script it runs) the controller writes only into
+    that directory (``run_dir`` is never opened, locked or created; ``resume``
+    starts fresh; no evaluation, TensorBoard or periodic checkpoint), and
+    :meth:`run` becomes a short probe: a few timed steps at each configuration
+    the cost model needs, observed into an :class:`adaptjax.costs.Planner`
+    (the policies' own, else a new one), which saves ``costs.json``; then the
+    process exits with status 0, without the policies' actions.
+
     Args:
       model: a flax NNX module or a pytree of float parameters (the initial values).
       loss_fn: ``loss_fn(model_or_params, batch) -> loss`` (or ``(loss, aux)``).
@@ -275,6 +285,10 @@ class Controller:
     ):
         # ---- every argument is checked before anything touches the disk ----------------
         run_dir = os.fspath(run_dir)
+        # Under ``adaptjax plan SCRIPT``: write only into the plan directory, start fresh.
+        self._plan = plan_request()
+        if self._plan is not None:
+            run_dir, resume, tensorboard, progress = self._plan.run_dir, False, False, False
         resolve_sync(sync).check(devices, codec)
         self.config = RunConfig(devices, batch_size, microbatches, codec_key(codec), sync_key(sync))
         # Under a launcher that may start more processes, a policy may ask for their devices.
@@ -370,6 +384,9 @@ class Controller:
 
         self.data = data
         self.eval_fn = eval_fn
+        self._policies = list(policies)
+        if self._plan is not None:  # a probe times steps: no evaluation, no periodic checkpoint
+            self.eval_fn, self.eval_every, self.checkpoint_every = None, None, None
         self.link_bandwidth = link_bandwidth
         self.on_step = on_step
         self._progress = progress
@@ -497,6 +514,8 @@ class Controller:
         released before the exception propagates.
         """
         steps = check_count(steps, "steps")
+        if self._plan is not None:
+            self._probe_and_exit()
         if steps < self.step:
             raise ValueError(
                 f"run(steps={steps}) counts absolute steps, and this run is already at step "
@@ -533,6 +552,14 @@ class Controller:
             raise
         finally:
             bar.close()
+
+    def _probe_and_exit(self) -> None:
+        """Under ``adaptjax plan``: time the configurations the cost model needs, then exit 0."""
+        try:
+            probe(self, self._plan, self._policies)
+        finally:
+            self.close()
+        raise SystemExit(0)
 
     def _turn(self, final: bool) -> None:
         """One turn: dispatch -> record -> decide -> apply (-> periodic checkpoint)."""

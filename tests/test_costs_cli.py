@@ -60,6 +60,13 @@ def test_plan_ranks_by_predicted_goodput(tmp_path):
                       key=lambda nb: -goodput(*nb))
     assert [(int(r[1]), int(r[2])) for r in rows] == expected
     assert float(rows[0][4]) == pytest.approx(_truth(Candidate(*expected[0])) * 1e3, abs=0.01)
+    # The measured step shown beside the prediction; the model is exact, so they agree.
+    measured = {(2, 64), (2, 256), (4, 256)}
+    for r in rows:
+        if (int(r[1]), int(r[2])) in measured:
+            assert float(r[5]) == pytest.approx(float(r[4]), abs=0.01)
+        else:
+            assert r[5] == "-"
 
 
 def test_plan_refuses_what_it_cannot_read(tmp_path):
@@ -69,8 +76,8 @@ def test_plan_refuses_what_it_cannot_read(tmp_path):
     with pytest.raises(SystemExit, match="no costs.json"):
         main(["plan", str(tmp_path)])
     script = tmp_path / "train.py"
-    script.write_text("")
-    with pytest.raises(SystemExit, match="is a script"):
+    script.write_text("")  # a script is probed: this one never runs a controller
+    with pytest.raises(SystemExit, match="without running an adaptjax.Controller"):
         main(["plan", str(script)])
 
 
