@@ -106,6 +106,9 @@ def plan(run_dir: str, *, devices: int | None = None, bandwidth: float | None = 
     batches = sorted({c.batch_size for c in seen})
     micros = sorted({c.microbatches for c in seen})
     codecs = list(dict.fromkeys(c.codec for c in seen))
+    # A codec's key is its repr; its name reads better where it is unambiguous.
+    names = {k: k.split("(", 1)[0].lstrip("_").lower() for k in codecs if k is not None}
+    label = {k: (v if list(names.values()).count(v) == 1 else k) for k, v in names.items()}
     out, unknown = [], []
     for n in range(1, top_devices + 1):
         for b in batches:
@@ -135,7 +138,7 @@ def plan(run_dir: str, *, devices: int | None = None, bandwidth: float | None = 
         meas = "-" if measured is None else f"{measured * 1e3:.2f}"
         lines.append(f"{i:3d} {c.devices:3d} {c.batch_size:5d} {c.microbatches:2d} "
                      f"{p.step_time * 1e3:9.2f} {meas:>9s} {p.bytes:11.0f} "
-                     f"{c.batch_size / p.step_time:10.1f} {g:9.1f}  {c.codec or 'none'}")
+                     f"{c.batch_size / p.step_time:10.1f} {g:9.1f}  {label.get(c.codec, 'none')}")
     if unknown:
         lines.append(f"{len(unknown)} configuration(s) not predicted, e.g.: {unknown[0]}")
     return "\n".join(lines)

@@ -15,10 +15,11 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from adaptjax._cost_links import LinkModel, fit_alpha_beta
+from adaptjax._cost_links import LinkModel, fit_alpha_beta, fit_operand_alpha
 
 DEFAULT_KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter")
 DEFAULT_SIZES = (1 << 12, 1 << 16, 1 << 20)  # bytes of the per-device f32 buffer
+TUPLE_OPERANDS = 8  # operands of the timed tuple all-reduce (alpha_operand)
 
 
 def _program(kind: str, axis: str):
@@ -36,11 +37,13 @@ def _program(kind: str, axis: str):
 
 
 def _median_seconds(fn, x, repeats: int) -> float:
-    fn(x).block_until_ready()  # compile and warm up
+    import jax
+
+    jax.block_until_ready(fn(x))  # compile and warm up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn(x).block_until_ready()
+        jax.block_until_ready(fn(x))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -99,6 +102,56 @@ def time_collectives(
     return out
 
 
+def time_tuple_all_reduce(
+    devices: int,
+    operands: int = TUPLE_OPERANDS,
+    size: int = DEFAULT_SIZES[0],
+    repeats: int = 7,
+) -> list[tuple[int, int, float, float]]:
+    """Times one all-reduce of ``operands`` buffers of ``size`` bytes per device each.
+
+    The program is one tuple all-reduce (as XLA's combiner makes of a step's
+    per-leaf psums; checked in its compiled HLO), timed on the same groups as
+    :func:`time_collectives`, minus the same program without the collective.
+
+    Returns:
+      ``(group size, operands, bytes each device sent, seconds)`` per group.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from adaptjax._wire import wire_bytes
+
+    groups = sorted({2, devices}) if jax.process_count() == 1 else [devices]
+    out = []
+    for n in groups:
+        mesh = Mesh(np.array(jax.devices()[:n]), ("calib",))
+        elems = max(size // 4, 1)
+        x = jax.make_array_from_callback(
+            (n * elems,), NamedSharding(mesh, P("calib")),
+            lambda index, total=n * elems: np.ones((total,), np.float32)[index])
+
+        def parts(v):
+            return tuple(v * (i + 1.0) for i in range(operands))
+
+        base = jax.jit(jax.shard_map(parts, mesh=mesh, in_specs=P("calib"),
+                                     out_specs=P("calib")))
+        fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(parts(v), "calib"), mesh=mesh,
+                                   in_specs=P("calib"), out_specs=P(), check_vma=False))
+        report = wire_bytes(fn, x)
+        found = [c for c in report.collectives if c.kind == "all-reduce"]
+        if [c.num_operands for c in found] != [operands]:
+            raise RuntimeError(
+                f"time_tuple_all_reduce: expected one all-reduce of {operands} operands in the "
+                f"compiled program, found {[c.num_operands for c in found]}"
+            )
+        secs = max(_median_seconds(fn, x, repeats) - _median_seconds(base, x, repeats), 0.0)
+        out.append((n, operands, float(found[0].compiled_bytes), secs))
+    return out
+
+
 def calibrate_links(
     devices: int | None = None,
     *,
@@ -107,6 +160,9 @@ def calibrate_links(
     repeats: int = 7,
 ) -> dict[str, LinkModel]:
     """Fits α and β of each collective kind from timed micro-collectives.
+
+    For the all-reduce also the latency of each further operand of a tuple
+    all-reduce (:func:`time_tuple_all_reduce`, ``LinkModel.alpha_operand``).
 
     Args:
       devices: replicas to time over (default: every device).
@@ -134,4 +190,8 @@ def calibrate_links(
         mine = [r for r in rows if r[0] == kind]
         links[kind] = fit_alpha_beta(kind, [r[1] for r in mine], [r[2] for r in mine],
                                      [r[3] for r in mine])
+    if "all-reduce" in links:  # the only kind XLA joins into tuples here
+        tuples = time_tuple_all_reduce(n, size=min(sizes), repeats=repeats)
+        links["all-reduce"] = fit_operand_alpha(links["all-reduce"], "all-reduce",
+                                                *zip(*tuples, strict=True))
     return links

@@ -50,12 +50,22 @@ def message_steps(kind: str, group_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class LinkModel:
-    """Seconds of one collective: ``message_steps * alpha + beta * bytes_sent``.
+    """Seconds of one collective: ``steps * (alpha + (operands-1) * alpha_operand) + beta * bytes``.
+
+    ``steps`` is :func:`message_steps`, ``bytes`` what each device sends.
+
+    A tuple collective (XLA's all-reduce combiner joins a step's per-leaf
+    psums into one instruction with an operand per leaf) may pay a latency per
+    operand: over gloo across processes each operand costs about a whole
+    collective's latency, while XLA:CPU in one process moves them together.
+    :func:`adaptjax.costs.calibrate_links` measures ``alpha_operand``.
 
     Attributes:
       alpha: seconds per message step (latency), >= 0.
       beta: seconds per byte a device sends (1 / bandwidth), >= 0.
       pinned: whether a user gave these numbers (a refit keeps them).
+      alpha_operand: seconds per message step for each operand after the
+        first of a tuple collective, >= 0.
 
     Example:
       >>> from adaptjax.costs import LinkModel
@@ -67,9 +77,10 @@ class LinkModel:
     alpha: float
     beta: float
     pinned: bool = False
+    alpha_operand: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta"):
+        for name in ("alpha", "beta", "alpha_operand"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"LinkModel: {name} must be a finite number >= 0, got {value!r}")
@@ -81,14 +92,22 @@ class LinkModel:
             raise ValueError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}")
         return cls(alpha=float(latency), beta=1.0 / float(bandwidth), pinned=True)
 
-    def time(self, kind: str, group_size: int, bytes_sent: float) -> float:
-        """Seconds for one collective of ``kind`` over ``group_size`` sending ``bytes_sent``."""
+    def time(self, kind: str, group_size: int, bytes_sent: float, operands: int = 1) -> float:
+        """Seconds for one collective of ``kind`` over ``group_size`` sending ``bytes_sent``.
+
+        Example:
+          >>> from adaptjax.costs import LinkModel
+          >>> link = LinkModel(alpha=1e-3, beta=0.0, alpha_operand=1e-3)
+          >>> round(link.time("all-reduce", 2, 0.0, operands=3), 6)  # 2 steps x 3 operands
+          0.006
+        """
         if bytes_sent < 0:
             raise ValueError(f"bytes_sent must be >= 0, got {bytes_sent}")
         steps = message_steps(kind, group_size)
         if steps == 0:
             return 0.0
-        return steps * self.alpha + self.beta * float(bytes_sent)
+        latency = self.alpha + (max(int(operands), 1) - 1) * self.alpha_operand
+        return steps * latency + self.beta * float(bytes_sent)
 
 
 def fit_alpha_beta(
@@ -158,3 +177,34 @@ def fit_alpha_beta(
         return sum((x[0] * m.alpha + x[1] * m.beta - y) ** 2 for x, y in rows)
 
     return min(cands, key=sse)
+
+
+def fit_operand_alpha(link: LinkModel, kind: str, group_sizes: Sequence[int],
+                      operands: Sequence[int], bytes_sent: Sequence[float],
+                      seconds: Sequence[float]) -> LinkModel:
+    """``link`` with ``alpha_operand`` fitted from timed tuple collectives.
+
+    Least squares (clipped at 0) of what ``link`` leaves unexplained,
+    ``seconds - link.time(kind, N, bytes)``, on ``message_steps(kind, N) *
+    (operands - 1)``.
+
+    Example:
+      >>> from adaptjax.costs import LinkModel, fit_operand_alpha
+      >>> link = LinkModel(1e-4, 1e-9)
+      >>> secs = [2 * (1e-4 + 7 * 5e-4) + 8e3 * 1e-9, 14 * (1e-4 + 7 * 5e-4) + 8e3 * 1e-9]
+      >>> round(fit_operand_alpha(link, "all-reduce", [2, 8], [8, 8], [8e3, 8e3],
+      ...                         secs).alpha_operand, 9)
+      0.0005
+    """
+    xs, rs = [], []
+    for n, k, b, t in zip(group_sizes, operands, bytes_sent, seconds, strict=True):
+        x = message_steps(kind, int(n)) * (int(k) - 1)
+        if x > 0:
+            xs.append(float(x))
+            rs.append(float(t) - link.time(kind, int(n), float(b)))
+    if not xs:
+        raise ValueError(
+            f"fit_operand_alpha({kind!r}): needs a timing with >= 2 operands on >= 2 devices"
+        )
+    value = sum(x * r for x, r in zip(xs, rs, strict=True)) / sum(x * x for x in xs)
+    return dataclasses.replace(link, alpha_operand=max(value, 0.0))

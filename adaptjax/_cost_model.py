@@ -224,7 +224,8 @@ class StepTimeModel:
         def secs(c: Collective) -> float:
             if message_steps(c.kind, c.group_size) == 0 or c.compiled_bytes == 0:
                 return 0.0
-            return self.link(c.kind).time(c.kind, c.group_size, c.compiled_bytes)
+            return self.link(c.kind).time(c.kind, c.group_size, c.compiled_bytes,
+                                          c.num_operands)
 
         def secs_async(c: Collective) -> float:
             return secs(c) if c.is_async else 0.0

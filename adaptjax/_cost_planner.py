@@ -305,7 +305,8 @@ class Planner:
     def to_json(self) -> dict:
         """The links and observations as plain JSON (what ``adaptjax plan`` reads)."""
         return {
-            "links": {k: [v.alpha, v.beta, v.pinned] for k, v in (self.links or {}).items()},
+            "links": {k: [v.alpha, v.beta, v.pinned, v.alpha_operand]
+                      for k, v in (self.links or {}).items()},
             "observations": [
                 {"config": dataclasses.asdict(c), "step_time": t,
                  "wire": _wire_json(self._wire(c))}
@@ -349,7 +350,7 @@ def _wire_json(report: WireReport) -> dict:
         "collectives": [
             {"kind": c.kind, "group_size": c.group_size, "bytes": c.bytes,
              "compiled_bytes": c.compiled_bytes, "is_async": c.is_async,
-             "branch": [list(b) for b in c.branch]}
+             "num_operands": c.num_operands, "branch": [list(b) for b in c.branch]}
             for c in report.collectives
         ],
     }
@@ -359,6 +360,7 @@ def _wire_from_json(data: dict) -> WireReport:
     colls = tuple(
         Collective(c["kind"], "", (), 0, int(c["group_size"]), float(c["bytes"]),
                    float(c["compiled_bytes"]), "", is_async=bool(c["is_async"]),
+                   num_operands=int(c.get("num_operands", 1)),
                    branch=tuple((str(n), int(b)) for n, b in c["branch"]))
         for c in data["collectives"]
     )

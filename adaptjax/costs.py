@@ -14,9 +14,9 @@ Example:
   True
 """
 
-from adaptjax._cost_calibrate import calibrate_links, time_collectives
+from adaptjax._cost_calibrate import calibrate_links, time_collectives, time_tuple_all_reduce
 from adaptjax._cost_compute import ComputeModel, fit_compute
-from adaptjax._cost_links import LinkModel, fit_alpha_beta, message_steps
+from adaptjax._cost_links import LinkModel, fit_alpha_beta, fit_operand_alpha, message_steps
 from adaptjax._cost_model import (
     CannotPredict,
     CodecCost,
@@ -57,11 +57,13 @@ __all__ = [
     "config_key",
     "fit_alpha_beta",
     "fit_compute",
+    "fit_operand_alpha",
     "message_steps",
     "predicted_times",
     "read_run",
     "rescale_report",
     "simulate",
     "time_collectives",
+    "time_tuple_all_reduce",
     "wire_for",
 ]

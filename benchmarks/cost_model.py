@@ -206,7 +206,7 @@ def link_worker(rank: int, coordinator: str, rounds: int, steps: int) -> dict:
         for spec in order:
             runners[spec].times.append(runners[spec].run(steps))
     return {
-        "links": {k: [v.alpha, v.beta] for k, v in links.items()},
+        "links": {k: [v.alpha, v.beta, v.pinned, v.alpha_operand] for k, v in links.items()},
         "links_seconds": t_links,
         "rows": [{"codec": name, "devices": 2, "batch_size": b, "microbatches": 1,
                   "wire": _wire_json(r.wire), "measured_s": r.measured,
@@ -272,7 +272,8 @@ def link_rows(args, local_links, all_codecs) -> list[dict] | None:
           f"(veth, tbf 1gbit, gloo):")
     for kind, link in veth.items():
         print(f"  {kind:15s} alpha={link.alpha * 1e6:8.1f} us  beta={link.beta * 1e9:.4f} ns/B "
-              f"({1 / link.beta / 1e6 if link.beta else float('inf'):.0f} MB/s)")
+              f"({1 / link.beta / 1e6 if link.beta else float('inf'):.0f} MB/s)"
+              f"  alpha per further operand={link.alpha_operand * 1e6:.1f} us")
     on_link = dataclasses.replace(model, links=veth)
     rows = []
     for row in result["rows"]:
@@ -310,7 +311,8 @@ def main():
     t_links = time.perf_counter() - t_start
     print(f"links calibrated in {t_links:.1f} s (8 devices, {len(links)} kinds):")
     for kind, link in links.items():
-        print(f"  {kind:15s} alpha={link.alpha * 1e6:8.1f} us  beta={link.beta * 1e9:.4f} ns/B")
+        print(f"  {kind:15s} alpha={link.alpha * 1e6:8.1f} us  beta={link.beta * 1e9:.4f} ns/B"
+              f"  alpha per further operand={link.alpha_operand * 1e6:.1f} us")
 
     all_codecs = codecs()
     calib, held = [], []

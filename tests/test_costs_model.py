@@ -1,5 +1,6 @@
 """The cost model against math: α–β and compute fits, monotonicity, one-line refusals."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -13,6 +14,7 @@ from adaptjax.costs import (
     StepTimeModel,
     fit_alpha_beta,
     fit_compute,
+    fit_operand_alpha,
     message_steps,
     rescale_report,
 )
@@ -43,6 +45,32 @@ def test_alpha_beta_fit_never_negative():
     # Times that fall with size: the unconstrained fit has β < 0; the constrained one is 0.
     link = fit_alpha_beta("all-reduce", [2, 2, 2], [1e3, 1e4, 1e5], [3e-3, 2e-3, 1e-3])
     assert link.beta == 0.0 and link.alpha == pytest.approx(2e-3 / 2)
+
+
+def test_operand_alpha_fit_recovers_a_known_per_operand_latency():
+    link = LinkModel(alpha=2e-4, beta=3e-9)
+    alpha_operand = 7e-4
+    groups, operands, sizes = [2, 2, 8, 8], [8, 4, 8, 2], [4e3, 4e3, 7e3, 7e3]
+    secs = [message_steps("all-reduce", n) * (2e-4 + (k - 1) * alpha_operand) + 3e-9 * b
+            for n, k, b in zip(groups, operands, sizes, strict=True)]
+    fitted = fit_operand_alpha(link, "all-reduce", groups, operands, sizes, secs)
+    assert fitted.alpha_operand == pytest.approx(alpha_operand, rel=1e-9)
+    assert (fitted.alpha, fitted.beta) == (link.alpha, link.beta)
+    # Tuples no slower than one operand: the per-operand latency is 0, never negative.
+    assert fit_operand_alpha(link, "all-reduce", [2], [8], [4e3],
+                             [link.time("all-reduce", 2, 4e3) / 2]).alpha_operand == 0.0
+    with pytest.raises(ValueError, match="needs a timing with >= 2 operands on >= 2 devices"):
+        fit_operand_alpha(link, "all-reduce", [2], [1], [4e3], [1e-3])
+
+
+def test_a_tuple_all_reduce_pays_latency_per_operand():
+    link = LinkModel(alpha=1e-4, beta=1e-8, alpha_operand=5e-4)
+    model = StepTimeModel({"all-reduce": link}, ComputeModel(fixed=0.01))
+    one = _allreduce(4, 4e6)
+    three = dataclasses.replace(one, num_operands=3)
+    extra = (model.predict(RunConfig(4, 64), [three]).comm
+             - model.predict(RunConfig(4, 64), [one]).comm)
+    assert extra == pytest.approx(6 * 2 * 5e-4)  # 6 message steps x 2 further operands
 
 
 def test_compute_fit_recovers_known_per_sample_cost():

@@ -83,3 +83,25 @@ def test_save_and_load_round_trip(tmp_path):
     assert loaded.step_time(c) == pytest.approx(_truth(c), rel=1e-6)
     with pytest.raises(ValueError, match="no costs.json"):
         Planner.load(str(tmp_path / "missing"))
+
+
+def test_save_and_load_keep_the_per_operand_latency(tmp_path):
+    link = LinkModel(alpha=1e-4, beta=1e-8, alpha_operand=3e-4)
+
+    def wire(config):  # a tuple all-reduce of 5 operands, as XLA's combiner makes
+        n = config.devices
+        b = 2 * (n - 1) / n * 4e6
+        return [Collective("all-reduce", "f32", ((1,),) * 5, 5, n, b, b, "f32", num_operands=5)]
+
+    def truth(c):
+        return (COMPUTE.time(devices=c.devices, batch_size=c.batch_size)
+                + link.time("all-reduce", c.devices, wire(c)[0].bytes, operands=5))
+
+    planner = Planner({"all-reduce": link}, wire_of=wire)
+    for c in (Candidate(2, 16), Candidate(2, 64), Candidate(8, 64)):
+        planner.observe(c, truth(c))
+    planner.save(str(tmp_path / "costs.json"))
+    loaded = Planner.load(str(tmp_path))
+    assert loaded.links["all-reduce"] == link
+    c = Candidate(4, 32)
+    assert loaded.step_time(c) == pytest.approx(truth(c), rel=1e-6)

@@ -110,6 +110,7 @@ def test_plan_probes_a_training_script_and_ranks_configurations(tmp_path, tmp_ro
     assert lines[1].split() == ["#", "dev", "batch", "mb", "step", "ms", "meas", "ms",
                                 "bytes/dev", "samples/s", "goodput", "codec"]
     rows = [line.split(None, 9) for line in lines[2:]]
+    assert {r[9] for r in rows} == {"none", "onebit"}  # the codec's name, not its repr
     key = {(int(r[1]), int(r[2]), r[9] == "none"): r for r in rows}
     # Every predictable configuration: replicas 1..4 dividing a probed batch, with and
     # without the policy's codec; measured exactly at the probed ones.
