@@ -172,8 +172,11 @@ class Planner:
             if codec is None:
                 if steps.strategy(config.sync).local_models:
                     return {}
+                # the monitors' scalars: one more operand (their few bytes hardly count)
+                scalars = 64.0 if steps.monitors else 0.0
                 lane, times = choose_dense_lane(
-                    self.model, float(sum(math.prod(s) * d.itemsize for s, d in leaves)), n)
+                    self.model, float(sum(math.prod(s) * d.itemsize for s, d in leaves)), n,
+                    leaves=len(leaves), scalar_bytes=scalars)
                 self.schedules[config] = {"dense_lane": lane, "predicted_s": times}
                 return {"dense_lane": lane}
             if not (dataclasses.is_dataclass(codec) and hasattr(codec, "bucket_bytes")

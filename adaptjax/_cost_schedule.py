@@ -70,9 +70,16 @@ def exchange_time(model: StepTimeModel, kind: str, devices: int, message_bytes: 
 
 
 def choose_dense_lane(
-    model: StepTimeModel, message_bytes: float, devices: int
+    model: StepTimeModel, message_bytes: float, devices: int, *, leaves: int = 1,
+    scalar_bytes: float = 0.0,
 ) -> tuple[str, dict[str, float]]:
     """The faster way to average ``message_bytes`` over ``devices`` replicas.
+
+    The all-reduce lane is one tuple all-reduce of ``leaves`` operands (XLA's
+    combiner joins the per-leaf psums), plus one more operand for the
+    monitors' scalars when ``scalar_bytes`` > 0; each further operand pays
+    the link's ``alpha_operand``. The other lane sends one flat buffer, and the
+    scalars in their own small all-reduce.
 
     Returns:
       ``(choice, {choice: predicted seconds, ...})`` with choices
@@ -85,12 +92,23 @@ def choose_dense_lane(
       ...                        "all-gather": LinkModel(1e-5, 1e-9)})
       >>> choose_dense_lane(model, 4e6, 8)[0]
       'reduce-scatter+all-gather'
+      >>> gloo = LinkModel(1e-3, 1e-8, alpha_operand=1e-3)  # a latency per operand
+      >>> model = StepTimeModel({"all-reduce": gloo, "reduce-scatter": LinkModel(1e-3, 1e-8),
+      ...                        "all-gather": LinkModel(1e-3, 1e-8)})
+      >>> choose_dense_lane(model, 3.4e5, 2)[0], choose_dense_lane(model, 3.4e5, 2, leaves=6)[0]
+      ('all-reduce', 'reduce-scatter+all-gather')
     """
-    ar = model.link("all-reduce").time("all-reduce", devices,
-                                       _ring_bytes("all-reduce", devices, message_bytes))
+    reduce = model.link("all-reduce")
+    scalars = 1 if scalar_bytes > 0 else 0
+    ar = reduce.time("all-reduce", devices,
+                     _ring_bytes("all-reduce", devices, message_bytes + scalar_bytes),
+                     operands=max(int(leaves), 1) + scalars)
     half = _ring_bytes("reduce-scatter", devices, message_bytes)
     pair = (model.link("reduce-scatter").time("reduce-scatter", devices, half)
             + model.link("all-gather").time("all-gather", devices, half))
+    if scalars:
+        pair += reduce.time("all-reduce", devices,
+                            _ring_bytes("all-reduce", devices, scalar_bytes))
     times = {"all-reduce": ar, "reduce-scatter+all-gather": pair}
     return min(times, key=lambda k: (times[k], k != "all-reduce")), times
 

@@ -163,6 +163,20 @@ class Runner:
         return statistics.median(self.cpu_times)
 
 
+def time_rounds(runners: dict, rounds: int, steps: int, seed: int) -> None:
+    """``rounds`` rounds of ``steps`` steps of every runner, in a shuffled order each round.
+
+    The machine's drifting load then spreads over all of them; the same seed
+    gives the same order in every process (their collectives pair up).
+    """
+    order = list(runners)
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for spec in order:
+            runners[spec].times.append(runners[spec].run(steps))
+
+
 def make_batch(mesh, batch, sizes, seed):
     """A global batch of ``batch`` rows on ``mesh``; each process gives its own rows."""
     from jax.sharding import NamedSharding
@@ -199,12 +213,7 @@ def link_worker(rank: int, coordinator: str, rounds: int, steps: int) -> dict:
     all_codecs = codecs()
     runners = {(name, b): Runner(name, all_codecs[name], 2, b, sizes=NET_SIZES)
                for b in NET_BATCHES for name in all_codecs}
-    order = list(runners)
-    rng = random.Random(0)  # the same order in both processes: their collectives pair up
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for spec in order:
-            runners[spec].times.append(runners[spec].run(steps))
+    time_rounds(runners, rounds, steps, seed=0)
     return {
         "links": {k: [v.alpha, v.beta, v.pinned, v.alpha_operand] for k, v in links.items()},
         "links_seconds": t_links,
@@ -215,24 +224,11 @@ def link_worker(rank: int, coordinator: str, rounds: int, steps: int) -> dict:
 
 
 def _run_link_workers(rounds: int, steps: int) -> dict:
-    import subprocess
-
     net = _network()
-    coordinator = f"{net.ADDR[0]}:{29500 + os.getpid() % 400 * 2}"
-    procs = [
-        subprocess.Popen(
-            ["ip", "netns", "exec", net.NS[rank], sys.executable, os.path.abspath(__file__),
-             "--link-worker", "--rank", str(rank), "--coordinator", coordinator,
-             "--rounds", str(rounds), "--steps", str(steps)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        for rank in range(2)
-    ]
-    outs = [p.communicate(timeout=3600) for p in procs]
-    if any(p.returncode for p in procs):
-        err = next(o[1] for p, o in zip(procs, outs, strict=True) if p.returncode)
-        raise RuntimeError(f"link worker failed: {err.strip().splitlines()[-3:]}")
-    return json.loads(outs[0][0].strip().splitlines()[-1])
+    return net.run_pair(
+        os.path.abspath(__file__),
+        ["--link-worker", "--rounds", str(rounds), "--steps", str(steps)],
+        f"{net.ADDR[0]}:{29500 + os.getpid() % 400 * 2}", "link worker")
 
 
 def link_rows(args, local_links, all_codecs) -> list[dict] | None:
@@ -249,12 +245,7 @@ def link_rows(args, local_links, all_codecs) -> list[dict] | None:
     calib = [*NET_CALIB, *[(name, 2, 64) for name in all_codecs if name != "dense"]]
     runners = {spec: Runner(spec[0], all_codecs[spec[0]], spec[1], spec[2], sizes=NET_SIZES)
                for spec in calib}
-    order = list(runners)
-    rng = random.Random(1)
-    for _ in range(args.rounds):
-        rng.shuffle(order)
-        for spec in order:
-            runners[spec].times.append(runners[spec].run(args.steps))
+    time_rounds(runners, args.rounds, args.steps, seed=1)
     model = costs.StepTimeModel.fit(local_links, [
         costs.Observation(r.config, r.wire, r.measured) for r in runners.values()])
     del runners
@@ -335,12 +326,7 @@ def main():
         runners[spec] = Runner(name, all_codecs[name], n, b, k)
     print(f"compiled {len(runners)} configurations in {time.perf_counter() - t0:.0f} s")
 
-    order = list(runners)
-    rng = random.Random(0)
-    for _ in range(args.rounds):
-        rng.shuffle(order)
-        for spec in order:
-            runners[spec].times.append(runners[spec].run(args.steps))
+    time_rounds(runners, args.rounds, args.steps, seed=0)
 
     obs = [costs.Observation(runners[s].config, runners[s].wire, runners[s].measured)
            for s in calib]

@@ -385,13 +385,12 @@ def _has_torch() -> bool:
     return True
 
 
-def run_worker(kind: str, args: list[str]) -> dict:
-    port = 29000 + (sum(map(ord, kind)) % 4) * 2 + int(time.time()) % 500 * 8
-    coordinator = f"{ADDR[0]}:{port}"
+def run_pair(script: str, args: list[str], coordinator: str, label: str) -> dict:
+    """``script ARGS --rank R --coordinator C`` in each namespace; rank 0's last JSON line."""
     procs = [
         subprocess.Popen(
-            ["ip", "netns", "exec", NS[rank], sys.executable, os.path.abspath(__file__),
-             "--worker", kind, "--rank", str(rank), "--coordinator", coordinator, *args],
+            ["ip", "netns", "exec", NS[rank], sys.executable, script, *args,
+             "--rank", str(rank), "--coordinator", coordinator],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         for rank in range(2)
@@ -399,8 +398,14 @@ def run_worker(kind: str, args: list[str]) -> dict:
     outs = [p.communicate(timeout=3600) for p in procs]
     if any(p.returncode for p in procs):
         err = next(o[1] for p, o in zip(procs, outs, strict=True) if p.returncode)
-        raise RuntimeError(f"{kind} failed: {err.strip().splitlines()[-3:]}")
+        raise RuntimeError(f"{label} failed: {err.strip().splitlines()[-3:]}")
     return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def run_worker(kind: str, args: list[str]) -> dict:
+    port = 29000 + (sum(map(ord, kind)) % 4) * 2 + int(time.time()) % 500 * 8
+    return run_pair(os.path.abspath(__file__), ["--worker", kind, *args],
+                    f"{ADDR[0]}:{port}", kind)
 
 
 def smoothed(losses: list[float], window: int = 5) -> list[float]:
