@@ -112,8 +112,11 @@ class Planner:
         self.model = StepTimeModel(self.links or {})
 
     # ---- wiring ------------------------------------------------------------------------
-    def attach(self, controller) -> Planner:
+    def attach(self, controller, *, calibrate: bool = True) -> Planner:
         """Reads compiled steps' collectives from ``controller``; calibrates links if unset.
+
+        With ``calibrate=False`` links stay unset until :meth:`calibrate` is
+        called (e.g. for only the collective kinds the steps turn out to use).
 
         Also saves the model to ``controller.run_dir/costs.json`` at every refit,
         which ``adaptjax plan RUN_DIR`` reads, and from then on builds each
@@ -121,9 +124,6 @@ class Planner:
         predicts fastest (attach before the run starts: a step already built
         keeps its options), logging each choice as a ``schedule`` event.
         """
-        import jax
-
-        from adaptjax._cost_calibrate import calibrate_links
         from adaptjax._wire import wire_bytes
 
         steps, data = controller.steps, controller.data
@@ -133,10 +133,8 @@ class Planner:
 
         self.wire_of = wire_of
         self.run_dir = controller.run_dir
-        if self.links is None:
-            n = min(controller.max_devices, len(jax.devices()))
-            self.links = calibrate_links(n) if n >= 2 else {}
-            self.model = dataclasses.replace(self.model, links=self.links)
+        if self.links is None and calibrate:
+            self.calibrate(controller.max_devices)
         self._steps = steps
 
         def schedule(config: RunConfig) -> dict[str, Any]:
@@ -201,6 +199,23 @@ class Planner:
         self.schedules[config] = {"bucket_bytes": bucket, "buckets": len(buckets(lane_bytes, best)),
                                   "predicted_s": times[best], "one_exchange_s": times[whole]}
         return {"bucket_bytes": bucket}
+
+    def calibrate(self, devices: int, kinds: Sequence[str] | None = None) -> dict:
+        """Times micro-collectives on up to ``devices`` devices and uses them as the links.
+
+        ``kinds`` (default: every kind :func:`adaptjax.costs.calibrate_links`
+        times); with fewer than two devices there is nothing to time and the
+        links are empty.
+        """
+        import jax
+
+        from adaptjax._cost_calibrate import DEFAULT_KINDS, calibrate_links
+
+        n = min(int(devices), len(jax.devices()))
+        kinds = DEFAULT_KINDS if kinds is None else tuple(kinds)
+        self.links = calibrate_links(n, kinds=kinds) if n >= 2 and kinds else {}
+        self.model = dataclasses.replace(self.model, links=self.links)
+        return self.links
 
     @staticmethod
     def config_of(candidate) -> RunConfig:

@@ -120,10 +120,8 @@ def probe(controller, request: PlanRequest, policies) -> str:
     the plan directory's). Links the planner has none of are calibrated
     afterwards, for the collective kinds the probed steps use only.
     """
-    import jax
 
     from adaptjax import policies as ajp
-    from adaptjax._cost_calibrate import calibrate_links
     from adaptjax._cost_links import message_steps
     from adaptjax._cost_planner import FILENAME, Planner
 
@@ -138,9 +136,7 @@ def probe(controller, request: PlanRequest, policies) -> str:
     configs = probe_configs(ctrl.config, ctrl.steps.codecs, ctrl.max_devices)
     configs = [c for c in configs if c.devices <= ctrl.max_devices]
     calibrate = planner.links is None
-    if calibrate:
-        planner.links = {}  # attach() would time every kind; time only those the steps use
-    planner.attach(ctrl)
+    planner.attach(ctrl, calibrate=False)  # time only the kinds the probed steps use, below
     times: dict[RunConfig, float] = {}
     rounds = min(ROUNDS, request.steps)
     for r in range(rounds):
@@ -160,10 +156,7 @@ def probe(controller, request: PlanRequest, policies) -> str:
     if calibrate:
         kinds = sorted({c.kind for config in times for c in planner._wire(config).collectives
                         if message_steps(c.kind, c.group_size) > 0})
-        n = min(ctrl.max_devices, len(jax.devices()))
-        links = calibrate_links(n, kinds=kinds) if n >= 2 and kinds else {}
-        planner.links = links
-        planner.model = dataclasses.replace(planner.model, links=links)
+        planner.calibrate(ctrl.max_devices, kinds=kinds)
     planner.run_dir = ctrl.run_dir
     for config, t in times.items():
         planner.observe(config, t)

@@ -105,3 +105,10 @@ def test_save_and_load_keep_the_per_operand_latency(tmp_path):
     assert loaded.links["all-reduce"] == link
     c = Candidate(4, 32)
     assert loaded.step_time(c) == pytest.approx(truth(c), rel=1e-6)
+
+
+def test_calibrate_times_only_the_kinds_asked_for():
+    planner = Planner()
+    links = planner.calibrate(2, kinds=("all-gather",))
+    assert list(links) == ["all-gather"] and planner.model.links == links
+    assert Planner().calibrate(1) == {}  # one device: nothing to time
