@@ -3,14 +3,15 @@
 Per replica with ``b`` samples in ``k`` micro-batches on ``n`` replicas::
 
     T_compute = fixed + per_microbatch·k + per_sample·b + per_global_sample·n·b
-                + per_replica·n
+                + per_replica·n + per_replica_microbatch·n·k
 
-On real accelerators each replica computes alone and ``per_global_sample``
-and ``per_replica`` are 0 (Pollux's T(M) = t₀ + t₁·M per replica). Simulated
-devices that share one host's cores (``--xla_force_host_platform_device_count``)
-run the replicas' work on the same cores, so the step grows with the global
-batch ``n·b`` and with each replica's fixed work: the fit finds which the
-measurements show. Coefficients are fitted by
+On real accelerators each replica computes alone and ``per_global_sample``,
+``per_replica`` and ``per_replica_microbatch`` are 0 (Pollux's T(M) = t₀ +
+t₁·M per replica). Simulated devices that share one host's cores
+(``--xla_force_host_platform_device_count``) run the replicas' work on the
+same cores, so the step grows with the global batch ``n·b``, with each
+replica's fixed work and with each replica's work per micro-batch: the fit
+finds which the measurements show. Coefficients are fitted by
 non-negative least squares (none of them can be negative).
 
 References:
@@ -25,12 +26,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-FEATURES = ("fixed", "per_microbatch", "per_sample", "per_global_sample", "per_replica")
+FEATURES = ("fixed", "per_microbatch", "per_sample", "per_global_sample", "per_replica",
+            "per_replica_microbatch")
 
 
 def _features(devices: int, per_device_batch: float, microbatches: int) -> list[float]:
     return [1.0, float(microbatches), float(per_device_batch),
-            float(devices) * float(per_device_batch), float(devices)]
+            float(devices) * float(per_device_batch), float(devices),
+            float(devices) * float(microbatches)]
 
 
 def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -54,6 +57,9 @@ class ComputeModel:
         share a host's cores; 0 on real accelerators).
       per_replica: seconds per replica (fixed work of replicas sharing a host's
         cores; 0 on real accelerators).
+      per_replica_microbatch: seconds per replica and micro-batch (each
+        replica's work per accumulation step on a host's shared cores; 0 on
+        real accelerators).
 
     Example:
       >>> from adaptjax.costs import ComputeModel
@@ -66,6 +72,7 @@ class ComputeModel:
     per_sample: float = 0.0
     per_global_sample: float = 0.0
     per_replica: float = 0.0
+    per_replica_microbatch: float = 0.0
 
     def __post_init__(self) -> None:
         for name in FEATURES:
@@ -89,11 +96,13 @@ class ComputeModel:
     def on_own_devices(self) -> ComputeModel:
         """The same costs on replicas that each have their own processor.
 
-        Host-shared work (``per_global_sample``) becomes per-replica work: one
-        replica's share of it is what a replica computing alone spends.
+        Host-shared work (``per_global_sample``, ``per_replica``,
+        ``per_replica_microbatch``) becomes per-replica work: one replica's
+        share of it is what a replica computing alone spends.
         """
-        return ComputeModel(self.fixed + self.per_replica, self.per_microbatch,
-                            self.per_sample + self.per_global_sample, 0.0, 0.0)
+        return ComputeModel(self.fixed + self.per_replica,
+                            self.per_microbatch + self.per_replica_microbatch,
+                            self.per_sample + self.per_global_sample, 0.0, 0.0, 0.0)
 
 
 def fit_compute(

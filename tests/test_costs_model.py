@@ -92,6 +92,23 @@ def test_compute_fit_finds_host_shared_devices():
     assert model.per_sample == pytest.approx(0.0, abs=1e-12)
 
 
+def test_compute_fit_finds_per_replica_work_per_microbatch():
+    # Host-shared cores: every replica's micro-batch adds its launch work in turn (n·k).
+    configs = [(1, 16, 1), (1, 64, 1), (2, 32, 1), (2, 128, 2), (4, 32, 1), (4, 128, 2),
+               (8, 64, 1), (8, 256, 2), (2, 64, 2), (4, 32, 2)]
+    secs = [0.001 + 2e-5 * b + 1e-3 * n * k for n, b, k in configs]  # b: the global batch
+    model = fit_compute(*zip(*configs, strict=True), secs)
+    assert model.per_replica_microbatch == pytest.approx(1e-3, rel=1e-6)
+    assert model.per_global_sample == pytest.approx(2e-5, rel=1e-6)
+    assert model.fixed == pytest.approx(0.001, rel=1e-6)
+    for name in ("per_microbatch", "per_sample", "per_replica"):
+        assert getattr(model, name) == pytest.approx(0.0, abs=1e-9), name
+    # On devices of their own, each replica's share is a cost per micro-batch.
+    own = model.on_own_devices()
+    assert own.per_microbatch == pytest.approx(1e-3, rel=1e-6)
+    assert own.per_replica_microbatch == 0.0
+
+
 def _model(link=None):
     link = link or LinkModel(alpha=1e-4, beta=1e-8)
     compute = ComputeModel(fixed=0.01, per_sample=1e-3)
