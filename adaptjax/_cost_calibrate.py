@@ -48,6 +48,33 @@ def _median_seconds(fn, x, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _groups(devices: int) -> list[int]:
+    """Group sizes to time: 2 and all devices; under jax.distributed all of them only.
+
+    A group of two would leave the other processes out of the program.
+    """
+    import jax
+
+    return sorted({2, devices}) if jax.process_count() == 1 else [devices]
+
+
+def _ones(n: int, elems: int):
+    """A ``(n·elems,)`` float32 array of ones sharded over a mesh of the first ``n`` devices.
+
+    Built shard by shard: under jax.distributed each process gives its own.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:n]), ("calib",))
+    x = jax.make_array_from_callback(
+        (n * elems,), NamedSharding(mesh, P("calib")),
+        lambda index: np.ones((n * elems,), np.float32)[index])
+    return mesh, x
+
+
 def time_collectives(
     devices: int,
     kinds: Sequence[str] = DEFAULT_KINDS,
@@ -57,15 +84,12 @@ def time_collectives(
     """Times micro-collectives on the first ``devices`` devices.
 
     Under ``jax.distributed`` every process calls it (each supplies its own
-    shards) and only the group of all ``devices`` is timed: a group of two
-    would leave the other processes out of the program.
+    shards) and only the group of all ``devices`` is timed.
 
     Returns:
       ``(kind, group size, bytes each device sent, seconds)`` per timing.
     """
     import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from adaptjax._wire import wire_bytes
@@ -75,16 +99,11 @@ def time_collectives(
             f"calibrate_links needs >= 2 devices to time a collective, got {devices}; "
             "pin LinkModel.from_bandwidth(...) instead"
         )
-    groups = sorted({2, devices}) if jax.process_count() == 1 else [devices]
     out = []
-    for n in groups:
-        mesh = Mesh(np.array(jax.devices()[:n]), ("calib",))
+    for n in _groups(devices):
         for size in sizes:
-            elems = max(size // 4 // n, 1) * n  # divisible by n for scatter / all-to-all
-            # Built shard by shard: under jax.distributed each process gives its own.
-            x = jax.make_array_from_callback(
-                (n * elems,), NamedSharding(mesh, P("calib")),
-                lambda index, size=n * elems: np.ones((size,), np.float32)[index])
+            # divisible by n for scatter / all-to-all
+            mesh, x = _ones(n, max(size // 4 // n, 1) * n)
             base = jax.jit(jax.shard_map(lambda v: v * 2.0, mesh=mesh, in_specs=P("calib"),
                                          out_specs=P("calib")))
             t_base = _median_seconds(base, x, repeats)
@@ -118,20 +137,13 @@ def time_tuple_all_reduce(
       ``(group size, operands, bytes each device sent, seconds)`` per group.
     """
     import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from adaptjax._wire import wire_bytes
 
-    groups = sorted({2, devices}) if jax.process_count() == 1 else [devices]
     out = []
-    for n in groups:
-        mesh = Mesh(np.array(jax.devices()[:n]), ("calib",))
-        elems = max(size // 4, 1)
-        x = jax.make_array_from_callback(
-            (n * elems,), NamedSharding(mesh, P("calib")),
-            lambda index, total=n * elems: np.ones((total,), np.float32)[index])
+    for n in _groups(devices):
+        mesh, x = _ones(n, max(size // 4, 1))
 
         def parts(v):
             return tuple(v * (i + 1.0) for i in range(operands))

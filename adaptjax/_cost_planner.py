@@ -195,8 +195,9 @@ class Planner:
                 overlap_compute=overlap, wire_fraction=float(codec.bits) / 32.0)
         except CannotPredict:
             return {}
-        bucket = None if len(buckets(lane_bytes, best)) == 1 else int(best)
-        self.schedules[config] = {"bucket_bytes": bucket, "buckets": len(buckets(lane_bytes, best)),
+        count = len(buckets(lane_bytes, best))
+        bucket = None if count == 1 else int(best)
+        self.schedules[config] = {"bucket_bytes": bucket, "buckets": count,
                                   "predicted_s": times[best], "one_exchange_s": times[whole]}
         return {"bucket_bytes": bucket}
 

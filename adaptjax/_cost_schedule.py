@@ -39,7 +39,8 @@ from adaptjax._wire import KINDS, _ring_bytes
 OWNER_COMPUTE = "owner-compute"
 
 
-def exchange_time(model: StepTimeModel, kind: str, devices: int, message_bytes: float) -> float:
+def exchange_time(model: StepTimeModel, kind: str, devices: int, message_bytes: float,
+                  operands: int = 1) -> float:
     """Predicted seconds of one ``kind`` collective (or owner-compute exchange) of a message.
 
     ``message_bytes`` is the collective's per-device operand for the reducing
@@ -66,7 +67,7 @@ def exchange_time(model: StepTimeModel, kind: str, devices: int, message_bytes: 
         raise ValueError(
             f"unknown collective kind {kind!r}: use one of {', '.join(KINDS)} or {OWNER_COMPUTE!r}"
         )
-    return model.link(kind).time(kind, n, _ring_bytes(kind, n, message_bytes))
+    return model.link(kind).time(kind, n, _ring_bytes(kind, n, message_bytes), operands)
 
 
 def choose_dense_lane(
@@ -98,17 +99,14 @@ def choose_dense_lane(
       >>> choose_dense_lane(model, 3.4e5, 2)[0], choose_dense_lane(model, 3.4e5, 2, leaves=6)[0]
       ('all-reduce', 'reduce-scatter+all-gather')
     """
-    reduce = model.link("all-reduce")
-    scalars = 1 if scalar_bytes > 0 else 0
-    ar = reduce.time("all-reduce", devices,
-                     _ring_bytes("all-reduce", devices, message_bytes + scalar_bytes),
-                     operands=max(int(leaves), 1) + scalars)
-    half = _ring_bytes("reduce-scatter", devices, message_bytes)
-    pair = (model.link("reduce-scatter").time("reduce-scatter", devices, half)
-            + model.link("all-gather").time("all-gather", devices, half))
+    n, scalars = devices, 1 if scalar_bytes > 0 else 0
+    ar = exchange_time(model, "all-reduce", n, message_bytes + scalar_bytes,
+                       operands=max(int(leaves), 1) + scalars)
+    # each replica ends with 1/n of the sum, then gathers the n shards
+    pair = (exchange_time(model, "reduce-scatter", n, message_bytes)
+            + exchange_time(model, "all-gather", n, message_bytes / n))
     if scalars:
-        pair += reduce.time("all-reduce", devices,
-                            _ring_bytes("all-reduce", devices, scalar_bytes))
+        pair += exchange_time(model, "all-reduce", n, scalar_bytes)
     times = {"all-reduce": ar, "reduce-scatter+all-gather": pair}
     return min(times, key=lambda k: (times[k], k != "all-reduce")), times
 
