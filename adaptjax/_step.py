@@ -160,7 +160,9 @@ def data_parallel_step(
     over ``microbatches`` micro-batches with ``lax.scan``) and runs ``tx`` with
     the axis bound, so ``tx`` should contain :func:`adaptjax.sync_gradients` (or
     another cross-replica reduction). ``tx.update`` receives the extra
-    arguments ``local_batch_size``, ``microbatches`` and ``micro_sqnorm``.
+    arguments ``local_batch_size``, ``microbatches`` and ``micro_sqnorm``, and
+    with ``skip_nonfinite`` and one micro-batch ``local_sqnorm`` (this replica's
+    ``‖g‖²``, which the guard computes anyway).
 
     A non-finite loss or gradient (on any replica) skips the update when
     ``skip_nonfinite``: params, optimizer and model state stay as they were and
@@ -300,15 +302,19 @@ def data_parallel_step(
             # optax.apply_if_finite and PyTorch's GradScaler check gradients). One
             # collective of two scalars makes the choice global, so every replica takes
             # the same branch of the lax.cond below.
-            mean_loss_sq = jax.lax.pmean(
-                jnp.stack([loss.astype(jnp.float32), tree_sq_norm(grads)]), axis_name
-            )
+            local_sq = tree_sq_norm(grads)
+            mean_loss_sq = jax.lax.pmean(jnp.stack([loss.astype(jnp.float32), local_sq]), axis_name)
             ok = jnp.all(jnp.isfinite(mean_loss_sq))
             loss = mean_loss_sq[0]
         else:
+            local_sq = None
             ok = jnp.bool_(True)
             loss = jax.lax.pmean(loss.astype(jnp.float32), axis_name)
         extra = {"local_params": params} if has_local else {}
+        if local_sq is not None and k == 1:
+            # The guard has read every gradient already: the monitors take its exact
+            # norm instead of reading (a chunk of) them again.
+            extra["local_sqnorm"] = local_sq
 
         def update(grads, opt_state, params, model_state):
             updates, opt_state = tx.update(

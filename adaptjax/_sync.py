@@ -170,9 +170,12 @@ def sync_gradients(
     gradient-sized collective.
 
     Extra arguments read from ``update`` (the step builder passes them):
-    ``local_batch_size`` (examples per replica), ``microbatches`` (``k``) and
+    ``local_batch_size`` (examples per replica), ``microbatches`` (``k``),
     ``micro_sqnorm`` (sum over this replica's ``k`` micro-batch gradients of
-    ``‖g_j‖²``, so the noise scale gets ``k`` samples per replica).
+    ``‖g_j‖²``, so the noise scale gets ``k`` samples per replica) and
+    ``local_sqnorm`` (this replica's exact ``‖g‖²`` when the caller has it,
+    as the non-finite guard does; then the monitors do not read the local
+    gradient for it).
 
     Args:
       axis_name: the data-parallel mesh axis (or a tuple of axes).
@@ -269,12 +272,15 @@ def sync_gradients(
         n = axis_size(axis_name)
         k = int(extra.get("microbatches", 1) or 1)
         micro_sq = extra.get("micro_sqnorm")
+        local_sq = extra.get("local_sqnorm")
         measure_now = state.count % monitor_every == 0
 
         def local_scalars():
             out = {}
             if micro_sq is not None and k > 1:
                 out[_LOCAL_SQ] = jnp.asarray(micro_sq, jnp.float32)
+            elif local_sq is not None:
+                out[_LOCAL_SQ] = jnp.asarray(local_sq, jnp.float32)
             else:
                 out[_LOCAL_SQ] = tree_sq_norm_sampled(updates, state.count, norm_chunks)
             for i, (m, s) in enumerate(zip(monitors, state.monitor_states, strict=True)):

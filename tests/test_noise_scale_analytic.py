@@ -242,3 +242,40 @@ def test_noise_dominated_readings_are_held_and_flagged_never_huge():
     m = _scan_run(snr, scales=np.ones(D), delta=delta, sigma=sigma, steps=100, seeds=2)
     assert np.all(np.isfinite(m["grad_snr"])) and np.all(m["grad_snr"] >= 0.0)
     assert set(np.unique(m["grad_snr_valid"])) == {0.0, 1.0}
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_guard_hands_its_exact_local_norm_to_the_monitors(guard):
+    # After one step the debiased EMAs are that step's estimates, and they invert to
+    # s̄ = mean over replicas of ‖g_i‖²: mean_sq = g2 + var/(n·b), s̄ = mean_sq + var(n−1)/(n·b).
+    # With the guard on, s̄ is exact although norm_chunks samples 1/32 of each big leaf;
+    # without it, the monitors read one chunk and s̄ is only an estimate.
+    n, b, d = 4, 8, 8192
+    mesh = adaptjax.make_mesh(n)
+    mon = adaptjax.GradientNoiseScale(significance=0.0)  # report the first estimate
+    tx = optax.chain(adaptjax.sync_gradients("data", monitors=(mon,), norm_chunks=32),
+                     optax.sgd(0.0))
+    step = adaptjax.data_parallel_step(_loss_wide, tx, mesh, skip_nonfinite=guard)
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=d).astype(np.float32)
+    x = rng.normal(size=(n * b, d)).astype(np.float32)
+    y = rng.normal(size=n * b).astype(np.float32)
+    state = adaptjax.init_state({"w": jnp.asarray(w)}, tx, mesh)
+    state, _ = step(state, {"x": x, "y": y})
+    m = adaptjax.read_metrics(state.opt_state)
+    mean_sq = m["grad_sqnorm"] + m["grad_variance"] / (n * b)
+    s_bar = mean_sq + m["grad_variance"] * (n - 1) / (n * b)
+    xs, ys = x.reshape(n, b, d).astype(np.float64), y.reshape(n, b).astype(np.float64)
+    local = [xs[i].T @ (xs[i] @ w - ys[i]) / b + _PULL for i in range(n)]
+    exact = np.mean([np.sum(g**2) for g in local])
+    if guard:
+        assert s_bar == pytest.approx(exact, rel=1e-4)
+    else:
+        assert abs(s_bar / exact - 1) > 1e-3
+
+
+_PULL = 100.0  # a common gradient far above the noise, so the estimate is valid
+
+
+def _loss_wide(p, b):
+    return 0.5 * jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2) + _PULL * jnp.sum(p["w"])
