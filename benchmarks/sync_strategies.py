@@ -2,7 +2,9 @@
 
 For S-SGD, synchronous model averaging, local SGD (H = 8, 32), DiLoCo
 (H = 32, 128) and gossip (ring, exponential), on 8 simulated CPU devices with
-the same inner optimizer (AdamW), data order and step count, this prints:
+the same inner optimizer (AdamW, at a constant learning rate or, with
+``--schedule cosine``, a 5% warm-up then a cosine decay to 10%), data order
+and step count, this prints:
 
 * bytes each device sends per step, read from the compiled HLO
   (:func:`adaptjax.wire_bytes`; local SGD and DiLoCo amortised over ``H``:
@@ -26,7 +28,7 @@ The bytes, not a wall clock, are what a real interconnect would carry.
 Usage:
   python benchmarks/sync_strategies.py [--steps 512] [--quick]
       [--outer-lr 0.7 --outer-momentum 0.9] [--workload digits|lm|module:function]
-      [--only "local SGD H=32,DiLoCo H=32"]
+      [--only "local SGD H=32,DiLoCo H=32"] [--schedule constant|cosine]
 
 The last line is ``diloco_bytes_ratio=<S-SGD bytes / DiLoCo H=32 bytes>
 diloco_loss_gap=<(DiLoCo H=32 final val loss - S-SGD's) / S-SGD's>``.
@@ -140,8 +142,19 @@ def batches(train: dict, steps: int, batch: int, seed: int):
         yield {k: v[idx] for k, v in train.items()}
 
 
-def run(work: Workload, strategy, *, devices: int, steps: int, batch: int, eval_every: int):
-    tx = adaptjax.sync_chain(optax.adamw(work.learning_rate, weight_decay=1e-4), strategy)
+def learning_rate(work: Workload, schedule: str, steps: int):
+    """The inner optimizer's learning rate: constant, or warm-up then cosine decay to 10%."""
+    if schedule == "constant":
+        return work.learning_rate
+    return optax.warmup_cosine_decay_schedule(
+        0.0, work.learning_rate, max(1, steps // 20), steps, end_value=work.learning_rate / 10
+    )
+
+
+def run(work: Workload, strategy, *, devices: int, steps: int, batch: int, eval_every: int,
+        schedule: str = "constant"):
+    lr = learning_rate(work, schedule, steps)
+    tx = adaptjax.sync_chain(optax.adamw(lr, weight_decay=1e-4), strategy)
     mesh = adaptjax.make_mesh(devices)
     state = adaptjax.init_state(work.params, tx, mesh)
     step = adaptjax.data_parallel_step(work.loss_fn, tx, mesh, sync=strategy)
@@ -176,6 +189,10 @@ def main():
     )
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer lr")
     parser.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's (Nesterov)")
+    parser.add_argument(
+        "--schedule", choices=("constant", "cosine"), default="constant",
+        help="inner learning rate: constant, or 5%% warm-up then cosine decay to 10%%",
+    )
     parser.add_argument("--quick", action="store_true", help="S-SGD and DiLoCo H=32 only")
     parser.add_argument(
         "--only", default=None, help="comma-separated strategy names to run (S-SGD always runs)"
@@ -198,13 +215,14 @@ def main():
         names = ["S-SGD", *[n for n in args.only.split(",") if n != "S-SGD"]]
     n_params = sum(x.size for x in jax.tree.leaves(work.params))
     print(f"{n_params} parameters, {args.devices} devices, global batch {args.batch}, "
-          f"{args.steps} steps, AdamW inner optimizer, validation every {args.eval_every} steps, "
+          f"{args.steps} steps, AdamW inner optimizer ({args.schedule} learning rate), "
+          f"validation every {args.eval_every} steps, "
           f"DiLoCo outer lr {args.outer_lr} momentum {args.outer_momentum} (Nesterov)")
     results = {}
     for name in names:
         results[name] = run(
             work, table[name], devices=args.devices, steps=args.steps, batch=args.batch,
-            eval_every=args.eval_every,
+            eval_every=args.eval_every, schedule=args.schedule,
         )
     base_wire, base_curve = results["S-SGD"]
     base_loss, base_hit = base_curve[-1][1], first_at(base_curve, args.target)
