@@ -175,7 +175,10 @@ def sync_gradients(
     ``‖g_j‖²``, so the noise scale gets ``k`` samples per replica) and
     ``local_sqnorm`` (this replica's exact ``‖g‖²`` when the caller has it,
     as the non-finite guard does; then the monitors do not read the local
-    gradient for it).
+    gradient for it). Both norms are of the gradients as the step computed
+    them, so with monitors keep ``sync_gradients`` first in the chain (a
+    transformation before it, such as clipping, would change what it sees but
+    not those norms).
 
     Args:
       axis_name: the data-parallel mesh axis (or a tuple of axes).
