@@ -33,6 +33,9 @@ from adaptjax._cost_compute import ComputeModel, fit_compute, nnls
 from adaptjax._cost_links import LinkModel, message_steps
 from adaptjax._wire import Collective, WireReport, _ring_bytes
 
+# The least share of a measured step counted as compute (see StepTimeModel._fit_compute).
+_MIN_COMPUTE = 0.05
+
 
 class CannotPredict(ValueError):
     """The model has no measurement to predict this configuration from (one-line reason)."""
@@ -335,8 +338,17 @@ class StepTimeModel:
             rows.append((n, b, k, o.step_time, comm, comm_async))
         if len({b / n for n, b, *_ in rows}) < 2:
             return self
+        # A measured step always computes something. Where the link model claims (nearly)
+        # all of it for communication, the row says nothing about compute: a residual near
+        # 0 s would get a huge weight in the relative fit and pull every compute
+        # coefficient to zero (a one-replica step predicted at 0 s). Such rows are left
+        # out while two per-replica batch sizes remain; otherwise they count
+        # _MIN_COMPUTE of their step as compute.
+        told = [r for r in rows if r[3] - r[4] > _MIN_COMPUTE * r[3]]
+        if len({b / n for n, b, *_ in told}) >= 2:
+            rows = told
         # hidden = min(async, overlap·compute) depends on compute: iterate twice.
-        secs = [max(t - c, 1e-9) for _, _, _, t, c, _ in rows]
+        secs = [max(t - c, _MIN_COMPUTE * t) for _, _, _, t, c, _ in rows]
         model = None
         for _ in range(3):
             model = fit_compute([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
@@ -344,7 +356,7 @@ class StepTimeModel:
             secs = []
             for n, b, k, t, c, ca in rows:
                 comp = model.time(devices=n, batch_size=b, microbatches=k)
-                secs.append(max(t - c + min(ca, self.overlap * comp), 1e-9))
+                secs.append(max(t - c + min(ca, self.overlap * comp), _MIN_COMPUTE * t))
         return dataclasses.replace(self, compute=model)
 
     def _error(self, dense: list[Observation]) -> float:

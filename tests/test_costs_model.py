@@ -232,3 +232,22 @@ def test_bucket_size_trades_latency_for_overlap():
     assert [times[s] for s in sizes] == sorted((times[s] for s in sizes), reverse=True)
     best, _ = choose_bucket_bytes(model, [1e6] * 32, 8, candidates=sizes, overlap_compute=10.0)
     assert best == 1e5  # everything but the last bucket hides: the smallest last bucket wins
+
+
+def test_a_link_model_that_claims_a_whole_step_does_not_zero_the_compute_fit():
+    # The link model overestimates communication on 4 replicas (1 ms modelled against 0.2 ms
+    # real): there the measured step minus modelled communication is negative. Such a row
+    # must not pull every compute coefficient to zero (a one-replica step predicted at 0 s).
+    compute = ComputeModel(fixed=5e-4, per_sample=1e-5)
+    message = 1e5
+    link = LinkModel(alpha=0.0, beta=1e-3 / (2 * 3 / 4 * message))  # 1 ms on 4 replicas
+
+    def observe(n, b, real_comm):
+        t = compute.time(devices=n, batch_size=b) + real_comm
+        return Observation(RunConfig(n, b), [_allreduce(n, message)], t)
+
+    obs = [observe(2, 32, 7e-4), observe(2, 64, 7e-4), observe(4, 32, 2e-4),
+           observe(4, 64, 2e-4)]
+    model = StepTimeModel.fit({"all-reduce": link}, obs)
+    one = model.predict(RunConfig(1, 16), []).step_time
+    assert one >= 0.25 * compute.time(devices=1, batch_size=16)
