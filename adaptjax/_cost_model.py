@@ -344,9 +344,9 @@ class StepTimeModel:
         # coefficient to zero (a one-replica step predicted at 0 s). Such rows are left
         # out while two per-replica batch sizes remain; otherwise they count
         # _MIN_COMPUTE of their step as compute.
-        told = [r for r in rows if r[3] - r[4] > _MIN_COMPUTE * r[3]]
-        if len({b / n for n, b, *_ in told}) >= 2:
-            rows = told
+        informative = [r for r in rows if r[3] - r[4] > _MIN_COMPUTE * r[3]]  # t - comm
+        if len({b / n for n, b, *_ in informative}) >= 2:
+            rows = informative
         # hidden = min(async, overlap·compute) depends on compute: iterate twice.
         secs = [max(t - c, _MIN_COMPUTE * t) for _, _, _, t, c, _ in rows]
         model = None

@@ -120,7 +120,6 @@ def probe(controller, request: PlanRequest, policies) -> str:
     the plan directory's). Links the planner has none of are calibrated
     afterwards, for the collective kinds the probed steps use only.
     """
-
     from adaptjax import policies as ajp
     from adaptjax._cost_links import message_steps
     from adaptjax._cost_planner import FILENAME, Planner
