@@ -5,9 +5,38 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# Leaves under this many elements are concatenated and reduced together: on
+# XLA:CPU each reduction is its own kernel, and one of fewer than 4096 elements
+# is three (a multiply, a reduce-window, a reduce), so a model's many biases
+# and norm scales would cost more in kernels than in bytes.
+_SMALL_LEAF = 4096
+
+
+def _sq_sum(x: jax.Array) -> jax.Array:
+    """``Σx²`` of a flat float32 vector, in one kernel on XLA:CPU (zero-padded to 4096)."""
+    if x.shape[0] < _SMALL_LEAF:
+        x = jnp.pad(x, (0, _SMALL_LEAF - x.shape[0]))
+    return jnp.sum(jnp.square(x))
+
+
+def _sum_squares(leaves) -> jax.Array:
+    """``Σ‖x‖²`` over ``leaves`` in float32: a reduction per large leaf, one for the small."""
+    flat = [x.reshape(-1).astype(jnp.float32) for x in leaves]
+    small = [x for x in flat if x.shape[0] < _SMALL_LEAF]
+    parts = [_sq_sum(x) for x in flat if x.shape[0] >= _SMALL_LEAF]
+    if small:
+        parts.append(_sq_sum(small[0] if len(small) == 1 else jnp.concatenate(small)))
+    if not parts:
+        return jnp.zeros((), jnp.float32)
+    return parts[0] if len(parts) == 1 else jnp.sum(jnp.stack(parts))
+
 
 def tree_sq_norm(tree) -> jax.Array:
     """Sum of squares of every leaf, accumulated in float32.
+
+    Leaves under 4096 elements are concatenated and reduced in one kernel
+    (a transformer's biases and norm scales would otherwise cost one or more
+    kernels each); larger leaves are reduced one by one.
 
     Example:
         >>> import jax.numpy as jnp
@@ -15,10 +44,7 @@ def tree_sq_norm(tree) -> jax.Array:
         >>> float(tree_sq_norm({"a": jnp.array([3.0]), "b": jnp.array([4.0])}))
         25.0
     """
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return jnp.zeros((), jnp.float32)
-    return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
+    return _sum_squares(jax.tree.leaves(tree))
 
 
 def tree_vdot(a, b) -> jax.Array:
@@ -87,13 +113,13 @@ def tree_sq_norm_sampled(tree, index: jax.Array, chunks: int, *, min_size: int =
     """
     if chunks <= 1:
         return tree_sq_norm(tree)
-    total = jnp.zeros((), jnp.float32)
     i = jnp.asarray(index, jnp.int32) % chunks
+    whole, chunked = [], []
     for x in jax.tree.leaves(tree):
         flat = x.reshape(-1).astype(jnp.float32)
         d = flat.shape[0]
         if d < min_size:
-            total = total + jnp.sum(jnp.square(flat))
+            whole.append(flat)
             continue
         c = -(-d // chunks)
         start = i * c
@@ -101,6 +127,11 @@ def tree_sq_norm_sampled(tree, index: jax.Array, chunks: int, *, min_size: int =
         part = jax.lax.dynamic_slice(flat, (offset,), (c,))
         # Mask out the elements the clipped last chunk shares with its neighbour.
         pos = offset + jnp.arange(c, dtype=jnp.int32)
-        part = jnp.where(pos >= start, part, 0.0)
-        total = total + chunks * jnp.sum(jnp.square(part))
+        chunked.append(jnp.where(pos >= start, part, 0.0))
+    # The chunks are joined and reduced in one kernel, like the small leaves.
+    total = _sum_squares(whole)
+    if chunked:
+        total = total + chunks * _sq_sum(
+            chunked[0] if len(chunked) == 1 else jnp.concatenate(chunked)
+        )
     return total
