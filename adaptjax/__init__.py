@@ -60,6 +60,10 @@ _LAZY = {
     "data_parallel_step": "adaptjax._step",
     "make_mesh": "adaptjax._step",
     "SyncState": "adaptjax._sync",
+    "SyncGradients": "adaptjax._sync",
+    "SyncChain": "adaptjax._chain",
+    "chain": "adaptjax._chain",
+    "named_chain": "adaptjax._chain",
     "noise_scale": "adaptjax._sync",
     "sync_gradients": "adaptjax._sync",
     "tree_sq_norm": "adaptjax._tree",
@@ -90,6 +94,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
+    from adaptjax._chain import SyncChain, chain, named_chain
     from adaptjax._checkpoint import CheckpointManager, CorruptCheckpointError
     from adaptjax._codec import GradientCodec
     from adaptjax._controller import EXIT_PREEMPTED, Controller, NonFiniteTraining
@@ -131,7 +136,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
         train_state_specs,
     )
     from adaptjax._step import DataParallelStep, data_parallel_step, make_mesh
-    from adaptjax._sync import SyncState, noise_scale, sync_gradients
+    from adaptjax._sync import SyncGradients, SyncState, noise_scale, sync_gradients
     from adaptjax._sync_strategy import (
         SyncStrategy,
         consensus_params,
@@ -171,6 +176,10 @@ __all__ = [
     "PerReplica",
     "SNRState",
     "SyncState",
+    "SyncGradients",
+    "SyncChain",
+    "chain",
+    "named_chain",
     "TrainState",
     "UpdateNormState",
     "WireReport",

@@ -14,6 +14,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from adaptjax._chain import guarded_sync
 from adaptjax._metrics import collect_metrics
 from adaptjax._per_replica import to_global, to_local
 from adaptjax._state import (
@@ -297,52 +298,83 @@ def data_parallel_step(
             lambda x: jax.lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.floating) else x,
             model_state,
         )
+        extra = {"local_params": params} if has_local else {}
+        extra.update(local_batch_size=b, microbatches=k, micro_sqnorm=micro_sq)
+        # With adaptjax.chain(sync_gradients(...), ...) the guard's scalars ride in
+        # the gradients' all-reduce and only what follows the sync is skipped.
+        in_sync = skip_nonfinite and guarded_sync(tx) and not has_local
         if skip_nonfinite:
             # Checked on the loss and the gradients, before the optimizer runs (as
-            # optax.apply_if_finite and PyTorch's GradScaler check gradients). One
-            # collective of two scalars makes the choice global, so every replica takes
-            # the same branch of the lax.cond below.
+            # optax.apply_if_finite and PyTorch's GradScaler check gradients), from
+            # their sums over replicas, so every replica takes the same branch of
+            # the lax.cond below.
             local_sq = tree_sq_norm(grads)
-            mean_loss_sq = jax.lax.pmean(jnp.stack([loss.astype(jnp.float32), local_sq]), axis_name)
-            ok = jnp.all(jnp.isfinite(mean_loss_sq))
-            loss = mean_loss_sq[0]
-        else:
-            local_sq = None
-            ok = jnp.bool_(True)
-            loss = jax.lax.pmean(loss.astype(jnp.float32), axis_name)
-        extra = {"local_params": params} if has_local else {}
-        if local_sq is not None and k == 1:
-            # The guard has read every gradient already: the monitors take its exact
-            # norm instead of reading (a chunk of) them again.
-            extra["local_sqnorm"] = local_sq
-
-        def update(grads, opt_state, params, model_state):
-            updates, opt_state = tx.update(
-                grads,
-                opt_state,
-                params,
-                local_batch_size=b,
-                microbatches=k,
-                micro_sqnorm=micro_sq,
-                **extra,
+            guard = jnp.stack([loss.astype(jnp.float32), local_sq])
+            if k == 1:
+                # The guard has read every gradient already: the monitors take its
+                # exact norm instead of reading (a chunk of) them again.
+                extra["local_sqnorm"] = local_sq
+        if in_sync:
+            sync_state, rest_state = tx.split_state(state.opt_state)
+            summed, finish, new_sync_state, guard_sum = tx.sync.update_with_sums(
+                grads, sync_state, global_params, guard, **extra
             )
-            return optax.apply_updates(params, updates), opt_state, model_state
+            ok = jnp.all(jnp.isfinite(guard_sum))
+            loss = guard_sum[0] / n
 
-        def skip(grads, opt_state, params, model_state):
-            return params, opt_state, state.model_state
+            # A skipped step keeps the sync's old state too (monitor EMAs, codec
+            # residuals), like the rest of the state.
+            sync_state = jax.tree.map(
+                lambda new, old: jnp.where(ok, new, old), new_sync_state, sync_state
+            )
 
-        operands = (grads, state.opt_state, global_params, model_state)
-        if skip_nonfinite:
-            # The whole update runs inside the taken branch (its collectives too), so a
-            # skipped step reads nothing and the kept state passes through in place.
-            # Choosing afterwards instead (select(ok, new, old) per leaf) keeps the
-            # old optimizer state alive next to the new one: XLA then copies every
-            # moment buffer and recomputes the moments in the params update (+10-19%
-            # of a small LM's step against +1-2% for this cond).
+            # The mean is finished inside the branch, where XLA fuses it into the
+            # optimizer's read of it.
+            def update(summed, rest_state, params, model_state):
+                updates, rest_state = tx.rest.update(finish(summed), rest_state, params, **extra)
+                return optax.apply_updates(params, updates), rest_state, model_state
+
+            def skip(summed, rest_state, params, model_state):
+                return params, rest_state, state.model_state
+
             with jax.named_scope(GUARD_SCOPE):
-                new_params, opt_state, model_state = jax.lax.cond(ok, update, skip, *operands)
+                new_params, rest_state, model_state = jax.lax.cond(
+                    ok, update, skip, summed, rest_state, global_params, model_state
+                )
+            opt_state = tx.join_state(sync_state, rest_state)
         else:
-            new_params, opt_state, model_state = update(*operands)
+            if skip_nonfinite:
+                # A collective of its own before the whole update (a barrier:
+                # 2-4% of a small LM's step on 8 simulated CPU devices).
+                mean_loss_sq = jax.lax.pmean(guard, axis_name)
+                ok = jnp.all(jnp.isfinite(mean_loss_sq))
+                loss = mean_loss_sq[0]
+            else:
+                ok = jnp.bool_(True)
+                loss = jax.lax.pmean(loss.astype(jnp.float32), axis_name)
+
+            def update(grads, opt_state, params, model_state):
+                updates, opt_state = tx.update(grads, opt_state, params, **extra)
+                return optax.apply_updates(params, updates), opt_state, model_state
+
+            def skip(grads, opt_state, params, model_state):
+                return params, opt_state, state.model_state
+
+            operands = (grads, state.opt_state, global_params, model_state)
+            if skip_nonfinite:
+                # The whole update runs inside the taken branch (its collectives
+                # too), so a skipped step reads nothing and the kept state passes
+                # through in place. Choosing afterwards instead (select(ok, new,
+                # old) per leaf) keeps the old optimizer state alive next to the
+                # new one: XLA then copies every moment buffer and recomputes the
+                # moments in the params update (+10-19% of a small LM's step
+                # against +1-2% for this cond).
+                with jax.named_scope(GUARD_SCOPE):
+                    new_params, opt_state, model_state = jax.lax.cond(
+                        ok, update, skip, *operands
+                    )
+            else:
+                new_params, opt_state, model_state = update(*operands)
         aux = jax.lax.pmean(aux, axis_name)
         metrics = {"loss": loss, "nonfinite": (~ok).astype(jnp.float32)}
         metrics.update(collect_metrics(opt_state))

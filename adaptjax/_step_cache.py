@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import optax
 
+from adaptjax._chain import named_chain
 from adaptjax._distributed import mesh_devices
 from adaptjax._metrics import update_norm
 from adaptjax._run_config import RunConfig, codec_key
@@ -160,7 +161,7 @@ class StepCache:
                     (OPTIMIZER, strategy.optimizer(opt)),
                     (MODEL_SYNC, strategy.post("data", codec=codec)),
                 ]
-            self._txs[cache] = optax.named_chain(*parts, (UPDATE_NORM, update_norm()))
+            self._txs[cache] = named_chain(*parts, (UPDATE_NORM, update_norm()))
         return self._txs[cache]
 
     def step(self, config: RunConfig) -> DataParallelStep:

@@ -146,6 +146,39 @@ def _check_per_replica(updates, axis_name) -> None:
             )
 
 
+class SyncGradients(optax.GradientTransformationExtraArgs):
+    """What :func:`sync_gradients` returns: an optax transformation that can carry more sums.
+
+    Used as any ``optax.GradientTransformationExtraArgs``. Besides, its
+    ``update_with_sums(updates, state, params, extra_sums, **extra)`` returns
+    ``(out, finish, state, psum(extra_sums))``: the caller's scalars travel in
+    the gradients' own all-reduce, and ``finish(out)`` is the mean (the sums
+    divided by the replicas, or a codec's mean), so a caller can finish it
+    where the optimizer reads it and XLA fuses the two.
+    :func:`adaptjax.data_parallel_step` uses it (through :func:`adaptjax.chain`)
+    for the non-finite guard's two scalars, so guarding a step adds no
+    collective.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, adaptjax
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+      >>> tx = adaptjax.sync_gradients("data")
+      >>> def f(g, s):
+      ...     out, finish, _, total = tx.update_with_sums(g, tx.init(g), extra_sums=s)
+      ...     return finish(out), total
+      >>> f = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())
+      >>> mean, total = jax.jit(f)(jnp.arange(4.0), jnp.ones(4))
+      >>> mean.tolist(), total.tolist()
+      ([1.5], [4.0])
+    """
+
+    def __new__(cls, init, update, update_with_sums):
+        self = super().__new__(cls, init, update)
+        self.update_with_sums = update_with_sums
+        return self
+
+
 def sync_gradients(
     axis_name: str | tuple[str, ...] = "data",
     *,
@@ -156,7 +189,7 @@ def sync_gradients(
     norm_chunks: int = 32,
     codec_sample: float = 0.01,
     dense_lane: str = "all-reduce",
-) -> optax.GradientTransformationExtraArgs:
+) -> SyncGradients:
     """Averages per-replica gradients over ``axis_name`` with one collective.
 
     Use it inside ``shard_map`` (or ``pmap``) with ``axis_name`` bound, before
@@ -224,7 +257,8 @@ def sync_gradients(
         27–34% from step to step.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``; its state is a :class:`SyncState`.
+      A :class:`SyncGradients` (an ``optax.GradientTransformationExtraArgs``);
+      its state is a :class:`SyncState`.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, adaptjax
@@ -269,7 +303,7 @@ def sync_gradients(
             metrics={k: jnp.zeros((), jnp.float32) for m in monitors for k in m.metric_names()},
         )
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_with_sums(updates, state, params=None, extra_sums=None, **extra):
         check_float_tree(updates)
         _check_per_replica(updates, axis_name)
         n = axis_size(axis_name)
@@ -305,32 +339,44 @@ def sync_gradients(
         if codec is None:
             wire = updates if wdt is None else jax.tree.map(lambda g: g.astype(wdt), updates)
             if dense_lane == "all-reduce":
-                summed, summed_scalars = _psum_leaves((wire, scalars), axis_name)
+                summed, (summed_scalars, summed_extra) = _psum_leaves(
+                    (wire, (scalars, extra_sums)), axis_name
+                )
             else:
                 summed = _reduce_scatter_gather(wire, axis_name, n)
-                summed_scalars = _psum_leaves(scalars, axis_name)
-            mean = jax.tree.map(lambda s, g: (s / n).astype(g.dtype), summed, updates)
+                summed_scalars, summed_extra = _psum_leaves((scalars, extra_sums), axis_name)
+            def finish(summed):
+                return jax.tree.map(lambda s, g: (s / n).astype(g.dtype), summed, updates)
+
+            out, mean = summed, finish(summed)  # mean: traced only if a monitor reads it
             codec_state = ()
+            # ‖Ḡ‖² from the sums, scaled: read where the all-reduce left them, the
+            # division by n stays fused into the optimizer's one read of the mean.
+            mean_sq_of = lambda: tree_sq_norm_sampled(summed, state.count, norm_chunks) / n**2
         else:
             mean, codec_state = codec.sync(
                 updates, state.codec_state, axis_name=axis_name, step=state.count
             )
+            out, finish = mean, lambda mean: mean
             if monitors:
                 coords = _sample_coordinates(updates, state.count, codec_sample)
                 local = [
                     x.reshape(-1)[idx].astype(jnp.float32)
                     for x, (idx, _) in zip(jax.tree.leaves(updates), coords, strict=True)
                 ]
-                summed_scalars, summed_local = jax.lax.psum((scalars, local), axis_name)
+                summed_scalars, summed_local, summed_extra = jax.lax.psum(
+                    (scalars, local, extra_sums), axis_name
+                )
                 samples = tuple(
                     (idx, v / n, scale)
                     for (idx, scale), v in zip(coords, summed_local, strict=True)
                 )
             else:
                 summed_scalars = {}
+                summed_extra = jax.lax.psum(extra_sums, axis_name)
 
         if not monitors:
-            return mean, SyncState(state.count + 1, codec_state, (), {})
+            return out, finish, SyncState(state.count + 1, codec_state, (), {}), summed_extra
 
         def measure(monitor_states):
             stats = GradStats(
@@ -338,7 +384,7 @@ def sync_gradients(
                 mean_grads=mean,
                 local_sq=summed_scalars[_LOCAL_SQ],
                 mean_sq=(
-                    tree_sq_norm_sampled(mean, state.count, norm_chunks)
+                    mean_sq_of()
                     if samples is None
                     else sum(scale * jnp.sum(jnp.square(v)) for _, v, scale in samples)
                 ),
@@ -366,9 +412,14 @@ def sync_gradients(
             monitor_states, metrics = jax.lax.cond(
                 measure_now, measure, lambda s: (s, state.metrics), state.monitor_states
             )
-        return mean, SyncState(state.count + 1, codec_state, monitor_states, metrics)
+        state = SyncState(state.count + 1, codec_state, monitor_states, metrics)
+        return out, finish, state, summed_extra
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    def update_fn(updates, state, params=None, **extra):
+        out, finish, state, _ = update_with_sums(updates, state, params, **extra)
+        return finish(out), state
+
+    return SyncGradients(init_fn, update_fn, update_with_sums)
 
 
 def noise_scale(

@@ -300,7 +300,9 @@ def sync_chain(
     pre = strategy.pre(axis_name, codec=codec, monitors=monitors, **sync_kwargs)
     post = strategy.post(axis_name, codec=codec)
     parts = [pre, strategy.optimizer(optimizer)] + ([post] if post is not None else [])
-    return optax.chain(*parts)
+    from adaptjax._chain import chain  # _chain imports _sync, which imports this module
+
+    return chain(*parts)
 
 
 def _defaults() -> dict:

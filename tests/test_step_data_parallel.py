@@ -47,10 +47,15 @@ def _train(devices, microbatches, tx_factory, batches, **kw):
     return state, metrics
 
 
-def _adam():
-    return optax.chain(
+def _adam(chain=optax.chain):
+    return chain(
         adaptjax.sync_gradients("data", monitors=(adaptjax.GradientNorm(),)), optax.adam(1e-2)
     )
+
+
+# optax.chain: the guard's own all-reduce, then the whole update in its cond;
+# adaptjax.chain: its scalars in the gradients' all-reduce, the optimizer in the cond.
+CHAINS = pytest.mark.parametrize("chain", [optax.chain, adaptjax.chain], ids=["optax", "adaptjax"])
 
 
 @pytest.mark.parametrize("devices,microbatches", [(8, 1), (8, 2), (4, 4), (1, 4)])
@@ -150,9 +155,10 @@ def test_flax_nnx_model_matches_single_device():
     assert model(jnp.ones((2, 6))).shape == (2, 3)
 
 
-def test_nonfinite_gradient_skips_update_and_is_counted():
+@CHAINS
+def test_nonfinite_gradient_skips_update_and_is_counted(chain):
     mesh = adaptjax.make_mesh(8)
-    tx = _adam()
+    tx = _adam(chain)
     step = adaptjax.data_parallel_step(_loss, tx, mesh, donate=False)
     state = adaptjax.init_state(_mlp_params(), tx, mesh)
     b = _batches(1, 32)[0]
@@ -165,11 +171,13 @@ def test_nonfinite_gradient_skips_update_and_is_counted():
     assert float(m["nonfinite"]) == 1.0 and int(new.nonfinite_count) == 1
 
 
-def test_a_skipped_step_keeps_donated_state_exactly():
+@CHAINS
+def test_a_skipped_step_keeps_donated_state_exactly(chain):
     # With donated buffers (the default) the skip branch passes the old state through in
-    # place: nothing of it may be overwritten by the update that did not happen.
+    # place: nothing of it may be overwritten by the update that did not happen (the
+    # monitors' state included, which adaptjax.chain updates outside the cond).
     mesh = adaptjax.make_mesh(8)
-    tx = _adam()
+    tx = _adam(chain)
     step = adaptjax.data_parallel_step(_loss, tx, mesh)
     state = adaptjax.init_state(_mlp_params(), tx, mesh)
     good, bad = _batches(2, 32)
@@ -186,11 +194,12 @@ def test_a_skipped_step_keeps_donated_state_exactly():
     assert not np.array_equal(jax.device_get(state.params["w1"]), before[0]["w1"])
 
 
-def test_finite_loss_with_an_infinite_gradient_on_one_replica_skips_every_replica():
+@CHAINS
+def test_finite_loss_with_an_infinite_gradient_on_one_replica_skips_every_replica(chain):
     # d/dw sqrt(|w x|) is infinite at w x = 0 while the loss stays finite; only replica 0's
     # rows have x = 0, yet every replica must skip (the check is global).
     mesh = adaptjax.make_mesh(8)
-    tx = optax.chain(adaptjax.sync_gradients("data"), optax.adam(0.1))
+    tx = chain(adaptjax.sync_gradients("data"), optax.adam(0.1))
 
     def loss(p, b):
         return jnp.mean(jnp.sqrt(jnp.abs(p["w"] * b["x"])))
@@ -206,9 +215,10 @@ def test_finite_loss_with_an_infinite_gradient_on_one_replica_skips_every_replic
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
 
 
-def test_the_guard_changes_nothing_on_a_finite_step():
+@CHAINS
+def test_the_guard_changes_nothing_on_a_finite_step(chain):
     mesh = adaptjax.make_mesh(8)
-    tx = _adam()
+    tx = _adam(chain)
     out = []
     for guard in (True, False):
         step = adaptjax.data_parallel_step(_loss, tx, mesh, skip_nonfinite=guard)
@@ -219,6 +229,64 @@ def test_the_guard_changes_nothing_on_a_finite_step():
     # the update runs unchanged inside the guard's taken branch: the same arithmetic
     for a, c in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+def _all_reduces(step, state, batch):
+    return step.lower(state, batch).compile().as_text().count(" all-reduce(")
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_adaptjax_chain_guard_adds_no_collective_and_matches_optax_chain(microbatches):
+    # The same links in optax.chain and adaptjax.chain: identical states and losses
+    # step by step (a skipped step among them), but the guard of adaptjax.chain sends
+    # its scalars in the gradients' all-reduce: one all-reduce per step, not two.
+    mesh = adaptjax.make_mesh(8)
+    mons = (adaptjax.GradientNoiseScale(), adaptjax.GradientNorm())
+    batches = _batches(4, 32)
+    batches[2]["x"][7, 2] = np.nan
+    out, counts = [], []
+    for chain in (optax.chain, adaptjax.chain):
+        tx = chain(adaptjax.sync_gradients("data", monitors=mons), optax.adam(1e-2))
+        step = adaptjax.data_parallel_step(_loss, tx, mesh, microbatches=microbatches)
+        state = adaptjax.init_state(_mlp_params(), tx, mesh)
+        counts.append(_all_reduces(step, state, batches[0]))
+        losses = []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append((float(m["loss"]), float(m["nonfinite"])))
+        out.append((jax.device_get((state.params, state.opt_state)), losses))
+    assert counts == [2, 1]
+    np.testing.assert_array_equal(np.array(out[0][1]), np.array(out[1][1]))  # NaN == NaN
+    assert [f for _, f in out[1][1]] == [0.0, 0.0, 1.0, 0.0]
+    for a, c in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[1][0]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-7)
+
+
+def test_adaptjax_chain_has_optax_chains_state_and_updates():
+    params = {"w": jnp.arange(3.0), "b": jnp.ones(2)}
+    g = {"w": jnp.array([1.0, -2.0, 0.5]), "b": jnp.array([0.1, 0.2])}
+    links = [optax.scale_by_adam(), optax.scale(-0.1)]
+    for ours, theirs in (
+        (adaptjax.chain(*links), optax.chain(*links)),
+        (adaptjax.named_chain(("a", links[0]), ("s", links[1])),
+         optax.named_chain(("a", links[0]), ("s", links[1]))),
+    ):
+        s1, s2 = ours.init(params), theirs.init(params)
+        assert jax.tree.structure(s1) == jax.tree.structure(s2)
+        u1, s1 = ours.update(g, s1, params)
+        u2, s2 = theirs.update(g, s2, params)
+        for a, c in zip(jax.tree.leaves((u1, s1)), jax.tree.leaves((u2, s2)), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+        assert ours.sync is None  # no sync link first: the step guards it like optax.chain
+    sync = adaptjax.sync_gradients("data")
+    tx = adaptjax.named_chain(
+        ("sync", sync), ("opt", optax.sgd(0.1)), ("n", adaptjax.update_norm())
+    )
+    state = tx.init(params)
+    first, rest = tx.split_state(state)
+    assert tx.sync is sync and isinstance(first, adaptjax.SyncState)
+    assert sorted(rest) == ["n", "opt"]
+    assert jax.tree.structure(tx.join_state(first, rest)) == jax.tree.structure(state)
 
 
 # --- bad inputs: one-line ValueErrors before anything compiles -----------------
