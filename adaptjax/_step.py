@@ -211,6 +211,10 @@ def data_parallel_step(
       axis_name: the data-parallel axis (or tuple of axes).
       donate: donate the state buffers to the step.
       skip_nonfinite: skip updates whose loss or gradients are not finite.
+        With ``tx = adaptjax.chain(adaptjax.sync_gradients(...), ...)`` the
+        check's two scalars ride in the gradients' all-reduce and only the
+        links after the sync are skipped; with any other ``tx`` the check is
+        an all-reduce of its own before the whole update.
       sync: the :class:`adaptjax.SyncStrategy` ``tx`` was built with (by
         :func:`adaptjax.sync_chain`), or its name; checked against the mesh
         (e.g. gossip needs two replicas) before anything compiles. Whatever
