@@ -28,8 +28,8 @@ class SyncChain(optax.GradientTransformationExtraArgs):
       ('SyncState', ['optimizer'])
     """
 
-    def __new__(cls, inner, sync, rest, names):
-        self = super().__new__(cls, inner.init, inner.update)
+    def __new__(cls, init, update, sync=None, rest=None, names=None):
+        self = super().__new__(cls, init, update)
         self.sync = sync
         self.rest = rest
         self._names = names  # None for a tuple-state chain
@@ -75,8 +75,8 @@ def chain(*transforms) -> SyncChain:
     """
     inner = optax.chain(*transforms)
     if transforms and isinstance(transforms[0], SyncGradients):
-        return SyncChain(inner, transforms[0], optax.chain(*transforms[1:]), None)
-    return SyncChain(inner, None, None, None)
+        return SyncChain(inner.init, inner.update, transforms[0], optax.chain(*transforms[1:]))
+    return SyncChain(inner.init, inner.update)
 
 
 def named_chain(*transforms: tuple[str, Any]) -> SyncChain:
@@ -98,10 +98,11 @@ def named_chain(*transforms: tuple[str, Any]) -> SyncChain:
     inner = optax.named_chain(*transforms)
     if transforms and isinstance(transforms[0][1], SyncGradients):
         names = tuple(name for name, _ in transforms)
-        return SyncChain(inner, transforms[0][1], optax.named_chain(*transforms[1:]), names)
-    return SyncChain(inner, None, None, None)
+        rest = optax.named_chain(*transforms[1:])
+        return SyncChain(inner.init, inner.update, transforms[0][1], rest, names)
+    return SyncChain(inner.init, inner.update)
 
 
 def guarded_sync(tx) -> bool:
     """Whether ``tx`` is a :class:`SyncChain` whose first link is a sync the guard can ride."""
-    return isinstance(tx, SyncChain) and tx.sync is not None
+    return isinstance(tx, SyncChain) and getattr(tx, "sync", None) is not None

@@ -173,7 +173,7 @@ class SyncGradients(optax.GradientTransformationExtraArgs):
       ([1.5], [4.0])
     """
 
-    def __new__(cls, init, update, update_with_sums):
+    def __new__(cls, init, update, update_with_sums=None):
         self = super().__new__(cls, init, update)
         self.update_with_sums = update_with_sums
         return self
