@@ -158,6 +158,43 @@ def test_data_parallel_step_with_codec_state(codec):
     assert not np.allclose(ef[0], ef[1])  # residuals differ per replica
 
 
+@pytest.mark.parametrize("codec", [ajc.onebit(min_size=256), ajc.topk(0.05, min_size=256)],
+                         ids=["onebit", "topk"])
+def test_a_skipped_step_keeps_codec_residuals_with_either_chain(codec):
+    """adaptjax.chain runs the codec before the guard decides; a non-finite step must
+    still leave every error-feedback residual, count and monitor as it was, and both
+    chains must train identically."""
+    rng = np.random.default_rng(5)
+    params = {
+        "w1": jnp.asarray(rng.normal(size=(16, 32)).astype(np.float32) / 4),
+        "b1": jnp.zeros(32),
+        "w2": jnp.asarray(rng.normal(size=(32, 8)).astype(np.float32) / 6),
+    }
+    x = rng.normal(size=(64, 16)).astype(np.float32)
+    good = {"x": x, "y": np.tanh(x @ rng.normal(size=(16, 8))).astype(np.float32)}
+    bad = {"x": x.copy(), "y": good["y"]}
+    bad["x"][9, 3] = np.nan  # one example on replica 1
+    finals = []
+    for chain in (optax.chain, adaptjax.chain):
+        sync = adaptjax.sync_gradients("data", codec=codec, monitors=(adaptjax.GradientNorm(),))
+        tx = chain(sync, optax.sgd(0.1))
+        state = adaptjax.init_state(params, tx, MESH)
+        step = adaptjax.data_parallel_step(_mlp_loss, tx, MESH)
+        for _ in range(2):
+            state, _ = step(state, good)
+        before = jax.device_get((state.params, state.opt_state))
+        state, metrics = step(state, bad)
+        assert float(metrics["nonfinite"]) == 1.0
+        after = jax.device_get((state.params, state.opt_state))
+        for a, c in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+        state, _ = step(state, good)
+        assert int(state.opt_state[0].codec_state.count) == 3  # the skipped step not counted
+        finals.append(jax.device_get((state.params, state.opt_state)))
+    for a, c in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-7)
+
+
 def test_noise_scale_with_a_codec_matches_the_analytic_value():
     """Per-example gradient w − x, x ~ N(μ, σ²I): B_simple = dσ²/‖w − μ‖².
 
