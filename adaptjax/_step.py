@@ -325,27 +325,12 @@ def data_parallel_step(
             )
             ok = jnp.all(jnp.isfinite(guard_sum))
             loss = guard_sum[0] / n
-
             # A skipped step keeps the sync's old state too (monitor EMAs, codec
             # residuals), like the rest of the state.
             sync_state = jax.tree.map(
                 lambda new, old: jnp.where(ok, new, old), new_sync_state, sync_state
             )
-
-            # The mean is finished inside the branch, where XLA fuses it into the
-            # optimizer's read of it.
-            def update(summed, rest_state, params, model_state):
-                updates, rest_state = tx.rest.update(finish(summed), rest_state, params, **extra)
-                return optax.apply_updates(params, updates), rest_state, model_state
-
-            def skip(summed, rest_state, params, model_state):
-                return params, rest_state, state.model_state
-
-            with jax.named_scope(GUARD_SCOPE):
-                new_params, rest_state, model_state = jax.lax.cond(
-                    ok, update, skip, summed, rest_state, global_params, model_state
-                )
-            opt_state = tx.join_state(sync_state, rest_state)
+            rest = tx.rest
         else:
             if skip_nonfinite:
                 # A collective of its own before the whole update (a barrier:
@@ -356,29 +341,31 @@ def data_parallel_step(
             else:
                 ok = jnp.bool_(True)
                 loss = jax.lax.pmean(loss.astype(jnp.float32), axis_name)
+            summed, finish, rest, rest_state = grads, (lambda g: g), tx, state.opt_state
 
-            def update(grads, opt_state, params, model_state):
-                updates, opt_state = tx.update(grads, opt_state, params, **extra)
-                return optax.apply_updates(params, updates), opt_state, model_state
+        # In the fast path the mean is finished inside the branch, where XLA fuses
+        # it into the optimizer's read of it.
+        def update(summed, rest_state, params, model_state):
+            updates, rest_state = rest.update(finish(summed), rest_state, params, **extra)
+            return optax.apply_updates(params, updates), rest_state, model_state
 
-            def skip(grads, opt_state, params, model_state):
-                return params, opt_state, state.model_state
+        def skip(summed, rest_state, params, model_state):
+            return params, rest_state, state.model_state
 
-            operands = (grads, state.opt_state, global_params, model_state)
-            if skip_nonfinite:
-                # The whole update runs inside the taken branch (its collectives
-                # too), so a skipped step reads nothing and the kept state passes
-                # through in place. Choosing afterwards instead (select(ok, new,
-                # old) per leaf) keeps the old optimizer state alive next to the
-                # new one: XLA then copies every moment buffer and recomputes the
-                # moments in the params update (+10-19% of a small LM's step
-                # against +1-2% for this cond).
-                with jax.named_scope(GUARD_SCOPE):
-                    new_params, opt_state, model_state = jax.lax.cond(
-                        ok, update, skip, *operands
-                    )
-            else:
-                new_params, opt_state, model_state = update(*operands)
+        operands = (summed, rest_state, global_params, model_state)
+        if skip_nonfinite:
+            # The update runs inside the taken branch (without adaptjax.chain its
+            # collectives too), so a skipped step reads nothing and the kept state
+            # passes through in place. Choosing afterwards instead (select(ok, new,
+            # old) per leaf) keeps the old optimizer state alive next to the new
+            # one: XLA then copies every moment buffer and recomputes the moments
+            # in the params update (+10-19% of a small LM's step against +1-2% for
+            # this cond).
+            with jax.named_scope(GUARD_SCOPE):
+                new_params, rest_state, model_state = jax.lax.cond(ok, update, skip, *operands)
+        else:
+            new_params, rest_state, model_state = update(*operands)
+        opt_state = tx.join_state(sync_state, rest_state) if in_sync else rest_state
         aux = jax.lax.pmean(aux, axis_name)
         metrics = {"loss": loss, "nonfinite": (~ok).astype(jnp.float32)}
         metrics.update(collect_metrics(opt_state))

@@ -345,14 +345,12 @@ def sync_gradients(
             else:
                 summed = _reduce_scatter_gather(wire, axis_name, n)
                 summed_scalars, summed_extra = _psum_leaves((scalars, extra_sums), axis_name)
+
             def finish(summed):
                 return jax.tree.map(lambda s, g: (s / n).astype(g.dtype), summed, updates)
 
             out, mean = summed, finish(summed)  # mean: traced only if a monitor reads it
             codec_state = ()
-            # ‖Ḡ‖² from the sums, scaled: read where the all-reduce left them, the
-            # division by n stays fused into the optimizer's one read of the mean.
-            mean_sq_of = lambda: tree_sq_norm_sampled(summed, state.count, norm_chunks) / n**2
         else:
             mean, codec_state = codec.sync(
                 updates, state.codec_state, axis_name=axis_name, step=state.count
@@ -383,8 +381,11 @@ def sync_gradients(
                 local_grads=updates,
                 mean_grads=mean,
                 local_sq=summed_scalars[_LOCAL_SQ],
+                # Without a codec ‖Ḡ‖² comes from the sums (`out`), scaled: read where
+                # the all-reduce left them, the division by n stays fused into the
+                # optimizer's one read of the mean.
                 mean_sq=(
-                    mean_sq_of()
+                    tree_sq_norm_sampled(out, state.count, norm_chunks) / n**2
                     if samples is None
                     else sum(scale * jnp.sum(jnp.square(v)) for _, v, scale in samples)
                 ),

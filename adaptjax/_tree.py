@@ -25,7 +25,7 @@ def _sum_squares(leaves) -> jax.Array:
     small = [x for x in flat if x.shape[0] < _SMALL_LEAF]
     parts = [_sq_sum(x) for x in flat if x.shape[0] >= _SMALL_LEAF]
     if small:
-        parts.append(_sq_sum(small[0] if len(small) == 1 else jnp.concatenate(small)))
+        parts.append(_sq_sum(jnp.concatenate(small)))
     if not parts:
         return jnp.zeros((), jnp.float32)
     return parts[0] if len(parts) == 1 else jnp.sum(jnp.stack(parts))
@@ -131,7 +131,5 @@ def tree_sq_norm_sampled(tree, index: jax.Array, chunks: int, *, min_size: int =
     # The chunks are joined and reduced in one kernel, like the small leaves.
     total = _sum_squares(whole)
     if chunked:
-        total = total + chunks * _sq_sum(
-            chunked[0] if len(chunked) == 1 else jnp.concatenate(chunked)
-        )
+        total = total + chunks * _sq_sum(jnp.concatenate(chunked))
     return total
