@@ -27,7 +27,7 @@ The bytes, not a wall clock, are what a real interconnect would carry.
 
 Usage:
   python benchmarks/sync_strategies.py [--steps 512] [--quick]
-      [--outer-lr 0.7 --outer-momentum 0.9] [--workload digits|lm|module:function]
+      [--outer-lr 0.7 --outer-momentum 0.9] [--inner-lr X] [--workload digits|lm|module:function]
       [--only "local SGD H=32,DiLoCo H=32"] [--schedule constant|cosine]
 
 The last line is ``diloco_bytes_ratio=<S-SGD bytes / DiLoCo H=32 bytes>
@@ -142,18 +142,18 @@ def batches(train: dict, steps: int, batch: int, seed: int):
         yield {k: v[idx] for k, v in train.items()}
 
 
-def learning_rate(work: Workload, schedule: str, steps: int):
+def learning_rate(base: float, schedule: str, steps: int):
     """The inner optimizer's learning rate: constant, or warm-up then cosine decay to 10%."""
     if schedule == "constant":
-        return work.learning_rate
+        return base
     return optax.warmup_cosine_decay_schedule(
-        0.0, work.learning_rate, max(1, steps // 20), steps, end_value=work.learning_rate / 10
+        0.0, base, max(1, steps // 20), steps, end_value=base / 10
     )
 
 
 def run(work: Workload, strategy, *, devices: int, steps: int, batch: int, eval_every: int,
-        schedule: str = "constant"):
-    lr = learning_rate(work, schedule, steps)
+        schedule: str = "constant", inner_lr: float | None = None):
+    lr = learning_rate(inner_lr or work.learning_rate, schedule, steps)
     tx = adaptjax.sync_chain(optax.adamw(lr, weight_decay=1e-4), strategy)
     mesh = adaptjax.make_mesh(devices)
     state = adaptjax.init_state(work.params, tx, mesh)
@@ -193,6 +193,11 @@ def main():
         "--schedule", choices=("constant", "cosine"), default="constant",
         help="inner learning rate: constant, or 5%% warm-up then cosine decay to 10%%",
     )
+    parser.add_argument(
+        "--inner-lr", type=float, default=None,
+        help="the inner learning rate of every strategy but S-SGD (default: the workload's, "
+        "which S-SGD always uses; the DiLoCo paper tunes it separately)",
+    )
     parser.add_argument("--quick", action="store_true", help="S-SGD and DiLoCo H=32 only")
     parser.add_argument(
         "--only", default=None, help="comma-separated strategy names to run (S-SGD always runs)"
@@ -217,12 +222,14 @@ def main():
     print(f"{n_params} parameters, {args.devices} devices, global batch {args.batch}, "
           f"{args.steps} steps, AdamW inner optimizer ({args.schedule} learning rate), "
           f"validation every {args.eval_every} steps, "
-          f"DiLoCo outer lr {args.outer_lr} momentum {args.outer_momentum} (Nesterov)")
+          f"DiLoCo outer lr {args.outer_lr} momentum {args.outer_momentum} (Nesterov), "
+          f"inner lr {args.inner_lr or work.learning_rate} (S-SGD {work.learning_rate})")
     results = {}
     for name in names:
         results[name] = run(
             work, table[name], devices=args.devices, steps=args.steps, batch=args.batch,
             eval_every=args.eval_every, schedule=args.schedule,
+            inner_lr=None if name == "S-SGD" else args.inner_lr,
         )
     base_wire, base_curve = results["S-SGD"]
     base_loss, base_hit = base_curve[-1][1], first_at(base_curve, args.target)
