@@ -175,9 +175,9 @@ def _select_threshold(a, k: int):
 def select_topk(a, k: int, variant: str, seed):
     """Indices of (about) the ``k`` largest of ``a >= 0``; unused slots hold ``a.size``.
 
-    ``threshold`` (default): the exact top-k set from a sampled threshold and
+    ``threshold``: the exact top-k set from a sampled threshold and
     a compaction of the candidates (see :func:`_select_threshold`); under
-    32768 elements ``lax.top_k``. ``exact``: ``lax.top_k``. ``approx``:
+    32768 elements ``lax.top_k``. ``exact`` (the codecs' default): ``lax.top_k``. ``approx``:
     ``lax.approx_max_k`` (recall 0.95; exact on CPU). ``sampled``: a threshold
     from a stratified sample of ``max(1024, 50/ratio)`` entries, then the first
     ``k`` entries at or above it (fixed capacity; entries beyond it stay in the
