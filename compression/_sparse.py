@@ -156,7 +156,9 @@ def _select_threshold(a, k: int):
     top-k set. Outside it (a sample far off, or many ties) it degrades without
     failing: ``c < k`` sends the ``c`` candidates (recall ``c/k``, the unused
     slots hold ``a.size``); ``c > cap`` selects among the first ``cap`` by
-    position. Error feedback keeps whatever is not sent either way.
+    position. Error feedback keeps whatever is not sent either way. Exact
+    zeros are never sent: fewer than ``k`` nonzeros (an embedding's gradient)
+    send every nonzero and leave the other slots unused.
     """
     size = a.shape[0]
     bits = _float_bits(a)
@@ -165,7 +167,10 @@ def _select_threshold(a, k: int):
     i = jnp.arange(s, dtype=jnp.uint32)
     # a fixed scrambled offset in each stratum (a hash: no key, same on every call)
     offs = i * stride + hash32(i) % jnp.uint32(stride)
-    t = _kth_largest_bits(bits[offs.astype(jnp.int32)], r)
+    # Zeros are never candidates: they carry nothing, and a sparse gradient whose
+    # nonzeros are fewer than the sample rank would put the threshold at 0 and
+    # keep the first `cap` positions, zeros and all, instead of its nonzeros.
+    t = jnp.maximum(_kth_largest_bits(bits[offs.astype(jnp.int32)], r), 1)
     pos, _ = _compact(_mask_words(bits >= t), cap)
     cb = jnp.where(pos >= 0, bits[jnp.maximum(pos, 0)], -1)
     keep, _ = _compact(_mask_words(cb >= jnp.maximum(_kth_largest_bits(cb, k), 0)), k)
