@@ -118,8 +118,8 @@ def sum_decoded(decode, rows):
     the decodes and whatever reads the sum. And decoding all rows in one
     expression, then adding its slices, ran 2.5-9 times slower than decoding
     each row on its own (2 x 2M codes fused with a momentum update: 3.1-15.1 ms
-    against 0.65-3.4 ms, bf16 to natural); in a training step that was the
-    codecs' whole cost over a dense step.
+    against 0.65-3.4 ms, bf16 to natural); in a training step that was most
+    of the codecs' cost over a dense step.
     """
     acc = decode(rows[0:1])[0]
     for i in range(1, rows.shape[0]):
