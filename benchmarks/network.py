@@ -484,7 +484,8 @@ def main() -> int:
         f"variants interleaved step by step in one pair of processes",
         flush=True,
     )
-    extra = {v: args.loss_steps - args.steps for v in ("dense", "onebit") if v in run}
+    # --loss-steps under --steps adds nothing (it used to cut the timed steps to none)
+    extra = {v: max(0, args.loss_steps - args.steps) for v in ("dense", "onebit") if v in run}
     extra.update({v: max(0, SYNC_STEPS - args.steps) for v in SYNC_VARIANTS if v in run})
     setup(None if args.uncapped else args.rate)
     try:
