@@ -70,6 +70,12 @@ class GradientMonitor(Protocol):
        holds this replica's gradient, the averaged one, the sync's squared norms
        and, in ``stats.summed``, the psum of this monitor's local scalars.
 
+    Optionally, ``shares_state_with(other)`` and ``from_shared(metrics, stats)``
+    let a monitor that would keep the same state as another one in the same
+    sync (as :class:`GradientSNR` next to an identical
+    :class:`GradientNoiseScale`) keep none and derive its metrics from the
+    other's.
+
     All of it is traced inside ``jit``/``shard_map``: use ``jnp``, not Python
     control flow on values. The state must be a pytree whose structure never
     changes, replicated (the same on every replica), and ``update`` must return
@@ -263,6 +269,11 @@ class GradientNoiseScale:
         self.prefix = "precond_" if preconditioned else ""
         self.name = self.prefix + "noise_scale"
 
+    def _config(self) -> tuple:
+        """Everything that determines this monitor's state and values."""
+        return (self.decay, self.preconditioned, self.b2, self.eps, self.precond_warmup,
+                self.significance, self.differencing, self.local_batch_size)
+
     def metric_names(self) -> tuple[str, ...]:
         """The metrics this monitor reports, in order (fixed at construction)."""
         p = self.prefix
@@ -451,12 +462,25 @@ class GradientSNR:
     def update(self, stats: GradStats, state: SNRState, **_):
         """Updates the noise-scale EMAs; returns ``(state, {"grad_snr", "grad_snr_valid"})``."""
         inner, m = self._inner.update(stats, state.inner)
+        return SNRState(inner), self.from_shared(m, stats)
+
+    def shares_state_with(self, other) -> bool:
+        """Whether ``other`` keeps exactly the EMAs this monitor would keep.
+
+        :func:`adaptjax.sync_gradients` then gives this monitor no state and
+        derives the SNR from ``other``'s metrics (:meth:`from_shared`):
+        the same values, without a second copy of the EMAs and their updates.
+        """
+        return isinstance(other, GradientNoiseScale) and other._config() == self._inner._config()
+
+    def from_shared(self, metrics: dict, stats: GradStats) -> dict:
+        """The SNR from this step's metrics of the :class:`GradientNoiseScale` it shares."""
         b = stats.local_batch_size or self.local_batch_size
-        g2, var = m["grad_sqnorm"], m["grad_variance"]
+        g2, var = metrics["grad_sqnorm"], metrics["grad_variance"]
         snr = jnp.maximum(g2, 0.0) * (b * stats.n_replicas) / jnp.where(var > 0, var, 1.0)
-        return SNRState(inner), {
+        return {
             self.name: jnp.where(var > 0, snr, 0.0),
-            self.name + "_valid": m["noise_scale_valid"] * (var > 0),
+            self.name + "_valid": metrics["noise_scale_valid"] * (var > 0),
         }
 
 

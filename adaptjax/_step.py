@@ -29,6 +29,11 @@ from adaptjax._tree import tree_sq_norm
 from adaptjax._wire import GUARD_SCOPE
 
 
+def _all_finite(x) -> jax.Array:
+    """Whether every element of ``x`` is finite (the non-finite guard's test)."""
+    return jnp.all(jnp.isfinite(x))
+
+
 def _axis_names(axis_name) -> tuple[str, ...]:
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
@@ -320,16 +325,15 @@ def data_parallel_step(
                 extra["local_sqnorm"] = local_sq
         if in_sync:
             sync_state, rest_state = tx.split_state(state.opt_state)
-            summed, finish, new_sync_state, guard_sum = tx.sync.update_with_sums(
-                grads, sync_state, global_params, guard, **extra
-            )
-            ok = jnp.all(jnp.isfinite(guard_sum))
-            loss = guard_sum[0] / n
             # A skipped step keeps the sync's old state too (monitor EMAs, codec
-            # residuals), like the rest of the state.
-            sync_state = jax.tree.map(
-                lambda new, old: jnp.where(ok, new, old), new_sync_state, sync_state
+            # residuals), like the rest of the state: the monitors run in a lax.cond
+            # on `ok` (selecting their old state afterwards costs a kernel and a
+            # copy per scalar, per device).
+            summed, finish, sync_state, guard_sum = tx.sync.update_with_sums(
+                grads, sync_state, global_params, guard, commit_if=_all_finite, **extra
             )
+            ok = _all_finite(guard_sum)
+            loss = guard_sum[0] / n
             rest = tx.rest
         else:
             if skip_nonfinite:

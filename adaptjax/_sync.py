@@ -11,6 +11,7 @@ import numpy as np
 import optax
 
 from adaptjax._codec import GradientCodec
+from adaptjax._hash import hash32
 from adaptjax._monitors import GradientMonitor, GradientNoiseScale, GradStats
 from adaptjax._tree import axis_size, check_float_tree, tree_sq_norm_sampled
 
@@ -20,22 +21,26 @@ _MIN_SAMPLE = 1024
 
 
 def _sample_coordinates(tree, count, fraction: float):
-    """Coordinates shared by every replica (the key depends on the step only).
+    """Coordinates shared by every replica (they depend on the step only).
 
     Leaves of up to ``_MIN_SAMPLE`` elements are taken whole; larger ones give
     ``max(_MIN_SAMPLE, fraction·d)`` coordinates drawn uniformly with
     replacement, each weighted ``d / k`` so that sums of squares stay unbiased.
+    The draws are a counter-based hash of (step, slot), fused into the gathers
+    that use them (a threefry stream compiles to loops of its own: about 0.3 s
+    more of each compile of a step with a codec, on CPU).
     """
-    key = jax.random.fold_in(jax.random.key(0x5A17), count)
     leaves = jax.tree.leaves(tree)
     sizes = [int(np.prod(np.shape(x))) for x in leaves]
     ks = [max(_MIN_SAMPLE, int(np.ceil(fraction * d))) for d in sizes]
     drawn = [(d, k) for d, k in zip(sizes, ks, strict=True) if d > k]
     if drawn:
-        # one draw for every sampled leaf (one random-bits kernel, not one per leaf)
+        # one draw for every sampled leaf; the modulo's bias is below d / 2**32
         # (broadcasts, not a host array: no constant of 1% of the model in the program)
-        maxval = jnp.concatenate([jnp.full((k,), d, jnp.int32) for d, k in drawn])
-        flat = jax.random.randint(key, maxval.shape, 0, maxval, dtype=jnp.int32)
+        seed = hash32(hash32(jnp.asarray(count).astype(jnp.uint32)) ^ jnp.uint32(0x5A17))
+        bits = hash32(jax.lax.iota(jnp.uint32, sum(k for _, k in drawn)) ^ seed)
+        maxval = jnp.concatenate([jnp.full((k,), d, jnp.uint32) for d, k in drawn])
+        flat = (bits % maxval).astype(jnp.int32)
         parts = iter(jnp.split(flat, np.cumsum([k for _, k in drawn])[:-1]))
     out = []
     for d, k in zip(sizes, ks, strict=True):
@@ -150,11 +155,14 @@ class SyncGradients(optax.GradientTransformationExtraArgs):
     """What :func:`sync_gradients` returns: an optax transformation that can carry more sums.
 
     Used as any ``optax.GradientTransformationExtraArgs``. Besides, its
-    ``update_with_sums(updates, state, params, extra_sums, **extra)`` returns
-    ``(out, finish, state, psum(extra_sums))``: the caller's scalars travel in
-    the gradients' own all-reduce, and ``finish(out)`` is the mean (the sums
-    divided by the replicas, or a codec's mean), so a caller can finish it
-    where the optimizer reads it and XLA fuses the two.
+    ``update_with_sums(updates, state, params, extra_sums, *, commit_if=None,
+    **extra)`` returns ``(out, finish, state, psum(extra_sums))``: the caller's
+    scalars travel in the gradients' own all-reduce, and ``finish(out)`` is the
+    mean (the sums divided by the replicas, or a codec's mean), so a caller can
+    finish it where the optimizer reads it and XLA fuses the two. With
+    ``commit_if`` (a function of ``psum(extra_sums)`` returning a bool scalar)
+    the returned state is the old one wherever it is false: the update count
+    and the codec's state stay, and the monitors do not run.
     :func:`adaptjax.data_parallel_step` uses it (through :func:`adaptjax.chain`)
     for the non-finite guard's two scalars, so guarding a step adds no
     collective.
@@ -295,15 +303,27 @@ def sync_gradients(
     if len(set(names)) != len(names):
         raise ValueError(f"two monitors report the same metric name: {sorted(names)}")
 
+    # A monitor that keeps the same EMAs as another (GradientSNR next to a
+    # GradientNoiseScale) has no state of its own and reads the other's metrics.
+    shared = {}
+    for i, m in enumerate(monitors):
+        shares = getattr(m, "shares_state_with", None)
+        for j, other in enumerate(monitors):
+            if shares is not None and j != i and j not in shared and shares(other):
+                shared[i] = j
+                break
+
     def init_fn(params):
         return SyncState(
             count=jnp.zeros((), jnp.int32),
             codec_state=codec.init(params) if codec is not None else (),
-            monitor_states=tuple(m.init(params) for m in monitors),
+            monitor_states=tuple(
+                () if i in shared else m.init(params) for i, m in enumerate(monitors)
+            ),
             metrics={k: jnp.zeros((), jnp.float32) for m in monitors for k in m.metric_names()},
         )
 
-    def update_with_sums(updates, state, params=None, extra_sums=None, **extra):
+    def update_with_sums(updates, state, params=None, extra_sums=None, *, commit_if=None, **extra):
         check_float_tree(updates)
         _check_per_replica(updates, axis_name)
         n = axis_size(axis_name)
@@ -321,6 +341,8 @@ def sync_gradients(
             else:
                 out[_LOCAL_SQ] = tree_sq_norm_sampled(updates, state.count, norm_chunks)
             for i, (m, s) in enumerate(zip(monitors, state.monitor_states, strict=True)):
+                if i in shared:
+                    continue
                 for key, v in m.local_scalars(updates, s).items():
                     out[f"{i}/{key}"] = jnp.asarray(v, jnp.float32)
             return out
@@ -373,8 +395,19 @@ def sync_gradients(
                 summed_scalars = {}
                 summed_extra = jax.lax.psum(extra_sums, axis_name)
 
+        # commit_if: keep this step's state (count, codec state, measurements) only
+        # where it holds of the summed extra sums; the monitors then run under the
+        # same lax.cond as monitor_every's, and a skipped step passes theirs through.
+        ok = None if commit_if is None else jnp.asarray(commit_if(summed_extra), jnp.bool_)
+        if ok is None:
+            count = state.count + 1
+        else:
+            count = state.count + ok.astype(state.count.dtype)
+            codec_state = jax.tree.map(
+                lambda new, old: jnp.where(ok, new, old), codec_state, state.codec_state
+            )
         if not monitors:
-            return out, finish, SyncState(state.count + 1, codec_state, (), {}), summed_extra
+            return out, finish, SyncState(count, codec_state, (), {}), summed_extra
 
         def measure(monitor_states):
             stats = GradStats(
@@ -395,25 +428,31 @@ def sync_gradients(
                 summed={},
                 mean_sample=samples,
             )
-            new_states, metrics = [], {}
+            new_states, values = list(monitor_states), {}
             for i, (m, s) in enumerate(zip(monitors, monitor_states, strict=True)):
+                if i in shared:
+                    continue
                 own = {
                     key.split("/", 1)[1]: v
                     for key, v in summed_scalars.items()
                     if key.startswith(f"{i}/")
                 }
-                s, vals = m.update(stats._replace(summed=own), s, params=params)
-                new_states.append(s)
-                metrics.update(vals)
+                new_states[i], values[i] = m.update(stats._replace(summed=own), s, params=params)
+            for i, j in shared.items():
+                values[i] = monitors[i].from_shared(values[j], stats)
+            metrics = {k: v for i in range(len(monitors)) for k, v in values[i].items()}
             return tuple(new_states), {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
-        if monitor_every == 1:
+        run = None if monitor_every == 1 else measure_now
+        if ok is not None:
+            run = ok if run is None else run & ok
+        if run is None:
             monitor_states, metrics = measure(state.monitor_states)
         else:
             monitor_states, metrics = jax.lax.cond(
-                measure_now, measure, lambda s: (s, state.metrics), state.monitor_states
+                run, measure, lambda s: (s, state.metrics), state.monitor_states
             )
-        state = SyncState(state.count + 1, codec_state, monitor_states, metrics)
+        state = SyncState(count, codec_state, monitor_states, metrics)
         return out, finish, state, summed_extra
 
     def update_fn(updates, state, params=None, **extra):

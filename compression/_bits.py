@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from adaptjax._hash import hash32
+
 __all__ = [
     "hash32",
     "mix_seed",
@@ -31,16 +33,6 @@ __all__ = [
 ]
 
 _U32 = jnp.uint32
-
-
-def hash32(x: jax.Array) -> jax.Array:
-    """The ``lowbias32`` integer hash, element-wise on uint32 (a bijection)."""
-    x = x.astype(_U32)
-    x = x ^ (x >> 16)
-    x = x * _U32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * _U32(0x846CA68B)
-    return x ^ (x >> 16)
 
 
 def mix_seed(*parts) -> jax.Array:

@@ -279,3 +279,36 @@ _PULL = 100.0  # a common gradient far above the noise, so the estimate is valid
 
 def _loss_wide(p, b):
     return 0.5 * jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2) + _PULL * jnp.sum(p["w"])
+
+
+def test_snr_next_to_an_identical_noise_scale_shares_its_state_and_values():
+    # GradientSNR keeps a GradientNoiseScale's EMAs of its own. Next to an identical
+    # noise-scale monitor it keeps none and derives the SNR from that monitor's metrics,
+    # which must give exactly the standalone SNR, step by step (valid flag included).
+    mesh = adaptjax.make_mesh(4)
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.normal(size=D).astype(np.float32))
+    batches = []
+    for _ in range(12):
+        x = rng.normal(size=(32, D)).astype(np.float32)
+        batches.append({"x": x, "y": (x @ np.ones(D) + rng.normal(size=32)).astype(np.float32)})
+    runs = {
+        "shared": (adaptjax.GradientNoiseScale(decay=0.8), adaptjax.GradientSNR(decay=0.8)),
+        "alone": (adaptjax.GradientSNR(decay=0.8),),
+        "other decay": (adaptjax.GradientNoiseScale(decay=0.5), adaptjax.GradientSNR(decay=0.8)),
+    }
+    snr = {}
+    for name, mons in runs.items():
+        tx = optax.chain(adaptjax.sync_gradients("data", monitors=mons), optax.sgd(0.05))
+        step = adaptjax.data_parallel_step(_loss, tx, mesh)
+        state = adaptjax.init_state({"w": w}, tx, mesh)
+        snr_state = state.opt_state[0].monitor_states[-1]
+        assert (snr_state == ()) == (name == "shared")
+        rows = []
+        for b in batches:
+            state, m = step(state, b)
+            rows.append((float(m["grad_snr"]), float(m["grad_snr_valid"])))
+        snr[name] = np.array(rows)
+    assert snr["alone"][:, 1].max() == 1.0 and snr["alone"][-1, 0] > 0  # not vacuous
+    np.testing.assert_allclose(snr["shared"], snr["alone"], rtol=1e-6)
+    np.testing.assert_allclose(snr["other decay"], snr["alone"], rtol=1e-6)

@@ -195,6 +195,32 @@ def test_a_skipped_step_keeps_donated_state_exactly(chain):
 
 
 @CHAINS
+def test_a_skipped_step_keeps_every_monitor_state_and_count(chain):
+    # With adaptjax.chain the monitors run in a lax.cond on the guard's verdict (their
+    # skip branch passes the old state through); either way a non-finite step must leave
+    # the noise-scale EMAs, counts, held values and metrics exactly as they were.
+    mesh = adaptjax.make_mesh(8)
+    mons = (adaptjax.GradientNoiseScale(), adaptjax.GradientSNR(), adaptjax.GradientNorm())
+    tx = chain(adaptjax.sync_gradients("data", monitors=mons), optax.adam(1e-2))
+    step = adaptjax.data_parallel_step(_loss, tx, mesh)
+    state = adaptjax.init_state(_mlp_params(), tx, mesh)
+    good, other, bad = _batches(3, 32)
+    for b in (good, other, good):
+        state, _ = step(state, b)
+    before = jax.device_get(state.opt_state[0])
+    assert int(before.count) == 3 and int(before.monitor_states[0].count) == 3
+    bad["x"][2, 4] = np.nan
+    state, m = step(state, bad)
+    assert float(m["nonfinite"]) == 1.0
+    after = jax.device_get(state.opt_state[0])
+    for a, c in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    state, _ = step(state, other)
+    assert int(state.opt_state[0].count) == 4
+    assert int(state.opt_state[0].monitor_states[0].count) == 4
+
+
+@CHAINS
 def test_finite_loss_with_an_infinite_gradient_on_one_replica_skips_every_replica(chain):
     # d/dw sqrt(|w x|) is infinite at w x = 0 while the loss stays finite; only replica 0's
     # rows have x = 0, yet every replica must skip (the check is global).
