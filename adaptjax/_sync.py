@@ -380,17 +380,26 @@ def sync_gradients(
             out, finish = mean, lambda mean: mean
             if monitors:
                 coords = _sample_coordinates(updates, state.count, codec_sample)
-                local = [
-                    x.reshape(-1)[idx].astype(jnp.float32)
-                    for x, (idx, _) in zip(jax.tree.leaves(updates), coords, strict=True)
-                ]
+                # Every leaf's sample in one vector: one operand of the all-reduce and
+                # one weighted sum of squares (not a reduction per leaf); a leaf taken
+                # whole goes as it is, not through a gather.
+                local = jnp.concatenate([
+                    (x.reshape(-1) if scale == 1.0 else x.reshape(-1)[idx]).astype(jnp.float32)
+                    for x, (idx, scale) in zip(jax.tree.leaves(updates), coords, strict=True)
+                ])
                 summed_scalars, summed_local, summed_extra = jax.lax.psum(
                     (scalars, local, extra_sums), axis_name
                 )
+                mean_local = summed_local / n
+                ends = np.cumsum([idx.shape[0] for idx, _ in coords])
                 samples = tuple(
-                    (idx, v / n, scale)
-                    for (idx, scale), v in zip(coords, summed_local, strict=True)
+                    (idx, mean_local[end - idx.shape[0] : end], scale)
+                    for (idx, scale), end in zip(coords, ends, strict=True)
                 )
+                weights = jnp.concatenate(
+                    [jnp.full(idx.shape, scale, jnp.float32) for idx, scale in coords]
+                )
+                sampled_mean_sq = jnp.sum(weights * jnp.square(mean_local))
             else:
                 summed_scalars = {}
                 summed_extra = jax.lax.psum(extra_sums, axis_name)
@@ -420,7 +429,7 @@ def sync_gradients(
                 mean_sq=(
                     tree_sq_norm_sampled(out, state.count, norm_chunks) / n**2
                     if samples is None
-                    else sum(scale * jnp.sum(jnp.square(v)) for _, v, scale in samples)
+                    else sampled_mean_sq
                 ),
                 n_replicas=n,
                 samples_per_replica=k if (micro_sq is not None and k > 1) else 1,
