@@ -325,12 +325,12 @@ def data_parallel_step(
                 extra["local_sqnorm"] = local_sq
         if in_sync:
             sync_state, rest_state = tx.split_state(state.opt_state)
-            # A skipped step keeps the sync's old state too (monitor EMAs, codec
-            # residuals), like the rest of the state: the monitors run in a lax.cond
-            # on `ok` (selecting their old state afterwards costs a kernel and a
-            # copy per scalar, per device).
-            summed, finish, sync_state, guard_sum = tx.sync.update_with_sums(
-                grads, sync_state, global_params, guard, commit_if=_all_finite, **extra
+            # The codec and the monitors run in the update branch below (`complete`),
+            # so a skipped step keeps the sync's old state too (monitor EMAs, codec
+            # residuals) and runs neither; a kept one writes it in place, the codec's
+            # mean fused into the optimizer's read of it.
+            summed, complete, sync_state, guard_sum = tx.sync.update_with_sums(
+                grads, sync_state, global_params, guard, deferred=True, **extra
             )
             ok = _all_finite(guard_sum)
             loss = guard_sum[0] / n
@@ -346,17 +346,22 @@ def data_parallel_step(
                 ok = jnp.bool_(True)
                 loss = jax.lax.pmean(loss.astype(jnp.float32), axis_name)
             summed, finish, rest, rest_state = grads, (lambda g: g), tx, state.opt_state
+            sync_state = ()
 
         # In the fast path the mean is finished inside the branch, where XLA fuses
         # it into the optimizer's read of it.
-        def update(summed, rest_state, params, model_state):
-            updates, rest_state = rest.update(finish(summed), rest_state, params, **extra)
-            return optax.apply_updates(params, updates), rest_state, model_state
+        def update(summed, rest_state, params, model_state, sync_state):
+            if in_sync:
+                mean, sync_state = complete(summed)
+            else:
+                mean = finish(summed)
+            updates, rest_state = rest.update(mean, rest_state, params, **extra)
+            return optax.apply_updates(params, updates), rest_state, model_state, sync_state
 
-        def skip(summed, rest_state, params, model_state):
-            return params, rest_state, state.model_state
+        def skip(summed, rest_state, params, model_state, sync_state):
+            return params, rest_state, state.model_state, sync_state
 
-        operands = (summed, rest_state, global_params, model_state)
+        operands = (summed, rest_state, global_params, model_state, sync_state)
         if skip_nonfinite:
             # The update runs inside the taken branch (without adaptjax.chain its
             # collectives too), so a skipped step reads nothing and the kept state
@@ -366,9 +371,11 @@ def data_parallel_step(
             # in the params update (+10-19% of a small LM's step against +1-2% for
             # this cond).
             with jax.named_scope(GUARD_SCOPE):
-                new_params, rest_state, model_state = jax.lax.cond(ok, update, skip, *operands)
+                new_params, rest_state, model_state, sync_state = jax.lax.cond(
+                    ok, update, skip, *operands
+                )
         else:
-            new_params, rest_state, model_state = update(*operands)
+            new_params, rest_state, model_state, sync_state = update(*operands)
         opt_state = tx.join_state(sync_state, rest_state) if in_sync else rest_state
         aux = jax.lax.pmean(aux, axis_name)
         metrics = {"loss": loss, "nonfinite": (~ok).astype(jnp.float32)}

@@ -155,14 +155,17 @@ class SyncGradients(optax.GradientTransformationExtraArgs):
     """What :func:`sync_gradients` returns: an optax transformation that can carry more sums.
 
     Used as any ``optax.GradientTransformationExtraArgs``. Besides, its
-    ``update_with_sums(updates, state, params, extra_sums, *, commit_if=None,
+    ``update_with_sums(updates, state, params, extra_sums, *, deferred=False,
     **extra)`` returns ``(out, finish, state, psum(extra_sums))``: the caller's
     scalars travel in the gradients' own all-reduce, and ``finish(out)`` is the
     mean (the sums divided by the replicas, or a codec's mean), so a caller can
     finish it where the optimizer reads it and XLA fuses the two. With
-    ``commit_if`` (a function of ``psum(extra_sums)`` returning a bool scalar)
-    the returned state is the old one wherever it is false: the update count
-    and the codec's state stay, and the monitors do not run.
+    ``deferred=True`` it returns ``(out, complete, state, psum(extra_sums))``
+    instead: ``complete(out)`` gives ``(mean, new_state)``, running the codec
+    (if any) and the monitors, and ``state`` is the old one; a caller that may
+    drop the step (a non-finite guard) calls ``complete`` only in the branch
+    that keeps it, so a dropped step runs neither and keeps every state
+    exactly.
     :func:`adaptjax.data_parallel_step` uses it (through :func:`adaptjax.chain`)
     for the non-finite guard's two scalars, so guarding a step adds no
     collective.
@@ -323,7 +326,7 @@ def sync_gradients(
             metrics={k: jnp.zeros((), jnp.float32) for m in monitors for k in m.metric_names()},
         )
 
-    def update_with_sums(updates, state, params=None, extra_sums=None, *, commit_if=None, **extra):
+    def update_with_sums(updates, state, params=None, extra_sums=None, *, deferred=False, **extra):
         check_float_tree(updates)
         _check_per_replica(updates, axis_name)
         n = axis_size(axis_name)
@@ -357,7 +360,7 @@ def sync_gradients(
         else:
             scalars = {}
 
-        samples = None
+        samples, sampled_mean_sq = None, None
         if codec is None:
             wire = updates if wdt is None else jax.tree.map(lambda g: g.astype(wdt), updates)
             if dense_lane == "all-reduce":
@@ -367,17 +370,8 @@ def sync_gradients(
             else:
                 summed = _reduce_scatter_gather(wire, axis_name, n)
                 summed_scalars, summed_extra = _psum_leaves((scalars, extra_sums), axis_name)
-
-            def finish(summed):
-                return jax.tree.map(lambda s, g: (s / n).astype(g.dtype), summed, updates)
-
-            out, mean = summed, finish(summed)  # mean: traced only if a monitor reads it
-            codec_state = ()
+            out = summed
         else:
-            mean, codec_state = codec.sync(
-                updates, state.codec_state, axis_name=axis_name, step=state.count
-            )
-            out, finish = mean, lambda mean: mean
             if monitors:
                 coords = _sample_coordinates(updates, state.count, codec_sample)
                 # Every leaf's sample in one vector: one operand of the all-reduce and
@@ -403,22 +397,9 @@ def sync_gradients(
             else:
                 summed_scalars = {}
                 summed_extra = jax.lax.psum(extra_sums, axis_name)
+            out = updates  # the codec runs in `complete`
 
-        # commit_if: keep this step's state (count, codec state, measurements) only
-        # where it holds of the summed extra sums; the monitors then run under the
-        # same lax.cond as monitor_every's, and a skipped step passes theirs through.
-        ok = None if commit_if is None else jnp.asarray(commit_if(summed_extra), jnp.bool_)
-        if ok is None:
-            count = state.count + 1
-        else:
-            count = state.count + ok.astype(state.count.dtype)
-            codec_state = jax.tree.map(
-                lambda new, old: jnp.where(ok, new, old), codec_state, state.codec_state
-            )
-        if not monitors:
-            return out, finish, SyncState(count, codec_state, (), {}), summed_extra
-
-        def measure(monitor_states):
+        def measure(monitor_states, mean):
             stats = GradStats(
                 local_grads=updates,
                 mean_grads=mean,
@@ -452,17 +433,37 @@ def sync_gradients(
             metrics = {k: v for i in range(len(monitors)) for k, v in values[i].items()}
             return tuple(new_states), {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
-        run = None if monitor_every == 1 else measure_now
-        if ok is not None:
-            run = ok if run is None else run & ok
-        if run is None:
-            monitor_states, metrics = measure(state.monitor_states)
-        else:
-            monitor_states, metrics = jax.lax.cond(
-                run, measure, lambda s: (s, state.metrics), state.monitor_states
-            )
-        state = SyncState(count, codec_state, monitor_states, metrics)
-        return out, finish, state, summed_extra
+        def dense_mean(summed):
+            return jax.tree.map(lambda s, g: (s / n).astype(g.dtype), summed, updates)
+
+        def complete(out):
+            """``(mean, new state)`` from ``out``: the codec (if any), then the monitors."""
+            if codec is None:
+                mean = dense_mean(out)  # traced into the monitors only if one reads it
+                codec_state = ()
+            else:
+                mean, codec_state = codec.sync(
+                    out, state.codec_state, axis_name=axis_name, step=state.count
+                )
+            if not monitors:
+                return mean, SyncState(state.count + 1, codec_state, (), {})
+            if monitor_every == 1:
+                monitor_states, metrics = measure(state.monitor_states, mean)
+            else:
+                monitor_states, metrics = jax.lax.cond(
+                    measure_now,
+                    lambda s: measure(s, mean),
+                    lambda s: (s, state.metrics),
+                    state.monitor_states,
+                )
+            return mean, SyncState(state.count + 1, codec_state, monitor_states, metrics)
+
+        if deferred:
+            return out, complete, state, summed_extra
+        mean, new_state = complete(out)
+        if codec is None:  # the mean is finished where the caller reads it
+            return out, dense_mean, new_state, summed_extra
+        return mean, lambda mean: mean, new_state, summed_extra
 
     def update_fn(updates, state, params=None, **extra):
         out, finish, state, _ = update_with_sums(updates, state, params, **extra)

@@ -181,7 +181,7 @@ def _jax_step(jax, variant: str, mesh):
         sync = getattr(adaptjax, name)(*args)
         tx = adaptjax.sync_chain(inner, sync)
     else:
-        tx = optax.chain(adaptjax.sync_gradients("data", codec=codec), inner)
+        tx = adaptjax.chain(adaptjax.sync_gradients("data", codec=codec), inner)
     state = adaptjax.init_state(params, tx, mesh)
     step = adaptjax.data_parallel_step(
         loss_fn, tx, mesh, skip_nonfinite=variant != "dense_noskip", sync=sync
