@@ -29,11 +29,6 @@ from adaptjax._tree import tree_sq_norm
 from adaptjax._wire import GUARD_SCOPE
 
 
-def _all_finite(x) -> jax.Array:
-    """Whether every element of ``x`` is finite (the non-finite guard's test)."""
-    return jnp.all(jnp.isfinite(x))
-
-
 def _axis_names(axis_name) -> tuple[str, ...]:
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
@@ -332,7 +327,7 @@ def data_parallel_step(
             summed, complete, sync_state, guard_sum = tx.sync.update_with_sums(
                 grads, sync_state, global_params, guard, deferred=True, **extra
             )
-            ok = _all_finite(guard_sum)
+            ok = jnp.all(jnp.isfinite(guard_sum))
             loss = guard_sum[0] / n
             rest = tx.rest
         else:
