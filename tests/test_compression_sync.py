@@ -265,3 +265,39 @@ def test_powersgd_leaf_thinner_than_the_rank_syncs_in_the_bf16_lane():
     grads = {"w": jnp.asarray(rng.integers(-4, 5, (N, 1001, 3)).astype(np.float32))}
     out, _ = _per_replica_out(ajc.powersgd(), grads, {"w": jnp.zeros((1001, 3))})
     np.testing.assert_array_equal(np.asarray(out["w"][0]), np.asarray(grads["w"]).mean(axis=0))
+
+
+@pytest.mark.parametrize(
+    "codec", [None, ajc.onebit(min_size=64, block=64)], ids=["dense", "onebit"]
+)
+def test_deferred_update_with_sums_completes_to_the_eager_result(codec):
+    # update_with_sums(deferred=True) hands back the old state and complete(out), which the
+    # step calls only in its update branch: complete must give exactly the eager call's
+    # mean and new state (codec residuals, counts, monitor EMAs and metrics).
+    sync = adaptjax.sync_gradients(
+        "data", codec=codec, monitors=(adaptjax.GradientNoiseScale(), adaptjax.GradientNorm())
+    )
+    params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(32)}
+    rng = np.random.default_rng(2)
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=(N, *p.shape)), jnp.float32), params)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=MESH, in_specs=P("data"), out_specs=P(),
+                       check_vma=False)
+    def f(g):
+        g = jax.tree.map(lambda x: x[0], g)
+        state = sync.init(params)
+        kw = dict(extra_sums=jnp.ones(()), local_batch_size=4)
+        out, finish, new, total = sync.update_with_sums(g, state, **kw)
+        out_d, complete, old, total_d = sync.update_with_sums(g, state, deferred=True, **kw)
+        mean_d, new_d = complete(out_d)
+        same = [jnp.array_equal(a, b) for a, b in
+                zip(jax.tree.leaves((finish(out), new, total)),
+                    jax.tree.leaves((mean_d, new_d, total_d)), strict=True)]
+        kept = [jnp.array_equal(a, b) for a, b in
+                zip(jax.tree.leaves(old), jax.tree.leaves(state), strict=True)]
+        return jnp.stack(same), jnp.stack(kept), new.count, new.metrics["grad_norm"]
+
+    same, kept, count, norm = f(grads)
+    assert np.all(np.asarray(same)) and np.all(np.asarray(kept))
+    assert int(count) == 1 and float(norm) > 0.0  # the eager call did update
