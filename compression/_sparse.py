@@ -28,10 +28,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from adaptjax.compression._base import Codec, k_of, positive_ratio
 from adaptjax.compression._bits import hash32, mix_seed, random_bits, uniform
 from adaptjax.compression._collectives import (
@@ -56,37 +58,72 @@ def _float_bits(a):
     return jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32)
 
 
+def _count(mask):
+    """Number of ``True`` in ``mask``: a float32 sum (exact below 2**24; faster on CPU)."""
+    if mask.size < 2**24:
+        return jnp.sum(mask.astype(jnp.float32)).astype(jnp.int32)
+    return jnp.sum(mask.astype(jnp.int32))
+
+
 def _kth_largest_bits(bits, r: int):
     """The ``r``-th largest of int32 patterns ``bits >= 0`` (exact, 31 bisection counts)."""
 
     def body(_, lohi):
         lo, hi = lohi  # count(bits >= lo) >= r > count(bits >= hi)
         mid = lo + (hi - lo) // 2
-        ok = jnp.sum((bits >= mid).astype(jnp.int32)) >= r
+        ok = _count(bits >= mid) >= r
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
+    # a fixed trip count: a while loop that stops early costs more than it saves on CPU
     init = (jnp.int32(0), jnp.int32(0x7FFFFFFF))
     return jax.lax.fori_loop(0, 31, body, init)[0]
 
 
 def _mask_words(mask):
-    """A bool mask packed 32 per uint32 word (bit ``b`` of word ``w``: element ``32w+b``)."""
+    """A bool mask packed 32 per uint32 word (bit ``b`` of word ``w``: element ``32w+b``).
+
+    Eight elements per byte first, then four bytes read as a word: about 4x
+    faster on CPU than shifting 32 elements into each word.
+    """
     size = mask.shape[0]
-    m = mask.astype(jnp.uint32)
+    m = mask.astype(jnp.uint8)
     if size % 32:
         m = jnp.pad(m, (0, -size % 32))
-    return jnp.sum(m.reshape(-1, 32) << jnp.arange(32, dtype=jnp.uint32), axis=1)
+    shifts = jnp.arange(8, dtype=jnp.uint8)
+    packed = jnp.sum(m.reshape(-1, 8) << shifts, axis=1, dtype=jnp.uint8).reshape(-1, 4)
+    if sys.byteorder == "big":  # the first byte must land in the low bits
+        packed = packed[:, ::-1]
+    return jax.lax.bitcast_convert_type(packed, jnp.uint32)
+
+
+def _byte_select_table():
+    """``t[8·b + r]``: position of the ``r``-th set bit (from 0) of byte ``b``."""
+    t = np.zeros((256, 8), np.int32)
+    for b in range(256):
+        on = [i for i in range(8) if b >> i & 1]
+        t[b, : len(on)] = on
+    return t.reshape(-1)
+
+
+_BYTE_SELECT = _byte_select_table()
 
 
 def _nth_set_bit(w, r):
-    """Position of the ``r``-th (from 0) set bit of each uint32 word ``w``."""
-    pos = jnp.zeros(w.shape, jnp.uint32)
-    for width in (16, 8, 4, 2, 1):
-        c = jax.lax.population_count((w >> pos) & jnp.uint32((1 << width) - 1))
-        go = r >= c.astype(jnp.int32)
-        r = jnp.where(go, r - c.astype(jnp.int32), r)
-        pos = jnp.where(go, pos + width, pos)
-    return pos.astype(jnp.int32)
+    """Position of the ``r``-th (from 0) set bit of each uint32 word ``w``.
+
+    The byte that holds it from the bytes' running counts (one multiply), then
+    a 2 KiB table within the byte: fewer operations than a bisection over the
+    bits, which matters where XLA cannot vectorize (fused with a gather).
+    """
+    c = w - ((w >> 1) & 0x55555555)
+    c = (c & 0x33333333) + ((c >> 2) & 0x33333333)
+    c = (c + (c >> 4)) & 0x0F0F0F0F
+    upto = (c * jnp.uint32(0x01010101)).astype(jnp.int32)  # byte i: set bits in bytes 0..i
+    c0, c1, c2 = upto & 0xFF, (upto >> 8) & 0xFF, (upto >> 16) & 0xFF
+    byte = (r >= c0).astype(jnp.int32) + (r >= c1) + (r >= c2)
+    before = jnp.where(byte == 0, 0, jnp.where(byte == 1, c0, jnp.where(byte == 2, c1, c2)))
+    bits = ((w >> (8 * byte).astype(jnp.uint32)) & 0xFF).astype(jnp.int32)
+    return 8 * byte + jnp.asarray(_BYTE_SELECT)[8 * bits + jnp.clip(r - before, 0, 7)]
 
 
 def _compact(words, cap: int):
@@ -102,11 +139,8 @@ def _compact(words, cap: int):
     """
     nwords = words.shape[0]
     cnt = jax.lax.population_count(words).astype(jnp.int32)
-    # two-level cumulative count (within rows of 32 words, then over rows): cheaper on CPU
-    rows = jnp.pad(cnt, (0, -nwords % 32)).reshape(-1, 32)
-    inner = jnp.cumsum(rows, axis=1)
-    outer = jnp.cumsum(inner[:, -1]) - inner[:, -1]
-    incl = (inner + outer[:, None]).reshape(-1)[:nwords]
+    # associative scans: on CPU about 2x faster than cumsum, 4x faster than cummax
+    incl = jax.lax.associative_scan(jnp.add, cnt)
     excl = incl - cnt
     slot = jnp.arange(cap, dtype=jnp.int32)
     if cap * max(1, nwords.bit_length()) > 2 * nwords:
@@ -115,7 +149,7 @@ def _compact(words, cap: int):
         first = jnp.where((cnt > 0) & (excl < cap), excl, cap)
         index = jnp.arange(nwords, dtype=jnp.int32)
         starts = jnp.zeros((cap + 1,), jnp.int32).at[first].max(index, mode="drop")
-        w = jax.lax.cummax(starts[:cap])
+        w = jax.lax.associative_scan(jnp.maximum, starts[:cap])
     else:
         w = jnp.minimum(jnp.searchsorted(incl, slot, side="right"), nwords - 1)
         w = w.astype(jnp.int32)
@@ -323,7 +357,8 @@ class _TopK(Codec):
     def decode(self, payload, shape, *, seed=0):
         del seed
         size = prod(shape)
-        out = jnp.zeros((size,), jnp.float32).at[payload["indices"]].add(
+        # the indices are distinct (or out of range, dropped): a set, cheaper than an add
+        out = jnp.zeros((size,), jnp.float32).at[payload["indices"]].set(
             payload["values"], mode="drop"
         )
         return out.reshape(shape)

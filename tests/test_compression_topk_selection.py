@@ -52,6 +52,20 @@ def test_compaction_lists_the_first_cap_set_positions(cap, density):
     assert (np.asarray(pos)[len(want):] == -1).all()
 
 
+
+def test_nth_set_bit_against_the_bits_listed_one_by_one():
+    # every rank of a full word, every single-bit word, and random words at every rank they have
+    rng = np.random.default_rng(5)
+    words = [0xFFFFFFFF] * 32 + [1 << i for i in range(32)]
+    ranks = list(range(32)) + [0] * 32
+    for w in rng.integers(1, 2**32, 200, dtype=np.uint64).tolist():
+        on = bin(w).count("1")
+        words += [w] * on
+        ranks += list(range(on))
+    got = _sparse._nth_set_bit(jnp.asarray(words, jnp.uint32), jnp.asarray(ranks, jnp.int32))
+    want = [[i for i in range(32) if w >> i & 1][r] for w, r in zip(words, ranks, strict=True)]
+    np.testing.assert_array_equal(np.asarray(got), want)
+
 def test_threshold_plan_brackets_k_by_the_stated_margin():
     # Sample entries at or above the k-th largest: about Poisson(e), e = k·s/size. The
     # threshold (the r-th of the sample) is at most the k-th largest unless that count
