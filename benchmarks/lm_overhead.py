@@ -15,7 +15,8 @@ devices), same global batch and optimizer (Adam):
 * with ``--breakdown``, also ``adaptjax no monitors`` (``monitors=()``),
   ``adaptjax no guard`` (``skip_nonfinite=False``) and ``adaptjax optax.chain``
   (the same links in a plain ``optax.chain``: the guard then needs a
-  collective of its own): where adaptjax's extra time goes.
+  collective of its own) and ``adaptjax bare`` (neither monitors nor guard):
+  where adaptjax's extra time goes.
 
 **Instances.** Two identical compiled programs, each with its own buffers, run
 at steadily different speeds in one process, by up to 2-3% for the whole run
@@ -113,6 +114,7 @@ def main():
         variants["adaptjax no monitors"] = ((), True, adaptjax.chain)
         variants["adaptjax no guard"] = (monitors, False, adaptjax.chain)
         variants["adaptjax optax.chain"] = (monitors, True, optax.chain)
+        variants["adaptjax bare"] = ((), False, adaptjax.chain)
     steps, states = {}, {}
     for name, (mons, guard, chain) in variants.items():
         tx = chain(adaptjax.sync_gradients("data", monitors=mons), optax.adam(1e-3))
