@@ -42,10 +42,19 @@ def _compile_lines(events: list[dict]) -> list[str]:
             label = _config_label(e)
             seconds[label] = seconds.get(label, 0.0) + float(e["latency_s"])
             counts[label] += 1
+    background = [
+        float(e["latency_s"]) for e in events
+        if e.get("kind") == "background_compile" and isinstance(e.get("latency_s"), int | float)
+    ]
     if not seconds:
         return []
     lines = [f"compile seconds: {sum(seconds.values()):.2f} in {sum(counts.values())} compile(s)"]
     lines += [f"  {s:7.2f} s  x{counts[k]}  {k}" for k, s in seconds.items()]
+    if background:  # announced configurations, compiled while the steps ran
+        lines.append(
+            f"compiled in the background: {sum(background):.2f} s in {len(background)} "
+            "configuration(s) (their first steps above found them compiled)"
+        )
     return lines
 
 

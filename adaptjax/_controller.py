@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import inspect
@@ -233,6 +234,10 @@ class Controller:
       on_step: optional hook ``on_step(controller)`` called after each dispatch.
       max_nonfinite_steps: stop with :class:`NonFiniteTraining` after this many
         consecutive skipped (non-finite) steps; ``None`` never stops.
+      precompile_upcoming: compile, in a background thread, the configurations
+        that policies announce through ``Policy.upcoming`` (``ElasticScale``'s
+        and ``Schedule``'s next entries), so that the change does not wait for
+        XLA when it comes (``background_compile`` events).
 
     Example:
       >>> import tempfile, numpy as np, jax.numpy as jnp, optax, adaptjax
@@ -282,6 +287,7 @@ class Controller:
         resume: bool = False,
         on_step: Callable[[Controller], None] | None = None,
         max_nonfinite_steps: int | None = 100,
+        precompile_upcoming: bool = True,
     ):
         # ---- every argument is checked before anything touches the disk ----------------
         run_dir = os.fspath(run_dir)
@@ -401,6 +407,11 @@ class Controller:
         self._hparams_of_step: dict[int, dict[str, float]] = {}
         self._stop_reason: str | None = None
         self._preempted = threading.Event()
+        # Configurations policies announce (Policy.upcoming), compiled in the background.
+        self._precompile_upcoming = bool(precompile_upcoming)
+        self._background: dict[RunConfig, concurrent.futures.Future] = {}
+        self._background_logged: set[RunConfig] = set()
+        self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
 
         # ---- the disk: lock first, then logs and state ---------------------------------
         self._dir = RunDirectory(run_dir, max_to_keep=max_to_keep)
@@ -545,6 +556,7 @@ class Controller:
                     if self._preempt_agreed():
                         self._preempt()
                 self._record(lag=0)
+                self._log_background()
                 self._checkpoint()
                 self._dir.confirm(block=True)
         except BaseException:
@@ -564,6 +576,7 @@ class Controller:
     def _turn(self, final: bool) -> None:
         """One turn: dispatch -> record -> decide -> apply (-> periodic checkpoint)."""
         self._dispatch()
+        self._log_background()
         t = self.step
         if self.on_step is not None:
             self.on_step(self)
@@ -574,6 +587,9 @@ class Controller:
         while self._to_decide and self._to_decide[0].step < t:
             snapshot = self._to_decide.pop(0)
             self._decide(snapshot)
+            # after each decision, not before the first: the first decisions often
+            # change the configuration at once (a codec, a batch size)
+            self._compile_upcoming()
         if self._every(self.checkpoint_every, self.step):
             self._checkpoint()
         if sync_point:
@@ -601,6 +617,10 @@ class Controller:
         batch = self._next_batch(config)
         before = fn.jitted._cache_size()
         t0 = time.perf_counter()
+        pending = self._background.get(config)
+        if pending is not None and not pending.done():
+            # compiling in the background: wait for it rather than compile twice
+            concurrent.futures.wait([pending])
         if self._host_hparams is None:
             self._host_hparams = self.hyperparams
         self.state, metrics = fn(self.state, batch)
@@ -901,13 +921,14 @@ class Controller:
     ) -> float:
         """Compiles the step of a configuration ahead of time; returns the seconds it took.
 
-        Use it before a scheduled rescale or batch change so the first step
-        after the change does not wait for XLA: the compiled program lands in
-        JAX's compilation cache and the step's first call finds it. Arguments
-        default to the current configuration.
+        Use it before a change no policy announces (``Policy.upcoming``; those
+        are compiled in the background already) so that the first step after
+        it does not wait for XLA: the compiled program lands in JAX's
+        compilation cache and the step's first call finds it. Arguments
+        default to the current configuration; it blocks until compiled.
 
         Example:
-          >>> # ctrl.precompile(devices=4)   # before ElasticScale's 8 -> 4
+          >>> # ctrl.precompile(batch_size=256)   # before your own set_batch_size(256)
         """
         config = RunConfig(
             devices=self.config.devices if devices is None else devices,
@@ -923,6 +944,66 @@ class Controller:
             "precompile", step=self.step, latency_s=seconds, config=dataclasses.asdict(config)
         )
         return seconds
+
+    def _compile_upcoming(self) -> None:
+        """Compiles, in a background thread, the configurations policies announce.
+
+        Each action of ``policy.upcoming(ctx)`` that changes the batch, the
+        device count or the codec names a configuration; one not compiled yet
+        is compiled by a single background thread, so the step that first runs
+        in it finds the program in JAX's cache (``background_compile`` events).
+        Off with ``precompile_upcoming=False``, under several processes, and
+        for datasets without ``batch_at``.
+        """
+        if (
+            not self._precompile_upcoming
+            or jax.process_count() > 1
+            or not hasattr(self.data, "batch_at")
+        ):
+            return
+        for action in ajp.upcoming(self.policy, self.context()):
+            if not isinstance(action, ajp.SetBatchSize | ajp.Rescale | ajp.SetCodec):
+                continue
+            try:
+                if isinstance(action, ajp.SetCodec):
+                    self.steps.add_codec(action.codec)
+                config = plan_transition(
+                    [action], self.config, max_devices=self.max_devices,
+                    strategies=self.steps.strategies,
+                ).config
+            except Exception:  # a hint never stops training; the action would say why
+                continue
+            if config in self._background or self.steps.has_run(config):
+                continue
+            if self._compiler is None:
+                self._compiler = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="adaptjax-compile"
+                )
+            # shapes read here: the thread shares neither the model nor the dataset
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                args = self.steps.abstract_args(config, self.data)
+            except Exception as error:  # a hint never stops training; the action would say why
+                future.set_exception(error)
+            else:
+                future = self._compiler.submit(self.steps.compile, config, args=args)
+            self._background[config] = future
+
+    def _log_background(self) -> None:
+        """Logs each finished background compile once (``background_compile``)."""
+        for config, future in self._background.items():
+            if config in self._background_logged or not future.done():
+                continue
+            self._background_logged.add(config)
+            fields = {"step": self.step, "config": dataclasses.asdict(config)}
+            if future.cancelled():
+                continue
+            error = future.exception()
+            if error is not None:
+                fields["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+            else:
+                fields["latency_s"] = future.result()
+            self.log.event("background_compile", **fields)
 
     def _comm_time(self, config: RunConfig) -> float | None:
         """Modelled seconds per step on the link: HLO bytes per device / bandwidth."""
@@ -1067,6 +1148,8 @@ class Controller:
 
     def close(self) -> None:
         """Finishes or discards the in-flight checkpoint, syncs the logs, releases ``run_dir``."""
+        if self._compiler is not None:  # a compile under way finishes; queued ones are dropped
+            self._compiler.shutdown(wait=False, cancel_futures=True)
         self._dir.close()
 
     def __enter__(self) -> Controller:

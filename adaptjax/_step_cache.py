@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -83,6 +84,8 @@ class StepCache:
         self._txs: dict[tuple, optax.GradientTransformation] = {}
         self._steps: dict[RunConfig, DataParallelStep] = {}
         self._wire: dict[RunConfig, float | None] = {}
+        # The controller's background compiles build through here too: one builder at a time.
+        self._lock = threading.RLock()
 
     def add_codec(self, codec) -> str | None:
         """Registers ``codec`` (if new) and returns its key."""
@@ -106,12 +109,17 @@ class StepCache:
         return self.strategies[key]
 
     def mesh(self, devices: int):
-        if devices not in self._meshes:
-            self._meshes[devices] = make_mesh(devices, device_list=mesh_devices(devices))
-        return self._meshes[devices]
+        with self._lock:
+            if devices not in self._meshes:
+                self._meshes[devices] = make_mesh(devices, device_list=mesh_devices(devices))
+            return self._meshes[devices]
 
     def options(self, config: RunConfig) -> dict[str, Any]:
         """The communication options of ``config``'s step (``{}`` without a schedule)."""
+        with self._lock:
+            return self._options(config)
+
+    def _options(self, config: RunConfig) -> dict[str, Any]:
         if config not in self.options_of:
             chosen = dict(self.schedule(config)) if self.schedule is not None else {}
             unknown = sorted(set(chosen) - set(STEP_OPTIONS))
@@ -131,6 +139,10 @@ class StepCache:
         self, key: str | None, sync: str | None = None, **options: Any
     ) -> optax.GradientTransformation:
         """The chain for codec ``key`` and strategy ``sync``, with communication ``options``."""
+        with self._lock:
+            return self._tx(key, sync, **options)
+
+    def _tx(self, key: str | None, sync: str | None, **options: Any):
         defaults = {"dense_lane": "all-reduce", "bucket_bytes": None}
         options = {k: v for k, v in options.items() if defaults.get(k, ...) != v}
         cache = (key, sync, *sorted(options.items()))
@@ -165,16 +177,23 @@ class StepCache:
         return self._txs[cache]
 
     def step(self, config: RunConfig) -> DataParallelStep:
-        if config not in self._steps:
-            self._steps[config] = data_parallel_step(
-                self.loss_fn,
-                self.tx(config.codec, config.sync, **self.options(config)),
-                self.mesh(config.devices),
-                microbatches=config.microbatches,
-                has_aux=self.has_aux,
-                sync=self.strategy(config.sync),
-            )
-        return self._steps[config]
+        with self._lock:
+            if config not in self._steps:
+                self._steps[config] = data_parallel_step(
+                    self.loss_fn,
+                    self.tx(config.codec, config.sync, **self.options(config)),
+                    self.mesh(config.devices),
+                    microbatches=config.microbatches,
+                    has_aux=self.has_aux,
+                    sync=self.strategy(config.sync),
+                )
+            return self._steps[config]
+
+    def has_run(self, config: RunConfig) -> bool:
+        """Whether a step of ``config`` has been called (so its program is compiled)."""
+        with self._lock:
+            step = self._steps.get(config)
+        return step is not None and step.jitted._cache_size() > 0
 
     def init_state(self, config: RunConfig):
         return init_state(
@@ -186,15 +205,24 @@ class StepCache:
             self.model, self.tx(config.codec, config.sync), self.mesh(config.devices)
         )
 
+    def batch_struct(self, config: RunConfig, data):
+        """The step's batch at ``config`` as ``ShapeDtypeStruct``s (read via ``data.batch_at``)."""
+        return jax.tree.map(shape_struct, data.batch_at(0, config.batch_size))
+
     def abstract_args(self, config: RunConfig, data):
         """The step's ``(state, batch)`` at ``config`` as ``ShapeDtypeStruct``s (no arrays)."""
-        batch = jax.tree.map(shape_struct, data.batch_at(0, config.batch_size))
-        return self.abstract_state(config), batch
+        return self.abstract_state(config), self.batch_struct(config, data)
 
-    def compile(self, config: RunConfig, data) -> float:
-        """Compiles ``config``'s step ahead of time; returns the seconds it took."""
+    def compile(self, config: RunConfig, data=None, *, args=None) -> float:
+        """Compiles ``config``'s step ahead of time; returns the seconds it took.
+
+        ``args``: the step's ``(state, batch)`` structs (:meth:`abstract_args`),
+        so that another thread can compile without touching the model or ``data``.
+        """
         t0 = time.perf_counter()
-        self.step(config).jitted.lower(*self.abstract_args(config, data)).compile()
+        if args is None:
+            args = self.abstract_args(config, data)
+        self.step(config).jitted.lower(*args).compile()
         return time.perf_counter() - t0
 
     def wire_total(self, config: RunConfig, data) -> float | None:

@@ -49,7 +49,7 @@ from adaptjax.policies._goodput import (
 )
 from adaptjax.policies._planner import Candidate, Planner
 from adaptjax.policies._plateau import EarlyStop, ReduceLROnPlateau
-from adaptjax.policies._policy import Policy, required_metrics, validate_actions
+from adaptjax.policies._policy import Policy, required_metrics, upcoming, validate_actions
 from adaptjax.policies._schedule import Schedule
 from adaptjax.policies._switch_compression import SwitchCompression
 from adaptjax.policies._switch_sync import SwitchSync
@@ -86,6 +86,7 @@ __all__ = [
     "read_metric",
     "required_metrics",
     "statistical_efficiency",
+    "upcoming",
     "validate_actions",
     "when",
     "with_reason",

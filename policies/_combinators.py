@@ -27,6 +27,7 @@ from adaptjax.policies._policy import (
     load_policy_state,
     policy_state,
     required_metrics,
+    upcoming,
     validate_actions,
 )
 
@@ -38,6 +39,9 @@ class _Wrapper(StatefulPolicy):
 
     def required_metrics(self) -> frozenset[str]:
         return required_metrics(self.policy)
+
+    def upcoming(self, ctx: Context) -> list[Action]:
+        return upcoming(self.policy, ctx)
 
     def state_dict(self) -> dict:
         return {**copy.deepcopy(self._state), "policy": policy_state(self.policy)}
@@ -277,6 +281,9 @@ class AnyOf(Policy):
 
     def required_metrics(self) -> frozenset[str]:
         return frozenset().union(*(required_metrics(p) for p in self.policies))
+
+    def upcoming(self, ctx: Context) -> list[Action]:
+        return [a for p in self.policies for a in upcoming(p, ctx)]
 
     def state_dict(self) -> dict:
         return {"policies": [policy_state(p) for p in self.policies]}

@@ -127,6 +127,17 @@ class ElasticScale(StatefulPolicy):
             return []
         return [Rescale(devices=wanted, reason=f"{why}: {ctx.devices} -> {wanted} devices")]
 
+    def upcoming(self, ctx: Context) -> list[Action]:
+        """``[Rescale(devices=n)]`` for the next schedule entry that will change the count."""
+        fired = self._state["fired"]
+        for step, devices in (self.schedule or {}).items():
+            if step in fired:
+                continue
+            devices = min(devices, ctx.max_devices)
+            if devices != ctx.devices:
+                return [Rescale(devices=devices, reason=f"ElasticScale: schedule entry at {step}")]
+        return []
+
     def _planned(self, metrics: Mapping[str, float], ctx: Context) -> int | None:
         """The device count with the fastest predicted step, if it pays; else None."""
         observe(self.planner, metrics, ctx)

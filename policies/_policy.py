@@ -60,6 +60,17 @@ class Policy(abc.ABC):
         """
         return frozenset()
 
+    def upcoming(self, ctx: Context) -> list[Action]:
+        """Actions this policy already knows it will take later; hints, never carried out.
+
+        The controller compiles the configuration each would lead to in the
+        background, so that the change does not wait for XLA when it comes
+        (e.g. ``ElasticScale``'s next scheduled entry). ``[]`` (the default)
+        when nothing is known ahead.
+        """
+        del ctx
+        return []
+
     def state_dict(self) -> dict:
         """The policy's state, JSON-serialisable (``{}`` for a stateless policy)."""
         return {}
@@ -79,6 +90,22 @@ def required_metrics(policy: Any) -> frozenset[str]:
     """
     method = getattr(policy, "required_metrics", None)
     return frozenset(method()) if callable(method) else frozenset()
+
+
+def upcoming(policy: Any, ctx: Context) -> list[Action]:
+    """``policy.upcoming(ctx)``, checked; ``[]`` for a policy without the method.
+
+    Example:
+      >>> from adaptjax.policies import Context, ElasticScale, any_of, upcoming
+      >>> ctx = Context(step=10, batch_size=64, microbatches=1, devices=8, max_devices=8,
+      ...               hyperparams={})
+      >>> upcoming(any_of(ElasticScale({150: 4, 300: 8})), ctx)
+      [Rescale(devices=4, mesh_shape=None)]
+    """
+    method = getattr(policy, "upcoming", None)
+    if not callable(method):
+        return []
+    return validate_actions(method(ctx), source=policy)
 
 
 def _type_names(types: Iterable[type]) -> str:

@@ -63,3 +63,9 @@ class Schedule(StatefulPolicy):
                     for a in entry
                 )
         return out
+
+    def upcoming(self, ctx: Context) -> list[Action]:
+        """The actions of the next entry that has not fired."""
+        del ctx
+        fired = self._state["fired"]
+        return next((list(e) for step, e in self.actions.items() if step not in fired), [])
