@@ -412,6 +412,7 @@ class Controller:
         self._background: dict[RunConfig, concurrent.futures.Future] = {}
         self._background_logged: set[RunConfig] = set()
         self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
+        self._hints_waiting = False  # announced after a change: asked once its step compiled
 
         # ---- the disk: lock first, then logs and state ---------------------------------
         self._dir = RunDirectory(run_dir, max_to_keep=max_to_keep)
@@ -576,6 +577,8 @@ class Controller:
     def _turn(self, final: bool) -> None:
         """One turn: dispatch -> record -> decide -> apply (-> periodic checkpoint)."""
         self._dispatch()
+        if self._hints_waiting:
+            self._compile_upcoming()
         self._log_background()
         t = self.step
         if self.on_step is not None:
@@ -953,13 +956,19 @@ class Controller:
         is compiled by a single background thread, so the step that first runs
         in it finds the program in JAX's cache (``background_compile`` events).
         Off with ``precompile_upcoming=False``, under several processes, and
-        for datasets without ``batch_at``.
+        for datasets without ``batch_at``. Right after a change, the hints wait
+        until the new configuration's own step has compiled.
         """
         if (
             not self._precompile_upcoming
             or jax.process_count() > 1
             or not hasattr(self.data, "batch_at")
         ):
+            return
+        # Not while the step of a configuration just changed to compiles in the
+        # foreground: asked again after its first dispatch.
+        self._hints_waiting = not self.steps.has_run(self.config)
+        if self._hints_waiting:
             return
         for action in ajp.upcoming(self.policy, self.context()):
             if not isinstance(action, ajp.SetBatchSize | ajp.Rescale | ajp.SetCodec):
