@@ -77,6 +77,17 @@ class NonFiniteTraining(RuntimeError):
     """
 
 
+def _lower_thread_priority() -> None:
+    """Lowest CPU priority for the calling thread (Linux: per thread); elsewhere nothing.
+
+    The background compiler then takes only the cycles the training steps leave.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed
+        pass
+
+
 def _find_codecs(obj, found: dict) -> None:
     """Collects codec objects held by policies (e.g. ``SwitchCompression.codec``)."""
     held = find_held(
@@ -986,7 +997,8 @@ class Controller:
                 continue
             if self._compiler is None:
                 self._compiler = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="adaptjax-compile"
+                    max_workers=1, thread_name_prefix="adaptjax-compile",
+                    initializer=_lower_thread_priority,
                 )
             # shapes read here: the thread shares neither the model nor the dataset
             future: concurrent.futures.Future = concurrent.futures.Future()

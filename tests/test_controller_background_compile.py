@@ -100,3 +100,25 @@ def test_a_hint_that_cannot_compile_is_logged_and_training_goes_on(tmp_path, ste
     assert ctrl.step == 25
     assert len(step_compiles) == 1  # only the configuration that ran
     assert [e["error"] for e in events] == ["RuntimeError: this codec cannot be built"]
+
+
+def test_the_background_compiler_runs_at_the_lowest_cpu_priority():
+    import os
+    import threading
+
+    from adaptjax._controller import _lower_thread_priority
+
+    if not hasattr(os, "getpriority"):
+        pytest.skip("no per-thread priorities here")
+    seen = {}
+
+    def worker():
+        _lower_thread_priority()
+        seen["worker"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen["worker"] == 19
+    # only that thread: the caller's (the training loop's) priority is untouched
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19
