@@ -394,11 +394,15 @@ def summary_markdown(run_dir: str) -> str:
     for e in events:
         kinds[e.get("kind", "?")] = kinds.get(e.get("kind", "?"), 0) + 1
     compile_s = sum(e.get("latency_s", 0.0) for e in events if e.get("kind") == "compile")
+    background = [e.get("latency_s", 0.0) for e in events if e.get("kind") == "background_compile"]
+    ahead = ""
+    if background:
+        ahead = f"; {len(background)} more in the background ({sum(background):.1f} s)"
     lines += [
         f"- run directory: `{os.path.abspath(run_dir)}`",
         f"- steps logged: {metrics[-1]['step'] if metrics else 0}",
         "- events: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none"),
-        f"- compilations: {kinds.get('compile', 0)} ({compile_s:.1f} s)",
+        f"- compilations: {kinds.get('compile', 0)} ({compile_s:.1f} s){ahead}",
         "- last metrics: " + _seen({k: v for k, v in last.items() if k != "step"}, limit=12),
         "",
         "## Decisions",
