@@ -420,8 +420,7 @@ class Controller:
         self._preempted = threading.Event()
         # Configurations policies announce (Policy.upcoming), compiled in the background.
         self._precompile_upcoming = bool(precompile_upcoming)
-        self._background: dict[RunConfig, concurrent.futures.Future] = {}
-        self._background_logged: set[RunConfig] = set()
+        self._background: dict[RunConfig, concurrent.futures.Future | None] = {}  # None: logged
         self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
         self._hints_waiting = False  # announced after a change: asked once its step compiled
 
@@ -1013,12 +1012,12 @@ class Controller:
     def _log_background(self) -> None:
         """Logs each finished background compile once (``background_compile``)."""
         for config, future in self._background.items():
-            if config in self._background_logged or not future.done():
+            if future is None or not future.done():
                 continue
-            self._background_logged.add(config)
-            fields = {"step": self.step, "config": dataclasses.asdict(config)}
+            self._background[config] = None
             if future.cancelled():
                 continue
+            fields = {"step": self.step, "config": dataclasses.asdict(config)}
             error = future.exception()
             if error is not None:
                 fields["error"] = f"{type(error).__name__}: {error}".splitlines()[0]

@@ -205,13 +205,10 @@ class StepCache:
             self.model, self.tx(config.codec, config.sync), self.mesh(config.devices)
         )
 
-    def batch_struct(self, config: RunConfig, data):
-        """The step's batch at ``config`` as ``ShapeDtypeStruct``s (read via ``data.batch_at``)."""
-        return jax.tree.map(shape_struct, data.batch_at(0, config.batch_size))
-
     def abstract_args(self, config: RunConfig, data):
         """The step's ``(state, batch)`` at ``config`` as ``ShapeDtypeStruct``s (no arrays)."""
-        return self.abstract_state(config), self.batch_struct(config, data)
+        batch = jax.tree.map(shape_struct, data.batch_at(0, config.batch_size))
+        return self.abstract_state(config), batch
 
     def compile(self, config: RunConfig, data=None, *, args=None) -> float:
         """Compiles ``config``'s step ahead of time; returns the seconds it took.
