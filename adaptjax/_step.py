@@ -27,6 +27,7 @@ from adaptjax._state import (
 from adaptjax._sync_strategy import find_model_sync, local_params, resolve_sync
 from adaptjax._tree import tree_sq_norm
 from adaptjax._wire import GUARD_SCOPE
+from adaptjax._xla_options import step_compiler_options
 
 
 def _axis_names(axis_name) -> tuple[str, ...]:
@@ -195,6 +196,10 @@ def data_parallel_step(
       restored from a checkpoint draws the same ones again.
 
     ``state.model`` is the trained module (``nnx.merge``).
+
+    On CPU with a mesh over several processes (gloo), each gradient leaf keeps
+    its own all-reduce (XLA:CPU's all-reduce combiner is off for the step), so
+    the transfers overlap the rest of the backward pass.
 
     ``metrics`` holds ``loss`` (mean over the global batch), ``nonfinite``
     (1.0 when this step was skipped), every monitor value (see
@@ -398,7 +403,11 @@ def data_parallel_step(
         )
         return fn(state, batch)
 
-    jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
+    jitted = jax.jit(
+        step,
+        donate_argnums=(0,) if donate else (),
+        compiler_options=step_compiler_options(mesh),
+    )
     return DataParallelStep(
         jitted,
         mesh=mesh,

@@ -15,8 +15,10 @@ with ``sync_gradients(codec)``: no codec, ``bf16``, ``onebit``,
 mean step time over 64 steps, so two outer syncs of H = 32 are amortised);
 and PyTorch DDP plain and with its fp16 compression hook
 (torch CPU is a benchmark-only extra, ``pip install adaptjax[benchmarks]``;
-without it those rows read ``n/a``). Side by side: ``dense_split`` (the dense
-all-reduce per leaf, XLA:CPU's ``cpu-all-reduce-combiner`` off), ``dense_noskip``
+without it those rows read ``n/a``). Side by side: ``dense_combined`` (XLA:CPU's
+``cpu-all-reduce-combiner`` back on: the gradients' all-reduces fused into one,
+after the whole backward pass; adaptjax's step across processes keeps one per
+leaf, so transfers overlap the backward pass), ``dense_noskip``
 (``skip_nonfinite=False``: no finiteness check and no ``lax.cond`` around the update) and
 ``bf16_owner``/``onebit_owner`` (the owner-compute transport, all-to-all +
 all-gather, that two processes used before they took one all-gather).
@@ -58,11 +60,11 @@ VETH = ("ajvethA", "ajvethB")
 SIZES = (1024, 2048, 2048, 1024, 10)
 BATCH = 64
 VARIANTS = ("dense", "bf16", "onebit", "powersgd4", "ddp", "ddp_fp16")
-# side by side: the dense all-reduce per leaf (XLA:CPU's combiner off) and the transport
+# side by side: the dense all-reduces fused into one (XLA:CPU's combiner on) and the transport
 # before the fix (owner-compute's all-to-all + all-gather at 2 processes)
 # issue 12: the synchronisation strategies on the same link (dense, SGD momentum inside)
 SYNC_VARIANTS = ("sma", "localsgd32", "diloco32", "gossip")
-ALL = (*VARIANTS, "dense_split", "dense_noskip", "bf16_owner", "onebit_owner", *SYNC_VARIANTS)
+ALL = (*VARIANTS, "dense_combined", "dense_noskip", "bf16_owner", "onebit_owner", *SYNC_VARIANTS)
 SYNC_STEPS = 64  # timed steps of a strategy variant: two outer syncs at H = 32
 
 
@@ -126,7 +128,8 @@ def _jax_start(rank: int, coordinator: str | None):
 
 JAX_CODECS = {  # variant -> (codec factory name and args, transport forced, XLA compile options)
     "dense": (None, None, {}),
-    "dense_split": (None, None, {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}),
+    # an empty list of disabled passes: the combiner that the step turns off runs again
+    "dense_combined": (None, None, {"xla_disable_hlo_passes": ""}),
     "dense_noskip": (None, None, {}),  # data_parallel_step(..., skip_nonfinite=False)
     "bf16": (("bf16",), None, {}),
     "bf16_owner": (("bf16",), "owner", {}),
@@ -197,7 +200,7 @@ def _jax_step(jax, variant: str, mesh):
         _collectives.choose_transport = chosen
     wire = sync.amortised_bytes(report) if sync is not None else report.total
     compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
-    # collectives of the program that runs (the combiner off splits the all-reduce; same bytes)
+    # collectives of the program that runs (the combiner joins the all-reduces; same bytes)
     count = len(parse_collectives(compiled.as_text(), mesh.devices.size))
     return compiled, state, count, wire
 

@@ -5,9 +5,11 @@
 Controller, resuming from ``RUN_DIR``'s checkpoints when it has any. Process 0
 writes the final parameters (and the optimizer state's leaves) to
 ``RUN_DIR/final.npz``. It prints ``STEP <step> <devices>`` per step.
-``--kill RANK:STEP`` makes that rank SIGKILL itself after that step, once per
-run directory (a marker file remembers it), once the newest periodic
-checkpoint before it is complete on disk. Every process appends the sample
+``--count-all-reduces`` writes the step's all-reduces, as traced and as
+compiled, to ``RUN_DIR/all_reduces.json``. ``--kill RANK:STEP`` makes that
+rank SIGKILL itself after that step, once per run directory (a marker file
+remembers it), once the newest periodic checkpoint before it is complete on
+disk. Every process appends the sample
 indices it fed at each step to ``RUN_DIR/fed.jsonl``. Run without the launcher's
 environment it is one process on ``XLA_FLAGS``' devices (the reference run).
 """
@@ -65,6 +67,8 @@ def main():
     parser.add_argument("--rescale", nargs="*", default=[], help="STEP:DEVICES")
     parser.add_argument("--kill", default=None, help="RANK:STEP")
     parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--count-all-reduces", action="store_true",
+                        help="write RUN_DIR/all_reduces.json: the step's all-reduces")
     args = parser.parse_args()
 
     codec = None
@@ -147,8 +151,20 @@ def main():
             if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
                 leaf = multihost_utils.process_allgather(leaf, tiled=True)
             out[prefix + jax.tree_util.keystr(path)] = np.asarray(leaf)
+    counts = None
+    if args.count_all_reduces:  # as traced (one per psum) and as compiled (after XLA's passes)
+        lowered = ctrl.steps.step(ctrl.config).jitted.lower(
+            *ctrl.steps.abstract_args(ctrl.config, ctrl.data)
+        )
+        counts = {
+            "traced": lowered.as_text().count("stablehlo.all_reduce"),
+            "compiled": lowered.compile().as_text().count(" all-reduce("),
+        }
     ctrl.close()
     if jax.process_index() == 0:
+        if counts is not None:
+            with open(os.path.join(args.run_dir, "all_reduces.json"), "w") as f:
+                json.dump(counts, f)
         np.savez(os.path.join(args.run_dir, "final.npz"), **out)
         print("DONE", flush=True)
 

@@ -92,13 +92,19 @@ def runs(tmp_path_factory):
 def get(runs, name, make):
     cache, factory = runs
     if name not in cache:
-        cache[name] = make(factory.mktemp(name))
+        cache[f"{name}:dir"] = factory.mktemp(name)
+        cache[name] = make(cache[f"{name}:dir"])
     return cache[name]
+
+
+def all_reduces(run_dir):
+    with open(os.path.join(run_dir, "all_reduces.json")) as f:
+        return json.load(f)
 
 
 @pytest.mark.parametrize("codec", [None, "onebit"])
 def test_two_processes_match_one(runs, codec):
-    extra = ["--codec", codec] if codec else []
+    extra = ["--codec", codec, "--count-all-reduces"] if codec else ["--count-all-reduces"]
     one = get(runs, f"one-{codec}", lambda d: reference(d, 4, STEPS, *extra))
     run_dir = runs[1].mktemp(f"two-{codec}")
     two, _, _ = launched(run_dir, 2, 2, STEPS, *extra)
@@ -109,6 +115,13 @@ def test_two_processes_match_one(runs, codec):
     assert not os.path.exists(os.path.join(run_dir, "tensorboard"))
     if codec:
         assert any("codec_state" in k for k in two)
+    else:
+        # Across processes every psum stays its own all-reduce (issued as its gradient is
+        # ready); in one process XLA's combiner fuses them into one.
+        within, across = all_reduces(runs[0]["one-None:dir"]), all_reduces(run_dir)
+        assert within["traced"] == across["traced"] > 1
+        assert within["compiled"] == 1
+        assert across["compiled"] == across["traced"]
 
 
 def test_kill9_restarts_and_resumes_to_the_same_params(runs, tmp_path):

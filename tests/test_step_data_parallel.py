@@ -451,3 +451,16 @@ def test_a_loop_that_never_reads_back_does_not_deadlock_xla_cpu(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "True"
+
+
+def test_compiler_options_keep_the_passes_xla_flags_disable(monkeypatch):
+    from adaptjax import _xla_options
+
+    monkeypatch.setenv(
+        "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_disable_hlo_passes=a,b"
+    )
+    assert _xla_options._disabled_passes_in_env() == ["a", "b"]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert _xla_options._disabled_passes_in_env() == []
+    # one process: XLA's defaults, whatever the flags
+    assert _xla_options.step_compiler_options(adaptjax.make_mesh(8)) is None
