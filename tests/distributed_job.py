@@ -9,9 +9,9 @@ writes the final parameters (and the optimizer state's leaves) to
 compiled, to ``RUN_DIR/all_reduces.json``. ``--kill RANK:STEP`` makes that
 rank SIGKILL itself after that step, once per run directory (a marker file
 remembers it), once the newest periodic checkpoint before it is complete on
-disk. Every process appends the sample
-indices it fed at each step to ``RUN_DIR/fed.jsonl``. Run without the launcher's
-environment it is one process on ``XLA_FLAGS``' devices (the reference run).
+disk. Every process appends the sample indices it fed at each step to
+``RUN_DIR/fed.jsonl``. Run without the launcher's environment it is one
+process on ``XLA_FLAGS``' devices (the reference run).
 """
 
 import argparse
