@@ -18,7 +18,7 @@ import sys
 
 import adaptjax  # lazy: loads no jax
 from adaptjax import _report  # standard library only (matplotlib when drawing)
-from adaptjax._run_log import read_jsonl_rows  # standard library only
+from adaptjax._run_log import event_latencies, read_jsonl_rows  # standard library only
 
 
 def _check_run_dir(run_dir: str) -> None:
@@ -42,10 +42,7 @@ def _compile_lines(events: list[dict]) -> list[str]:
             label = _config_label(e)
             seconds[label] = seconds.get(label, 0.0) + float(e["latency_s"])
             counts[label] += 1
-    background = [
-        float(e["latency_s"]) for e in events
-        if e.get("kind") == "background_compile" and isinstance(e.get("latency_s"), int | float)
-    ]
+    background = event_latencies(events, "background_compile")
     if not seconds:
         return []
     lines = [f"compile seconds: {sum(seconds.values()):.2f} in {sum(counts.values())} compile(s)"]

@@ -1000,10 +1000,10 @@ class Controller:
                     initializer=_lower_thread_priority,
                 )
             # shapes read here: the thread shares neither the model nor the dataset
-            future: concurrent.futures.Future = concurrent.futures.Future()
             try:
                 args = self.steps.abstract_args(config, self.data)
             except Exception as error:  # a hint never stops training; the action would say why
+                future: concurrent.futures.Future = concurrent.futures.Future()
                 future.set_exception(error)
             else:
                 future = self._compiler.submit(self.steps.compile, config, args=args)

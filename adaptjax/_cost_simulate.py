@@ -35,6 +35,7 @@ from adaptjax import policies as ajp
 from adaptjax._cost_links import LinkModel
 from adaptjax._cost_model import CannotPredict, StepTimeModel, config_key, rescale_report
 from adaptjax._run_config import RunConfig, codec_key
+from adaptjax._run_log import event_latencies
 from adaptjax._walk import find_held
 
 TIME_KEYS = ("step_time", "throughput", "comm_time", "comm_share")
@@ -237,10 +238,8 @@ def simulate(
     _find_codecs(list(policies), codecs)
     codec_obj = codecs.get(config.codec, config.codec)
     hyper = {k: _f32(v) for k, v in (hyperparams or {}).items()}
-    compile_s = [float(e["latency_s"]) for e in events
-                 if e.get("kind") == "compile" and isinstance(e.get("latency_s"), int | float)]
-    rescale_s = [float(e["latency_s"]) for e in events
-                 if e.get("kind") == "rescale" and isinstance(e.get("latency_s"), int | float)]
+    compile_s = event_latencies(events, "compile")
+    rescale_s = event_latencies(events, "rescale")
     compile_cost = statistics.median(compile_s) if compile_s else 0.0
     rescale_cost = statistics.median(rescale_s) if rescale_s else 0.0
     policy = ajp.any_of(*policies)

@@ -18,7 +18,7 @@ import math
 import os
 import re
 
-from adaptjax._run_log import read_jsonl_rows  # standard library only
+from adaptjax._run_log import event_latencies, read_jsonl_rows  # standard library only
 
 # Events drawn as vertical markers, with their colour; the label says what happened.
 _MARKED = {
@@ -393,8 +393,8 @@ def summary_markdown(run_dir: str) -> str:
     kinds: dict[str, int] = {}
     for e in events:
         kinds[e.get("kind", "?")] = kinds.get(e.get("kind", "?"), 0) + 1
-    compile_s = sum(e.get("latency_s", 0.0) for e in events if e.get("kind") == "compile")
-    background = [e.get("latency_s", 0.0) for e in events if e.get("kind") == "background_compile"]
+    compile_s = sum(event_latencies(events, "compile"))
+    background = event_latencies(events, "background_compile")
     ahead = ""
     if background:
         ahead = f"; {len(background)} more in the background ({sum(background):.1f} s)"

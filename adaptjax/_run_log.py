@@ -181,6 +181,21 @@ def read_jsonl_rows(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
+def event_latencies(events: list[dict], kind: str) -> list[float]:
+    """``latency_s`` of each event of ``kind`` that has one (a failed compile has none).
+
+    Example:
+      >>> from adaptjax._run_log import event_latencies
+      >>> event_latencies([{"kind": "compile", "latency_s": 2.5}, {"kind": "compile"},
+      ...                  {"kind": "eval", "latency_s": 1.0}], "compile")
+      [2.5]
+    """
+    return [
+        float(e["latency_s"]) for e in events
+        if e.get("kind") == kind and isinstance(e.get("latency_s"), int | float)
+    ]
+
+
 def truncate_run_logs(run_dir: str | os.PathLike, step: int) -> None:
     """Rewrites ``metrics.jsonl`` and ``events.jsonl`` without rows of steps after ``step``.
 
