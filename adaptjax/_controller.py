@@ -219,7 +219,9 @@ class Controller:
         models becomes the model, optimizer state carries over) and each
         strategy's step is compiled once and cached.
       monitors: monitors for :func:`adaptjax.sync_gradients` (default: noise
-        scale, SNR and gradient norm).
+        scale, SNR and gradient norm; on one device, that is where only one exists
+        or where a run starts on one without micro-batches, the noise scale and
+        SNR difference consecutive steps' gradients, ``differencing=True``).
       norm_chunks: see :func:`adaptjax.sync_gradients` (``None``: its default).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       policy_every: ask the policies about every this many steps.
@@ -378,11 +380,15 @@ class Controller:
         if resume and not has_checkpoints:
             raise ValueError(f"no complete checkpoint in {ckpt_dir} to resume from")
         self.policy = ajp.any_of(*policies) if policies else _NoPolicy()
-        monitors = (
-            (GradientNoiseScale(), GradientSNR(), GradientNorm())
-            if monitors is None
-            else (tuple(monitors))
-        )
+        if monitors is None:
+            # One device (one gradient sample per step unless micro-batches give more):
+            # the noise scale then comes from consecutive steps' gradients.
+            one = self.max_devices == 1 or (devices == 1 and microbatches == 1)
+            monitors = (
+                GradientNoiseScale(differencing=one), GradientSNR(differencing=one),
+                GradientNorm(),
+            )
+        monitors = tuple(monitors)
         self.steps = StepCache(
             model=model,
             loss_fn=loss_fn,

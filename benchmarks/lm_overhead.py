@@ -106,7 +106,9 @@ def main():
     batches = [jax.device_put({"tokens": train[i * global_batch:(i + 1) * global_batch]},
                               sharding) for i in range(8)]
 
-    monitors = (adaptjax.GradientNoiseScale(), adaptjax.GradientSNR(), adaptjax.GradientNorm())
+    one = args.devices == 1  # one gradient sample per step: difference consecutive steps
+    monitors = (adaptjax.GradientNoiseScale(differencing=one),
+                adaptjax.GradientSNR(differencing=one), adaptjax.GradientNorm())
     n_params = sum(int(np.prod(p.shape)) for p in
                    jax.tree.leaves(nnx.state(ByteLM(cfg, nnx.Rngs(0)), nnx.Param)))
     variants = {"adaptjax": (monitors, True, adaptjax.chain)}

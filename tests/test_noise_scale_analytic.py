@@ -66,6 +66,27 @@ def test_noise_scale_matches_analytic_b_simple(devices, microbatches, monitor_kw
     assert float(metrics["noise_scale"]) == values["noise_scale"]
 
 
+def test_controller_on_one_device_measures_the_noise_scale(tmp_path):
+    # One device gives one gradient sample per step: the Controller's default noise
+    # scale then differences consecutive steps (a learning rate of 1e-7 keeps w ≈ w* + δ).
+    delta = _delta()
+    b_simple, _, _ = _analytic(delta)
+    rng = np.random.default_rng(0)
+    n = 64 * 400
+    x = rng.normal(size=(n, D)).astype(np.float32)
+    y = (SIGMA * rng.normal(size=n)).astype(np.float32)  # w* = 0
+    ctrl = adaptjax.Controller(
+        model={"w": jnp.asarray(delta)}, loss_fn=_loss, optimizer=optax.sgd,
+        hyperparams={"learning_rate": 1e-7}, data=adaptjax.ArrayDataset({"x": x, "y": y}),
+        devices=1, batch_size=64, run_dir=tmp_path / "run", progress=False,
+        tensorboard=False, compilation_cache_dir=None,
+    )
+    ctrl.run(400)
+    noise_scale = ctrl.latest_metrics["noise_scale"]
+    ctrl.close()
+    assert noise_scale == pytest.approx(b_simple, rel=0.25)
+
+
 def test_noise_scale_never_negative_or_nan_on_noiseless_problem():
     # Every example has the same gradient (x fixed, no noise): tr(Σ) = 0, and the
     # unbiased per-step estimate of tr(Σ) is rounding noise around 0.
