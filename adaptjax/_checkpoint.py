@@ -85,11 +85,30 @@ def leaf_checksum(x) -> str:
     """
     if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
         x = jax.random.key_data(x)
-    a = np.ascontiguousarray(np.asarray(x))
+    a = np.ascontiguousarray(_host_value(x))
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{a.dtype.str}{a.shape}".encode())
     h.update(a.reshape(-1).view(np.uint8).data)
     return h.hexdigest()
+
+
+def _host_value(x) -> np.ndarray:
+    """``x`` as a numpy array, read shard by shard.
+
+    ``np.asarray`` of a whole ``jax.Array`` on CPU leaves a host view of its
+    buffers behind (jax >= 0.11), and the next step that donates them copies
+    instead: a checkpoint would cost a spare copy of the state. Temporary
+    per-shard arrays leave nothing behind.
+    """
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
+    shards = x.addressable_shards
+    if x.is_fully_replicated:
+        return np.asarray(shards[0].data)
+    out = np.empty(x.shape, x.dtype)
+    for shard in shards:
+        out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 def _global_value(x):
