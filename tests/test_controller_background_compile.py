@@ -79,10 +79,13 @@ def test_a_hint_that_cannot_compile_is_logged_and_training_goes_on(tmp_path, ste
         def upcoming(self, ctx):
             return [ajp.SetCodec(BrokenCodec())]
 
-    class BrokenCodec:  # a codec whose sync cannot be built
+    class BrokenCodec:  # a codec whose state and sync cannot be built
         name = "broken"
 
-        def __getattr__(self, name):
+        def init(self, params):
+            raise RuntimeError("this codec cannot be built")
+
+        def sync(self, grads, state, *, axis_name, step):
             raise RuntimeError("this codec cannot be built")
 
     x = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
