@@ -239,9 +239,13 @@ def model_state_after(model, model_state):
 
 
 def shape_struct(x) -> jax.ShapeDtypeStruct:
-    """The ``ShapeDtypeStruct`` of an array or array-like, without copying it to the host."""
+    """The ``ShapeDtypeStruct`` of an array or array-like, without copying it to the host.
+
+    The dtype is the one jax gives the array (int64 data is int32 without x64),
+    so a program compiled for the struct is the one the array's call runs.
+    """
     dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-    return jax.ShapeDtypeStruct(np.shape(x), dtype)
+    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(dtype))
 
 
 def init_state(model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...] = "data"):

@@ -99,3 +99,13 @@ def test_merge_errors():
         adaptjax.merge_replicas(bad, 4)
     with pytest.raises(ValueError, match=">= 1"):
         adaptjax.merge_replicas(bad, 0)
+
+
+def test_the_struct_of_a_batch_has_the_dtype_jax_gives_the_array():
+    # Ahead-of-time compiles lower on these structs; an int64 struct would ask for a
+    # dtype that does not exist without x64 (jax 0.11 warns) and miss the real call.
+    from adaptjax._state import shape_struct
+
+    for x in (np.arange(3), np.arange(3.0), np.zeros((2, 2), np.uint8), [1, 2], 3.0, True):
+        struct = shape_struct(x)
+        assert (struct.shape, struct.dtype) == (np.shape(x), jnp.asarray(x).dtype)
