@@ -135,6 +135,29 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def noise_scale_series(rows: list[dict]) -> tuple[list[int], list[float]]:
+    """The logged noise scale per step, NaN where no valid reading exists.
+
+    A reading is invalid before the monitor's averages hold a sample and while
+    the smoothed ``|G|^2`` is not positive (``noise_scale_valid`` is 0); the
+    NaN breaks the plotted line there instead of drawing across the gap.
+
+    Example:
+      >>> noise_scale_series([{"step": 1, "noise_scale": 0.0, "noise_scale_valid": 0.0},
+      ...                     {"step": 2, "noise_scale": 40.0, "noise_scale_valid": 1.0}])
+      ([1, 2], [nan, 40.0])
+    """
+    steps, values = [], []
+    for r in rows:
+        v = r.get("noise_scale")
+        if not isinstance(v, int | float):
+            continue
+        ok = r.get("noise_scale_valid", 1.0) > 0 and math.isfinite(v) and v > 0
+        steps.append(r["step"])
+        values.append(float(v) if ok else math.nan)
+    return steps, values
+
+
 def _bands(metrics: list[dict], events: list[dict]) -> dict[str, list[tuple[int, int, str]]]:
     """Spans ``(start, stop, label)`` of devices, codec and sync strategy over the run."""
     last = metrics[-1]["step"] if metrics else 0
@@ -320,11 +343,11 @@ def render(run_dir: str, out: str | None = None) -> str:
 
     s, v = _series(metrics, "batch_size")
     ax_batch.step(s, v, where="post", color="tab:red", lw=1.5, label="batch size")
-    valid = [r for r in metrics if r.get("noise_scale_valid", 1.0) > 0]
-    s, v = _series([r for r in valid if r.get("noise_scale", 0) > 0], "noise_scale")
-    if s:
+    s, v = noise_scale_series(metrics)
+    if any(math.isfinite(x) for x in v):
         ax_batch.plot(s, v, lw=0.8, color="tab:gray", alpha=0.9,
-                      label="measured noise scale (AdaptiveBatchSize's input)")
+                      label="measured noise scale (AdaptiveBatchSize's input; gaps: no "
+                            "valid reading)")
     ax_batch.set_yscale("log")
     from matplotlib.ticker import LogLocator, ScalarFormatter
 

@@ -144,3 +144,15 @@ def test_controller_logs_reasons_metrics_and_the_learning_rate(tmp_path):
     assert decision["reasons"] == ["Schedule: entry for step 4"]
     assert decision["metrics"]["loss"] == pytest.approx(
         [r for r in rows if r["step"] == 4][0]["loss"])
+
+
+def test_the_noise_scale_line_breaks_where_no_reading_is_valid():
+    rows = [{"step": 1, "noise_scale": 0.0, "noise_scale_valid": 0.0, "loss": 1.0},
+            {"step": 2, "noise_scale": 50.0, "noise_scale_valid": 1.0},
+            {"step": 3, "noise_scale": 50.0, "noise_scale_valid": 0.0},  # held, not measured
+            {"step": 4, "loss": 1.0},  # no monitor row
+            {"step": 5, "noise_scale": 70.0}]  # logs without the flag: valid
+    steps, values = _report.noise_scale_series(rows)
+    assert steps == [1, 2, 3, 5]
+    assert [math.isnan(v) for v in values] == [True, False, True, False]
+    assert values[1] == 50.0 and values[3] == 70.0
