@@ -209,7 +209,11 @@ class Controller:
       batch_size: initial global batch.
       run_dir: where logs and checkpoints go; it must not already hold
         checkpoints unless ``resume=True``.
-      microbatches: gradient accumulation steps.
+      microbatches: gradient accumulation steps (``None``: 1, or 2 where the run
+        starts on one device with an even batch, so that the noise scale has
+        two gradient samples at the same parameters; ``1`` there makes the
+        noise scale difference consecutive steps instead, which moving
+        parameters bias upwards).
       policies: policies from :mod:`adaptjax.policies`, combined with ``any_of``.
       codec: initial codec (``None``: dense fp32 sync).
       sync: initial synchronisation strategy (:class:`adaptjax.SyncStrategy` or
@@ -219,9 +223,9 @@ class Controller:
         models becomes the model, optimizer state carries over) and each
         strategy's step is compiled once and cached.
       monitors: monitors for :func:`adaptjax.sync_gradients` (default: noise
-        scale, SNR and gradient norm; on one device, that is where only one exists
-        or where a run starts on one without micro-batches, the noise scale and
-        SNR difference consecutive steps' gradients, ``differencing=True``).
+        scale, SNR and gradient norm; where a run starts on one device without
+        micro-batches, the noise scale and SNR difference consecutive steps'
+        gradients, ``differencing=True``).
       norm_chunks: see :func:`adaptjax.sync_gradients` (``None``: its default).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       policy_every: ask the policies about every this many steps.
@@ -280,7 +284,7 @@ class Controller:
         devices: int,
         batch_size: int,
         run_dir: str | os.PathLike,
-        microbatches: int = 1,
+        microbatches: int | None = None,
         policies: Sequence[ajp.Policy] = (),
         codec=None,
         sync=None,
@@ -309,6 +313,9 @@ class Controller:
         if self._plan is not None:
             run_dir, resume, tensorboard, progress = self._plan.run_dir, False, False, False
         resolve_sync(sync).check(devices, codec)
+        if microbatches is None:
+            one_even = devices == 1 and isinstance(batch_size, int) and batch_size % 2 == 0
+            microbatches = 2 if one_even else 1
         self.config = RunConfig(devices, batch_size, microbatches, codec_key(codec), sync_key(sync))
         # Under a launcher that may start more processes, a policy may ask for their devices.
         available = max(len(jax.devices()), jax.local_device_count() * max_processes())
@@ -381,9 +388,9 @@ class Controller:
             raise ValueError(f"no complete checkpoint in {ckpt_dir} to resume from")
         self.policy = ajp.any_of(*policies) if policies else _NoPolicy()
         if monitors is None:
-            # One device (one gradient sample per step unless micro-batches give more):
-            # the noise scale then comes from consecutive steps' gradients.
-            one = self.max_devices == 1 or (devices == 1 and microbatches == 1)
+            # One gradient sample per step (one device, no micro-batches): the noise
+            # scale then comes from consecutive steps' gradients.
+            one = devices == 1 and microbatches == 1
             monitors = (
                 GradientNoiseScale(differencing=one), GradientSNR(differencing=one),
                 GradientNorm(),

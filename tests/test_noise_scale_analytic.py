@@ -7,6 +7,8 @@ per-example gradient x(xᵀδ − ε) has mean G = δ and covariance
 B_simple = tr(Σ)/‖G‖².
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,9 +68,12 @@ def test_noise_scale_matches_analytic_b_simple(devices, microbatches, monitor_kw
     assert float(metrics["noise_scale"]) == values["noise_scale"]
 
 
-def test_controller_on_one_device_measures_the_noise_scale(tmp_path):
-    # One device gives one gradient sample per step: the Controller's default noise
-    # scale then differences consecutive steps (a learning rate of 1e-7 keeps w ≈ w* + δ).
+@pytest.mark.parametrize("microbatches,expected", [(None, 2), (1, 1)],
+                         ids=["default-two-half-batches", "differencing"])
+def test_controller_on_one_device_measures_the_noise_scale(tmp_path, microbatches, expected):
+    # One device gives one gradient sample per step. By default the Controller then
+    # splits the batch in two micro-batches; with microbatches=1 its noise scale
+    # differences consecutive steps (a learning rate of 1e-7 keeps w ≈ w* + δ).
     delta = _delta()
     b_simple, _, _ = _analytic(delta)
     rng = np.random.default_rng(0)
@@ -78,13 +83,18 @@ def test_controller_on_one_device_measures_the_noise_scale(tmp_path):
     ctrl = adaptjax.Controller(
         model={"w": jnp.asarray(delta)}, loss_fn=_loss, optimizer=optax.sgd,
         hyperparams={"learning_rate": 1e-7}, data=adaptjax.ArrayDataset({"x": x, "y": y}),
-        devices=1, batch_size=64, run_dir=tmp_path / "run", progress=False,
-        tensorboard=False, compilation_cache_dir=None,
+        devices=1, batch_size=64, microbatches=microbatches, run_dir=tmp_path / "run",
+        progress=False, tensorboard=False, compilation_cache_dir=None,
     )
     ctrl.run(400)
-    noise_scale = ctrl.latest_metrics["noise_scale"]
     ctrl.close()
-    assert noise_scale == pytest.approx(b_simple, rel=0.25)
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    rows = [r for r in rows if r["step"] > 200 and r["noise_scale_valid"] > 0]
+    assert ctrl.config.microbatches == expected
+    # the mean of the EMA over its last 200 steps: about 5 EMA lengths (decay 0.95)
+    assert len(rows) == 200
+    assert np.mean([r["noise_scale"] for r in rows]) == pytest.approx(b_simple, rel=0.2)
 
 
 def test_noise_scale_never_negative_or_nan_on_noiseless_problem():
