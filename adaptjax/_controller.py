@@ -57,7 +57,7 @@ from adaptjax._sync_strategy import (
     resolve_sync,
     sync_key,
 )
-from adaptjax._transition import Transition, plan_transition
+from adaptjax._transition import Transition, monitor_sample_needs, plan_transition
 from adaptjax._walk import find_held
 
 #: Exit code after SIGTERM: a checkpoint of the current step was written; start again to resume.
@@ -396,6 +396,21 @@ class Controller:
                 GradientNorm(),
             )
         monitors = tuple(monitors)
+        self._sample_needs = monitor_sample_needs(monitors)
+        min_samples, min_replicas = self._sample_needs
+        if not resume and devices < min_replicas:
+            raise ValueError(
+                f"GradientNoiseScale(preconditioned=True) needs {min_replicas} replicas per "
+                f"step and devices={devices}; use GradientNoiseScale(differencing=True) on "
+                "one device"
+            )
+        if not resume and devices * microbatches < min_samples:
+            raise ValueError(
+                f"the noise scale needs {min_samples} gradient samples per step and "
+                f"devices={devices} x microbatches={microbatches} gives "
+                f"{devices * microbatches}; use microbatches={-(-min_samples // devices)} "
+                "or GradientNoiseScale(differencing=True)"
+            )
         self.steps = StepCache(
             model=model,
             loss_fn=loss_fn,
@@ -738,17 +753,20 @@ class Controller:
         """Carries out actions now, as one transition (policies' actions go through here too)."""
         actions = ajp.validate_actions(list(actions))
         names = self.hyperparams.keys()
-        plan = plan_transition(
-            actions, self.config, max_devices=self.max_devices, hyperparam_names=names,
-            strategies=self.steps.strategies,
-        )
+        plan = self._transition(actions, hyperparam_names=names)
         if plan.rollback is not None:
             self.rollback(plan.rollback)
-            plan = plan_transition(
-                actions, self.config, max_devices=self.max_devices, hyperparam_names=names,
-                strategies=self.steps.strategies,
-            )
+            plan = self._transition(actions, hyperparam_names=names)
         self._carry_out(plan)
+
+    def _transition(self, actions: Sequence[ajp.Action], **kwargs) -> Transition:
+        """:func:`plan_transition` from the configuration in force, with this run's limits."""
+        min_samples, min_replicas = self._sample_needs
+        return plan_transition(
+            actions, self.config, max_devices=self.max_devices,
+            strategies=self.steps.strategies, min_samples=min_samples,
+            min_replicas=min_replicas, **kwargs,
+        )
 
     def _carry_out(self, plan: Transition) -> None:
         if plan.hyperparams:
@@ -999,10 +1017,7 @@ class Controller:
             try:
                 if isinstance(action, ajp.SetCodec):
                     self.steps.add_codec(action.codec)
-                config = plan_transition(
-                    [action], self.config, max_devices=self.max_devices,
-                    strategies=self.steps.strategies,
-                ).config
+                config = self._transition([action]).config
             except Exception:  # a hint never stops training; the action would say why
                 continue
             if config in self._background or self.steps.has_run(config):

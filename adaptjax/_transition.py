@@ -64,6 +64,8 @@ def plan_transition(
     max_devices: int,
     hyperparam_names: Sequence[str] | None = None,
     strategies: Mapping[str | None, object] | None = None,
+    min_samples: int = 1,
+    min_replicas: int = 1,
 ) -> Transition:
     """Folds ``actions`` into one :class:`Transition` from ``config``; checks every request.
 
@@ -73,8 +75,17 @@ def plan_transition(
     a synchronisation strategy that cannot run in the new configuration
     (gossip on one replica, a codec the strategy cannot carry); ``strategies``
     maps the current config's sync key to its strategy (``None``: S-SGD).
+
+    ``min_samples`` and ``min_replicas``: the gradient samples (replicas x
+    micro-batches) and replicas per step the monitors need (see
+    :func:`monitor_sample_needs`). Landing on fewer devices than
+    ``min_samples`` splits the batch into that many micro-batches, and leaving
+    such a configuration (for at least ``min_samples`` devices) takes the
+    split back, unless an action set the micro-batches; fewer replicas than
+    ``min_replicas``, or micro-batches set too few, raise.
     """
     devices, batch, micro = config.devices, None, config.microbatches
+    micro_set = False
     hyper: dict[str, float] = {}
     codec, codec_changed = _KEEP, False
     sync = _KEEP
@@ -85,7 +96,8 @@ def plan_transition(
             hyper.update({k: float(v) for k, v in action.values.items()})
         elif isinstance(action, ajp.SetBatchSize):
             batch = int(action.batch_size)
-            micro = micro if action.microbatches is None else int(action.microbatches)
+            if action.microbatches is not None:
+                micro, micro_set = int(action.microbatches), True
         elif isinstance(action, ajp.Rescale):
             devices = (
                 int(action.devices) if action.devices is not None else math.prod(action.mesh_shape)
@@ -105,6 +117,27 @@ def plan_transition(
             f"cannot rescale to {devices} devices: max_devices is {max_devices}; "
             f"use devices <= {max_devices}"
         )
+    if devices < min_replicas:
+        raise ValueError(
+            f"cannot rescale to {devices} device(s): the noise scale's preconditioned "
+            f"norms need {min_replicas} replicas; use GradientNoiseScale(differencing=True) "
+            "to measure on one device"
+        )
+    split = -(-min_samples // devices)  # micro-batches that give min_samples samples
+    if devices * micro < min_samples:
+        if micro_set:
+            raise ValueError(
+                f"microbatches={micro} on {devices} device(s) gives the noise scale "
+                f"{devices * micro} gradient sample(s) per step; use microbatches >= "
+                f"{split} or GradientNoiseScale(differencing=True)"
+            )
+        micro = split
+    elif (
+        not micro_set
+        and config.devices < min_samples <= devices
+        and micro == -(-min_samples // config.devices)
+    ):
+        micro = 1  # the split was for the sample count alone
     if hyperparam_names is not None:
         unknown = sorted(set(hyper) - set(hyperparam_names))
         if unknown:
@@ -146,3 +179,28 @@ def plan_transition(
         checkpoint=checkpoint,
         stop=stop,
     )
+
+
+def monitor_sample_needs(monitors) -> tuple[int, int]:
+    """``(min_samples, min_replicas)`` per step for ``monitors`` to measure.
+
+    A :class:`adaptjax.GradientNoiseScale` (or :class:`adaptjax.GradientSNR`)
+    without ``differencing`` needs two gradient samples per step (replicas x
+    micro-batches); preconditioned, two replicas. Other monitors need one.
+
+    Example:
+      >>> import adaptjax
+      >>> from adaptjax._transition import monitor_sample_needs
+      >>> monitor_sample_needs([adaptjax.GradientNoiseScale(), adaptjax.GradientNorm()])
+      (2, 1)
+      >>> monitor_sample_needs([adaptjax.GradientSNR(differencing=True)])
+      (1, 1)
+    """
+    samples = replicas = 1
+    for m in monitors:
+        m = getattr(m, "_inner", m)  # GradientSNR keeps a GradientNoiseScale
+        if getattr(m, "differencing", True) is False:
+            samples = 2
+            if getattr(m, "preconditioned", False):
+                replicas = 2
+    return samples, replicas

@@ -88,6 +88,47 @@ def test_transition_refuses_before_anything_runs(actions, message):
     assert message in _one_line(e)
 
 
+def test_transition_splits_the_batch_where_one_device_leaves_one_gradient_sample():
+    # The default noise scale needs two gradient samples per step (min_samples=2).
+    two = dict(max_devices=8, min_samples=2)
+    on_two = adaptjax.RunConfig(devices=2, batch_size=30)
+    down = plan_transition([ajp.Rescale(devices=1)], on_two, **two)
+    assert down.config == adaptjax.RunConfig(devices=1, batch_size=30, microbatches=2)
+    back = plan_transition([ajp.Rescale(devices=4)], down.config, **two)
+    assert back.config == adaptjax.RunConfig(devices=4, batch_size=32, microbatches=1)
+    assert back.requested_batch == 30
+    # an odd batch on one device is rounded to the split
+    odd = plan_transition([ajp.SetBatchSize(33)], down.config, **two)
+    assert odd.config.batch_size == 32 and odd.requested_batch == 33
+    # micro-batches an action set stay, on the way down and back up
+    mine = adaptjax.RunConfig(devices=1, batch_size=32, microbatches=4)
+    assert plan_transition([ajp.Rescale(devices=2)], mine, **two).config.microbatches == 4
+    kept = plan_transition([ajp.Rescale(devices=2), ajp.SetBatchSize(32, microbatches=2)],
+                           down.config, **two)
+    assert kept.config.microbatches == 2
+    # monitors that measure from one sample (differencing) change nothing
+    assert plan_transition([ajp.Rescale(devices=1)], on_two, max_devices=8).config == (
+        adaptjax.RunConfig(devices=1, batch_size=30))
+
+
+@pytest.mark.parametrize(
+    "actions, needs, message",
+    [
+        ([ajp.SetBatchSize(32, microbatches=1)], dict(min_samples=2),
+         "microbatches=1 on 1 device(s) gives the noise scale 1 gradient sample(s) per step; "
+         "use microbatches >= 2 or GradientNoiseScale(differencing=True)"),
+        ([], dict(min_samples=2, min_replicas=2),
+         "cannot rescale to 1 device(s): the noise scale's preconditioned norms need 2 "
+         "replicas; use GradientNoiseScale(differencing=True) to measure on one device"),
+    ],
+)
+def test_transition_refuses_a_configuration_the_monitors_cannot_measure(actions, needs, message):
+    config = adaptjax.RunConfig(devices=1, batch_size=32, microbatches=2)
+    with pytest.raises(ValueError) as e:
+        plan_transition(actions, config, max_devices=8, **needs)
+    assert _one_line(e) == message
+
+
 def test_metrics_reader_reads_one_behind_and_counts_nonfinite_streaks():
     reader = MetricsReader(comm_time=lambda config: 0.5)
     config = adaptjax.RunConfig(2, 4)

@@ -222,6 +222,45 @@ def test_rescale_to_a_count_that_does_not_divide_the_batch_rounds_and_logs(tmp_p
     ctrl.close()
 
 
+def test_rescale_to_one_device_and_back_keeps_measuring_the_noise_scale(tmp_path):
+    # The default noise scale needs two gradient samples per step: on one device the
+    # batch is split in two micro-batches, and the split goes when the run leaves it.
+    schedule = ajp.Schedule({4: ajp.Rescale(devices=1), 12: ajp.Rescale(devices=2)})
+    ctrl = adaptjax.Controller(
+        run_dir=tmp_path, **job.job_kwargs(policies=[schedule], policy_every=1, devices=2,
+                                           batch_size=32, checkpoint_every=None)
+    )
+    ctrl.run(20)
+    ctrl.close()
+    configs = [(e["config"]["devices"], e["config"]["microbatches"])
+               for e in ctrl.log.events if e["kind"] == "compile"]
+    assert configs == [(2, 1), (1, 2)]  # back on 2 devices: the first program again
+    assert (ctrl.config.devices, ctrl.config.microbatches) == (2, 1)
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    one_device = [r for r in rows if r["devices"] == 1]
+    assert len(one_device) == 8 and all(r["noise_scale_valid"] == 1.0 for r in one_device)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(devices=1, microbatches=1, monitors=[adaptjax.GradientNoiseScale()]),
+         "the noise scale needs 2 gradient samples per step and devices=1 x microbatches=1 "
+         "gives 1; use microbatches=2 or GradientNoiseScale(differencing=True)"),
+        (dict(devices=1, monitors=[adaptjax.GradientNoiseScale(preconditioned=True)]),
+         "GradientNoiseScale(preconditioned=True) needs 2 replicas per step and devices=1; "
+         "use GradientNoiseScale(differencing=True) on one device"),
+    ],
+)
+def test_monitors_that_cannot_measure_on_the_devices_given(tmp_path, kwargs, message):
+    with pytest.raises(ValueError) as e:
+        adaptjax.Controller(run_dir=tmp_path / "r", **job.job_kwargs(**kwargs))
+    assert _one_line(e) == message
+    assert not (tmp_path / "r").exists()
+
+
 def test_batch_smaller_than_replica_count(tmp_path):
     with pytest.raises(ValueError) as e:
         adaptjax.Controller(run_dir=tmp_path / "r", **job.job_kwargs(batch_size=4))
