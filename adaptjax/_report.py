@@ -140,7 +140,9 @@ def noise_scale_series(rows: list[dict]) -> tuple[list[int], list[float]]:
 
     A reading is invalid before the monitor's averages hold a sample and while
     the smoothed ``|G|^2`` is not positive (``noise_scale_valid`` is 0); the
-    NaN breaks the plotted line there instead of drawing across the gap.
+    NaN breaks the plotted line there instead of drawing across the gap. A
+    valid 0 (the variance estimate clipped at 0) has no place on the plot's
+    log axis and is a gap too.
 
     Example:
       >>> noise_scale_series([{"step": 1, "noise_scale": 0.0, "noise_scale_valid": 0.0},
@@ -156,6 +158,11 @@ def noise_scale_series(rows: list[dict]) -> tuple[list[int], list[float]]:
         steps.append(r["step"])
         values.append(float(v) if ok else math.nan)
     return steps, values
+
+
+def _sync_label(key) -> str:
+    """A band's label for a sync strategy's key (``None``: the S-SGD all-reduce)."""
+    return "all-reduce (S-SGD)" if key is None else str(key)
 
 
 def _bands(metrics: list[dict], events: list[dict]) -> dict[str, list[tuple[int, int, str]]]:
@@ -186,18 +193,18 @@ def _bands(metrics: list[dict], events: list[dict]) -> dict[str, list[tuple[int,
             codec_points.append((step, _short_codec(config["codec"])))
         for key in ("sync", "sync_strategy", "strategy"):
             if key in config:
-                sync_points.append((step, str(config[key])))
+                sync_points.append((step, _sync_label(config[key])))
     for e in events:
         if e.get("kind") == "set_codec":
             codec_points.append((e["step"], _short_codec(e.get("codec"))))
         if e.get("kind") in ("set_sync", "switch_sync"):
-            sync_points.append((e["step"], str(e.get("sync", e.get("strategy", "?")))))
+            sync_points.append((e["step"], _sync_label(e.get("sync", e.get("strategy", "?")))))
     codec_points.sort(key=lambda p: p[0])
     sync_points.sort(key=lambda p: p[0])
     return {
         "devices": spans(devices),
         "codec": spans(codec_points),
-        "sync": spans(sync_points or [(0, "all-reduce (default)")]),
+        "sync": spans(sync_points or [(0, _sync_label(None))]),
     }
 
 
@@ -346,8 +353,8 @@ def render(run_dir: str, out: str | None = None) -> str:
     s, v = noise_scale_series(metrics)
     if any(math.isfinite(x) for x in v):
         ax_batch.plot(s, v, lw=0.8, color="tab:gray", alpha=0.9,
-                      label="measured noise scale (AdaptiveBatchSize's input; gaps: no "
-                            "valid reading)")
+                      label="measured noise scale (AdaptiveBatchSize's input; gaps: "
+                            "invalid or zero)")
     ax_batch.set_yscale("log")
     from matplotlib.ticker import LogLocator, ScalarFormatter
 

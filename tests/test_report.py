@@ -156,3 +156,11 @@ def test_the_noise_scale_line_breaks_where_no_reading_is_valid():
     assert steps == [1, 2, 3, 5]
     assert [math.isnan(v) for v in values] == [True, False, True, False]
     assert values[1] == 50.0 and values[3] == 70.0
+
+
+def test_the_sync_band_names_the_default_strategy():
+    events = [{"kind": "compile", "step": 0, "config": {"devices": 8, "sync": None}},
+              {"kind": "compile", "step": 5, "config": {"devices": 8, "sync": "DiLoCo(H=4)"}}]
+    rows = [{"step": s, "devices": 8} for s in range(1, 11)]
+    bands = _report._bands(rows, events)
+    assert bands["sync"] == [(0, 5, "all-reduce (S-SGD)"), (5, 10, "DiLoCo(H=4)")]
