@@ -234,6 +234,11 @@ def simulate(
     cap = max_devices or max(
         [int(r.get("devices", config.devices)) for r in metrics] + [config.devices]
     )
+    # The Controller's default noise scale needs two gradient samples per step,
+    # unless the run started on one device without micro-batches (it differences).
+    measured = any("noise_scale" in r for r in metrics)
+    differencing = config.devices == 1 and config.microbatches == 1
+    min_samples = 2 if measured and not differencing else 1
     codecs: dict = {None: None}
     _find_codecs(list(policies), codecs)
     codec_obj = codecs.get(config.codec, config.codec)
@@ -257,7 +262,7 @@ def simulate(
     for s in range(1, last + 1):
         for due, actions in [p for p in pending if p[0] == s]:
             pending.remove((due, actions))
-            plan = plan_transition(actions, config, max_devices=cap)
+            plan = plan_transition(actions, config, max_devices=cap, min_samples=min_samples)
             hyper.update({k: _f32(v) for k, v in plan.hyperparams.items()})
             if plan.codec_changed:
                 codec_obj = plan.codec

@@ -97,3 +97,27 @@ def test_bad_inputs_name_the_fix(tmp_path):
         simulate(str(tmp_path), [])
     with pytest.raises(ValueError, match="devices must be an int >= 1"):
         Cluster(devices=0)
+
+
+def _write_rows(run_dir, rows):
+    import json
+
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+@pytest.mark.parametrize("logged, devices, expected", [
+    ({"noise_scale": 50.0}, 2, 2),  # the default noise scale: two samples, as the Controller
+    ({}, 2, 1),  # no noise scale measured: nothing asks for a split
+    ({"noise_scale": 50.0}, 1, 1),  # started on one device without micro-batches: differencing
+])
+def test_replay_splits_the_batch_on_one_device_as_the_controller_does(
+        tmp_path, logged, devices, expected):
+    rows = [{"step": s, "step_time": 0.1, "devices": float(devices), "batch_size": 64.0,
+             **logged} for s in range(1, 21)]
+    _write_rows(str(tmp_path), rows)
+    schedule = {10: ajp.Rescale(devices=1)} if devices == 2 else {10: ajp.SetBatchSize(32)}
+    sim = simulate(str(tmp_path), [ajp.Schedule(schedule)], step_time=lambda c: 0.1)
+    assert (sim.config.devices, sim.config.microbatches) == (1, expected)
