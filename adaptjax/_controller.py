@@ -213,7 +213,9 @@ class Controller:
         starts on one device with an even batch, so that the noise scale has
         two gradient samples at the same parameters; ``1`` there makes the
         noise scale difference consecutive steps instead, which moving
-        parameters bias upwards).
+        parameters bias upwards). Likewise a rescale to one device splits
+        the batch in two, and a rescale from one device to more takes a
+        split of two back, unless the same decision sets micro-batches.
       policies: policies from :mod:`adaptjax.policies`, combined with ``any_of``.
       codec: initial codec (``None``: dense fp32 sync).
       sync: initial synchronisation strategy (:class:`adaptjax.SyncStrategy` or
