@@ -57,7 +57,13 @@ from adaptjax._sync_strategy import (
     resolve_sync,
     sync_key,
 )
-from adaptjax._transition import Transition, monitor_sample_needs, plan_transition
+from adaptjax._transition import (
+    Transition,
+    monitor_sample_needs,
+    one_gradient_sample,
+    plan_transition,
+    sample_split,
+)
 from adaptjax._walk import find_held
 
 #: Exit code after SIGTERM: a checkpoint of the current step was written; start again to resume.
@@ -392,7 +398,7 @@ class Controller:
         if monitors is None:
             # One gradient sample per step (one device, no micro-batches): the noise
             # scale then comes from consecutive steps' gradients.
-            one = devices == 1 and microbatches == 1
+            one = one_gradient_sample(devices, microbatches)
             monitors = (
                 GradientNoiseScale(differencing=one), GradientSNR(differencing=one),
                 GradientNorm(),
@@ -410,7 +416,7 @@ class Controller:
             raise ValueError(
                 f"the noise scale needs {min_samples} gradient samples per step and "
                 f"devices={devices} x microbatches={microbatches} gives "
-                f"{devices * microbatches}; use microbatches={-(-min_samples // devices)} "
+                f"{devices * microbatches}; use microbatches={sample_split(min_samples, devices)} "
                 "or GradientNoiseScale(differencing=True)"
             )
         self.steps = StepCache(

@@ -234,10 +234,12 @@ def simulate(
     cap = max_devices or max(
         [int(r.get("devices", config.devices)) for r in metrics] + [config.devices]
     )
+    from adaptjax._transition import one_gradient_sample, plan_transition
+
     # The Controller's default noise scale needs two gradient samples per step,
     # unless the run started on one device without micro-batches (it differences).
     measured = any("noise_scale" in r for r in metrics)
-    differencing = config.devices == 1 and config.microbatches == 1
+    differencing = one_gradient_sample(config.devices, config.microbatches)
     min_samples = 2 if measured and not differencing else 1
     codecs: dict = {None: None}
     _find_codecs(list(policies), codecs)
@@ -248,7 +250,6 @@ def simulate(
     compile_cost = statistics.median(compile_s) if compile_s else 0.0
     rescale_cost = statistics.median(rescale_s) if rescale_s else 0.0
     policy = ajp.any_of(*policies)
-    from adaptjax._transition import plan_transition
 
     seconds, samples = 0.0, 0
     seen = {config}

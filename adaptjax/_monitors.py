@@ -444,6 +444,7 @@ class GradientSNR:
         self._inner = GradientNoiseScale(
             decay, differencing=differencing, local_batch_size=local_batch_size
         )
+        self.differencing = differencing
         self.local_batch_size = local_batch_size
 
     def metric_names(self) -> tuple[str, ...]:

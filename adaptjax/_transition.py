@@ -123,7 +123,7 @@ def plan_transition(
             f"norms need {min_replicas} replicas; use GradientNoiseScale(differencing=True) "
             "to measure on one device"
         )
-    split = -(-min_samples // devices)  # micro-batches that give min_samples samples
+    split = sample_split(min_samples, devices)
     if devices * micro < min_samples:
         if micro_set:
             raise ValueError(
@@ -135,7 +135,7 @@ def plan_transition(
     elif (
         not micro_set
         and config.devices < min_samples <= devices
-        and micro == -(-min_samples // config.devices)
+        and micro == sample_split(min_samples, config.devices)
     ):
         micro = 1  # the split was for the sample count alone
     if hyperparam_names is not None:
@@ -198,9 +198,22 @@ def monitor_sample_needs(monitors) -> tuple[int, int]:
     """
     samples = replicas = 1
     for m in monitors:
-        m = getattr(m, "_inner", m)  # GradientSNR keeps a GradientNoiseScale
         if getattr(m, "differencing", True) is False:
             samples = 2
             if getattr(m, "preconditioned", False):
                 replicas = 2
     return samples, replicas
+
+
+def sample_split(min_samples: int, devices: int) -> int:
+    """The micro-batches that give ``devices`` replicas ``min_samples`` gradient samples."""
+    return -(-min_samples // devices)
+
+
+def one_gradient_sample(devices: int, microbatches: int) -> bool:
+    """Whether a step has one gradient sample (one device, no micro-batches).
+
+    The :class:`adaptjax.Controller`'s default noise scale then differences
+    consecutive steps' gradients.
+    """
+    return devices == 1 and microbatches == 1
