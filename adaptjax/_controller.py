@@ -445,6 +445,10 @@ class Controller:
         self._progress = progress
         self.reader = MetricsReader(self._comm_time)
         self.compilations = 0
+        # the waits of this process's compiles and the time of its first step, which
+        # policies see as compile_seconds and train_seconds (_switch_cost_metrics)
+        self._compile_waits: list[float] = []
+        self._first_dispatch: float | None = None
         self.step = 0
         self.samples_seen = 0
         self.latest_metrics: dict[str, float] = {}
@@ -666,6 +670,8 @@ class Controller:
         batch = self._next_batch(config)
         before = fn.jitted._cache_size()
         t0 = time.perf_counter()
+        if self._first_dispatch is None:
+            self._first_dispatch = t0
         pending = self._background.get(config)
         if pending is not None and not pending.done():
             # compiling in the background: wait for it rather than compile twice
@@ -679,8 +685,10 @@ class Controller:
         self.samples_seen += config.batch_size
         if compiled:
             self.compilations += 1
+            self._compile_waits.append(elapsed(t0))
             self.log.event(
-                "compile", step=self.step, latency_s=elapsed(t0), config=dataclasses.asdict(config)
+                "compile", step=self.step, latency_s=self._compile_waits[-1],
+                config=dataclasses.asdict(config),
             )
         self.reader.push(self.step, config, metrics, compiled=compiled)
         heartbeat()
@@ -704,6 +712,9 @@ class Controller:
                 snap.metrics.setdefault(  # bytes per device per step, from the compiled HLO
                     "wire_bytes", snap.metrics["comm_time"] * float(self.link_bandwidth)
                 )
+            # recorded with the row, so that a replay (adaptjax.costs.simulate) sees them too
+            for key, value in self._switch_cost_metrics().items():
+                snap.metrics.setdefault(key, value)
             self.latest_metrics = snap.metrics
             self.log.metrics(snap.step, snap.metrics)
             if snap.step % self.policy_every == 0:
@@ -730,6 +741,21 @@ class Controller:
             samples_seen=self.samples_seen,
             sync=self.steps.strategies.get(self.config.sync),
         )
+
+    def _switch_cost_metrics(self) -> dict[str, float]:
+        """``compile_seconds`` (median wait of this process's compiles) and ``train_seconds``.
+
+        What a move to a configuration not compiled yet costs, and how long the
+        run has been going (since its first step in this process), for policies
+        that weigh a change against its compile (``AdaptiveBatchSize``). Every
+        metrics row carries them.
+        """
+        if not self._compile_waits or self._first_dispatch is None:
+            return {}
+        return {
+            "compile_seconds": float(np.median(self._compile_waits)),
+            "train_seconds": time.perf_counter() - self._first_dispatch,
+        }
 
     def _decide(self, snapshot: Snapshot) -> None:
         metrics = dict(snapshot.metrics)

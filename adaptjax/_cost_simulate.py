@@ -13,10 +13,11 @@ costs the run's median compile seconds, a rescale its median rescale seconds.
 The metrics a replayed policy sees are the recorded ones of that step, with
 ``step_time``, ``throughput`` (and ``comm_time``/``comm_share`` when present)
 replaced by the modelled ones whenever ``step_time=`` is given or the replay's
-configuration left the recorded one. Metrics of the training itself (loss,
-noise scale) are the recorded run's: a replay that takes another path still
-reads the recorded run's statistics, which is the approximation every
-trace-driven simulator makes.
+configuration left the recorded one; so are ``compile_seconds`` (the run's
+median compile seconds) and ``train_seconds`` (the replay's clock). Metrics of
+the training itself (loss, noise scale) are the recorded run's: a replay that
+takes another path still reads the recorded run's statistics, which is the
+approximation every trace-driven simulator makes.
 
 With ``step_time=None`` the replay uses the run's own measured step times,
 and reproduces the recorded run's decisions exactly.
@@ -38,7 +39,9 @@ from adaptjax._run_config import RunConfig, codec_key
 from adaptjax._run_log import event_latencies
 from adaptjax._walk import find_held
 
-TIME_KEYS = ("step_time", "throughput", "comm_time", "comm_share")
+TIME_KEYS = (
+    "step_time", "throughput", "comm_time", "comm_share", "compile_seconds", "train_seconds",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +302,8 @@ def simulate(
             row = {k: v for k, v in row.items() if k not in TIME_KEYS}
             row.update(step_time=t, throughput=config.batch_size / t,
                        devices=float(config.devices), batch_size=float(config.batch_size))
+            if compile_s:  # what the controller tells policies, on the replay's clock
+                row.update(compile_seconds=compile_cost, train_seconds=seconds)
         seconds += t
         samples += config.batch_size
         if s % policy_every == 0 and s in by_step:

@@ -138,6 +138,25 @@ def test_returning_to_a_seen_configuration_does_not_compile(tmp_path):
     ctrl.close()
 
 
+def test_every_row_says_what_a_compile_costs_and_how_old_the_run_is(tmp_path):
+    sched = ajp.Schedule({5: ajp.SetBatchSize(32), 10: ajp.Rescale(devices=4)})
+    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[sched], policy_every=5))
+    ctrl.run(16)
+    ctrl.close()
+    waits = [e["latency_s"] for e in ctrl.log.events if e["kind"] == "compile"]
+    assert len(waits) == 3
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    # compile_seconds: the median wait of the compiles so far (each row is read one step
+    # after its own, so it may count the next step's compile)
+    medians = {float(np.median(waits[:i])) for i in range(1, 4)}
+    assert all(r["compile_seconds"] in medians for r in rows)
+    assert rows[-1]["compile_seconds"] == float(np.median(waits))
+    # train_seconds: since the first step, so at least its compile, and growing
+    ages = [r["train_seconds"] for r in rows]
+    assert ages[0] >= waits[0] and all(b > a for a, b in zip(ages, ages[1:], strict=False))
+
+
 def test_injected_nan_gradient_leaves_params_unchanged_and_is_counted(tmp_path):
     data = job.make_data()
     data["x"][5, 0] = np.nan

@@ -23,7 +23,9 @@ class TimeDriven(ajp.Policy):
         self.calls += 1
         if "step_time" not in metrics or self.calls % 2:
             return []
-        lr = ctx.hyperparams["learning_rate"] * (1.0 + (metrics["step_time"] * 1e6 % 97) / 1e3)
+        # and on what the controller says about compiles (AdaptiveBatchSize reads them)
+        seconds = metrics["step_time"] + metrics["train_seconds"] + metrics["compile_seconds"]
+        lr = ctx.hyperparams["learning_rate"] * (1.0 + (seconds * 1e6 % 97) / 1e3)
         return [ajp.SetHyperparams({"learning_rate": lr})]
 
 
