@@ -7,7 +7,8 @@ and validation by file (a hash of each relative path: see ``lm_data.py``).
 8 simulated CPU devices and the adaptjax controller with:
 
 * ``AdaptiveBatchSize``: Pollux goodput from the in-step noise scale and the
-  measured step times; the learning rate follows AdaScale (Adam: sqrt).
+  measured step times, a new batch size counted with the compile it waits
+  for; the learning rate follows AdaScale (Adam: sqrt).
 * ``ElasticScale``: 8 -> 4 devices at 40% of the steps, back to 8 at 70%, each
   through an Orbax checkpoint and a restore onto the new mesh.
 * ``SwitchCompression``: 1-bit compression with error feedback switches on when

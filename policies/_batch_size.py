@@ -56,6 +56,18 @@ class AdaptiveBatchSize(StatefulPolicy):
        current batch is at least ``gain_threshold``, together with
        ``SetHyperparams({lr_key: base_lr × rule(S)})``, S = M/M₀.
 
+    **The cost of a change.** A batch size not yet run in this configuration
+    waits for XLA to compile its step: C seconds (``compile_seconds``, which
+    the controller gives as the median wait of the run's compiles so far). With
+    ``count_compiles`` the policy assumes the run lasts at least as long again
+    as it has run (``train_seconds`` A; Pollux's re-allocation penalty reads
+    the job's age the same way), so a move to such a batch keeps only A − C of
+    the next A seconds: its goodput counts × (A − C)/A, and a batch already run
+    in this configuration (which the candidates then include) costs nothing.
+    Early in a run, when a compile is a large part of the time so far, the
+    policy moves only for a large gain; hours in, the factor is ~1. Without the
+    two metrics (e.g. outside the controller) nothing is discounted.
+
     With a ``planner`` (e.g. ``adaptjax.costs.Planner``) step 2 asks it for the
     step time T(M) of each candidate instead of fitting α + βM from this run's
     noisy neighbouring batch sizes, and the candidates are every power-of-two
@@ -86,6 +98,8 @@ class AdaptiveBatchSize(StatefulPolicy):
         are measured, in [0, 1).
       window: step times kept per batch size (the median is used), >= 1.
       planner: an object following :class:`adaptjax.policies.Planner`, or ``None``.
+      count_compiles: discount batch sizes whose step is not compiled yet by the
+        compile's share of the run so far (see above).
 
     References:
       Qiao et al., "Pollux", OSDI 2021; Johnson et al., "AdaScale SGD", ICML 2020.
@@ -111,6 +125,7 @@ class AdaptiveBatchSize(StatefulPolicy):
     prior_overhead: float = dataclasses.field(default=0.5, kw_only=True)
     window: int = dataclasses.field(default=16, kw_only=True)
     planner: object = dataclasses.field(default=None, kw_only=True)
+    count_compiles: bool = dataclasses.field(default=True, kw_only=True)
 
     def __post_init__(self) -> None:
         owner = "AdaptiveBatchSize"
@@ -199,6 +214,21 @@ class AdaptiveBatchSize(StatefulPolicy):
         times.append(step_time)
         del times[: max(len(times) - self.window, 0)]
 
+    def _compiled(self, ctx: Context) -> set[int]:
+        """Batch sizes run (so compiled) in the current configuration."""
+        key = self._config(ctx)
+        return {e["batch_size"] for e in self._state["observations"] if _config_of(e) == key}
+
+    def _compile_discount(self, metrics: Mapping[str, float], ctx: Context):
+        """``m -> factor`` on a candidate's goodput for the compile a move to it waits for."""
+        seconds = read_metric(metrics, "compile_seconds")
+        age = read_metric(metrics, "train_seconds")
+        if not self.count_compiles or seconds is None or age is None or seconds <= 0.0:
+            return lambda m: 1.0
+        compiled = self._compiled(ctx) | {ctx.batch_size}
+        kept = max(age - seconds, 0.0) / age if age > 0.0 else 0.0
+        return lambda m: 1.0 if m in compiled else kept
+
     @staticmethod
     def _config(ctx: Context) -> tuple[int, int, bool]:
         return (ctx.devices, ctx.microbatches, ctx.codec is not None)
@@ -273,12 +303,14 @@ class AdaptiveBatchSize(StatefulPolicy):
             step = math.lcm(step, self.multiple_of)
         low = -(-(self.min_batch_size or base) // step) * step
         high = self.max_batch_size // step * step
+        discount = self._compile_discount(metrics, ctx)
         if phi is not None and low <= high and self.planner is not None:
-            planned = self._planned(ctx, phi, low, high, step)
+            planned = self._planned(ctx, phi, low, high, step, discount)
             if planned is not None:
                 why = (
                     f"AdaptiveBatchSize: noise scale {phi:.4g}: the planner predicts a higher "
                     f"goodput at batch {planned} than at {ctx.batch_size}"
+                    f"{_compile_note(discount(planned), metrics)}"
                 )
                 return self._propose(planned, phi, metrics, ctx, why) if planned else []
         if phi is None or model is None:
@@ -302,6 +334,8 @@ class AdaptiveBatchSize(StatefulPolicy):
                 peak = math.sqrt(alpha * phi / beta)
             below = high if math.isinf(peak) else int(peak // step * step)
             candidates = {low, high, clip(below), clip(below + step)}
+            if self.count_compiles:  # the sizes already compiled here, which cost no wait
+                candidates |= {m for m in self._compiled(ctx) if low <= m <= high}
         candidates.discard(current)
         if not candidates:
             return []
@@ -309,19 +343,20 @@ class AdaptiveBatchSize(StatefulPolicy):
         def score(m: int) -> float:
             return goodput(m, noise_scale=phi, alpha=alpha, beta=beta, base_batch_size=base)
 
-        best = min(candidates, key=lambda m: (-score(m), m))
-        if score(best) < (1.0 + self.gain_threshold) * score(current):
+        best = min(candidates, key=lambda m: (-score(m) * discount(m), m))
+        if score(best) * discount(best) < (1.0 + self.gain_threshold) * score(current):
             return []
         gain = score(best) / score(current) - 1.0
         fit = "prior" if is_prior else "fit"
         why = (
             f"AdaptiveBatchSize: noise scale {phi:.4g}, step time T(M) = {alpha:.3g} + "
             f"{beta:.3g}*M s ({fit}): predicted goodput at batch {best} is {gain:+.0%} vs "
-            f"{current}"
+            f"{current}{_compile_note(discount(best), metrics)}"
         )
         return self._propose(best, phi, metrics, ctx, why)
 
-    def _planned(self, ctx: Context, phi: float, low: int, high: int, step: int) -> int | None:
+    def _planned(self, ctx: Context, phi: float, low: int, high: int, step: int,
+                 discount) -> int | None:
         """The planner's best batch (0: stay), or None when it cannot predict the current one."""
         here = current(ctx)
         base = self._state["base_batch_size"]
@@ -330,7 +365,7 @@ class AdaptiveBatchSize(StatefulPolicy):
             t = predict(self.planner, here._replace(batch_size=m))
             if t is None:
                 return None
-            return m / t * statistical_efficiency(phi, m, base)
+            return m / t * statistical_efficiency(phi, m, base) * discount(m)
 
         now = score(ctx.batch_size)
         if now is None:
@@ -369,6 +404,16 @@ class AdaptiveBatchSize(StatefulPolicy):
                 )
             )
         return actions
+
+
+def _compile_note(factor: float, metrics: Mapping[str, float]) -> str:
+    """The reason's words on the compile a move waits for ('' when it costs nothing)."""
+    if factor >= 1.0:
+        return ""
+    return (
+        f" after its compile (~{read_metric(metrics, 'compile_seconds'):.3g} s of a run "
+        f"{read_metric(metrics, 'train_seconds'):.3g} s old: x{factor:.2f})"
+    )
 
 
 def _config_of(entry: Mapping) -> tuple[int, int, bool]:

@@ -307,3 +307,49 @@ def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError) as info:
         ajp.AdaptiveBatchSize(**kwargs)
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def _prior_doubling_gain(phi, m0=64, t0=0.2, overhead=0.5):
+    """Goodput gain of 2·m0 over m0 under the prior T(M) = f·t0 + (1 - f)·t0·M/m0."""
+    def g(m):
+        return ajp.goodput(m, noise_scale=phi, alpha=overhead * t0,
+                           beta=(1 - overhead) * t0 / m0, base_batch_size=m0)
+    return g(2 * m0) / g(m0) - 1.0
+
+
+@pytest.mark.parametrize("of_boundary", [0.3, 0.9, 0.99, 1.01, 1.2, 4.0])
+def test_a_move_to_a_batch_not_compiled_pays_for_its_compile(of_boundary):
+    phi, compile_s, threshold = 1e4, 1.0, 0.05
+    gain = _prior_doubling_gain(phi)
+    # After a compile of C s a run A s old keeps (A - C)/A of the next A s: the
+    # doubling pays from (1 + gain)(1 - C/A) = 1 + threshold on.
+    boundary = compile_s / (1 - (1 + threshold) / (1 + gain))
+    age = of_boundary * boundary
+    moves = of_boundary > 1
+    metrics = {"noise_scale": phi, "step_time": 0.2, "compile_seconds": compile_s,
+               "train_seconds": age}
+    got = ajp.AdaptiveBatchSize(1024, gain_threshold=threshold).decide(metrics, ctx())
+    assert (got[:1] == [ajp.SetBatchSize(128)]) == moves
+    if moves:
+        assert f"after its compile (~1 s of a run {age:.3g} s old" in got[0].reason
+    # without counting compiles (or without the metrics) the gain alone decides
+    off = ajp.AdaptiveBatchSize(1024, gain_threshold=threshold, count_compiles=False)
+    assert off.decide(metrics, ctx())[:1] == [ajp.SetBatchSize(128)]
+    plain = {"noise_scale": phi, "step_time": 0.2}
+    assert ajp.AdaptiveBatchSize(1024).decide(plain, ctx())[:1] == [ajp.SetBatchSize(128)]
+
+
+def test_a_run_younger_than_a_compile_moves_only_to_batches_already_compiled():
+    alpha, beta = 0.1, 0.1 / 64
+    policy = ajp.AdaptiveBatchSize(1024)
+    observe(policy, alpha, beta, [64, 128])  # both compiled in this configuration
+    young = {"compile_seconds": 5.0, "train_seconds": 4.0}
+    got = policy.decide({"noise_scale": 1e4, "step_time": alpha + beta * 64, **young}, ctx(64))
+    # the goodput peak (~800) would need a compile the run cannot pay back: 128 it can
+    assert brute_force_best(alpha, beta, 1e4, 64, 64, 1024, 8)[0] > 128
+    assert got[0] == ajp.SetBatchSize(128)
+    # on 4 devices nothing is compiled yet: no move at all
+    policy = ajp.AdaptiveBatchSize(1024)
+    observe(policy, alpha, beta, [64, 128])
+    assert policy.decide({"noise_scale": 1e4, "step_time": 0.2, **young},
+                         ctx(64, devices=4)) == []
