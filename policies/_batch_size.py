@@ -98,8 +98,9 @@ class AdaptiveBatchSize(StatefulPolicy):
         are measured, in [0, 1).
       window: step times kept per batch size (the median is used), >= 1.
       planner: an object following :class:`adaptjax.policies.Planner`, or ``None``.
-      count_compiles: discount batch sizes whose step is not compiled yet by the
-        compile's share of the run so far (see above).
+      count_compiles: discount batch sizes not yet run in this configuration
+        (devices, micro-batches, compressed or not) by the compile's share of
+        the run so far (see above).
 
     References:
       Qiao et al., "Pollux", OSDI 2021; Johnson et al., "AdaScale SGD", ICML 2020.
@@ -163,6 +164,10 @@ class AdaptiveBatchSize(StatefulPolicy):
         object.__setattr__(
             self, "window", check_int(self.window, owner=owner, name="window", minimum=1)
         )
+        if not isinstance(self.count_compiles, bool):
+            raise TypeError(
+                f"{owner}: count_compiles must be True or False, got {self.count_compiles!r}"
+            )
         super().__post_init__()
 
     def _initial_state(self) -> dict:
@@ -306,13 +311,15 @@ class AdaptiveBatchSize(StatefulPolicy):
         discount = self._compile_discount(metrics, ctx)
         if phi is not None and low <= high and self.planner is not None:
             planned = self._planned(ctx, phi, low, high, step, discount)
+            if planned == 0:
+                return []
             if planned is not None:
                 why = (
                     f"AdaptiveBatchSize: noise scale {phi:.4g}: the planner predicts a higher "
                     f"goodput at batch {planned} than at {ctx.batch_size}"
                     f"{_compile_note(discount(planned), metrics)}"
                 )
-                return self._propose(planned, phi, metrics, ctx, why) if planned else []
+                return self._propose(planned, phi, metrics, ctx, why)
         if phi is None or model is None:
             return []
         alpha, beta, is_prior = model

@@ -353,3 +353,26 @@ def test_a_run_younger_than_a_compile_moves_only_to_batches_already_compiled():
     observe(policy, alpha, beta, [64, 128])
     assert policy.decide({"noise_scale": 1e4, "step_time": 0.2, **young},
                          ctx(64, devices=4)) == []
+
+
+def test_count_compiles_must_be_a_bool():
+    with pytest.raises(TypeError) as excinfo:
+        ajp.AdaptiveBatchSize(512, count_compiles="yes")
+    assert str(excinfo.value) == (
+        "AdaptiveBatchSize: count_compiles must be True or False, got 'yes'")
+
+
+def test_with_a_planner_a_move_also_pays_for_its_compile():
+    class Linear:  # T(M) = 0.1 + 0.1·M/64 s: the prior's model above
+        def step_time(self, cand):
+            return 0.1 + 0.1 * cand.batch_size / 64
+
+        def observe(self, cand, t):
+            pass
+
+    gain = _prior_doubling_gain(1e4)  # the best move, to 128 of candidates up to 128
+    boundary = 1.0 / (1 - 1.05 / (1 + gain))
+    for age, moves in ((0.9 * boundary, False), (1.1 * boundary, True)):
+        policy = ajp.AdaptiveBatchSize(128, planner=Linear())
+        metrics = {"noise_scale": 1e4, "compile_seconds": 1.0, "train_seconds": age}
+        assert (policy.decide(metrics, ctx())[:1] == [ajp.SetBatchSize(128)]) == moves
