@@ -7,7 +7,11 @@ setting (default: 1, the exact norm passes, and the library's default). All
 steps are the same hand-written shard_map function; only the sync
 transformation differs. Runs are interleaved (A, B, C, ... in a fresh random
 order each round) over a cycle of batches and the medians compared; an
-identical copy of the baseline gives the noise floor.
+identical copy of the baseline gives the noise floor. Each variant runs as
+``--instances`` separate instances (default 2), each with its own buffers, and
+a round's time is their mean: on a shared machine two identical programs run
+at steadily different speeds for a whole process (up to 20% here, wherever
+their buffers landed), which one instance each would read as overhead.
 
 The monitors never change the update (the mean gradient is the same psum), so
 every variant sees the same gradients at every step: the spread of the chunked
@@ -17,8 +21,11 @@ variance that chunking adds to the estimate.
 Usage:
   python benchmarks/monitor_overhead.py [--steps 250] [--norm-chunks 1 16]
 
-The last line is ``monitor_overhead_ratio=<monitored median / plain median>``
-for the last ``--norm-chunks`` value (the library's default unless given).
+The last line is ``monitor_overhead_ratio=<monitored median / plain median>
+monitor_overhead_vs_sync=<monitored median / sync median>`` for the last
+``--norm-chunks`` value (the library's default unless given); ``sync`` is
+``adaptjax.sync_gradients`` without monitors, so the second ratio is what the
+monitors alone cost.
 """
 
 import argparse
@@ -93,6 +100,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--monitor-every", type=int, default=1)
+    parser.add_argument("--instances", type=int, default=2,
+                        help="separate instances of each variant, averaged (see the docstring)")
     parser.add_argument(
         "--norm-chunks",
         type=int,
@@ -114,6 +123,11 @@ def main():
         # An identical copy of the baseline: its ratio to "plain" is the noise floor.
         "plain_again": optax.chain(pmean_gradients("data"), optax.adam(1e-3)),
     }
+    # The same sync without monitors: adaptjax's one all-reduce with the mean fused
+    # into the optimizer can be faster than the pmean above, so this isolates the
+    # monitors' own cost.
+    variants["sync"] = optax.chain(adaptjax.sync_gradients("data", monitors=()),
+                                   optax.adam(1e-3))
     for c in args.norm_chunks:
         variants[f"chunks={c}"] = optax.chain(
             adaptjax.sync_gradients(
@@ -129,30 +143,38 @@ def main():
     steps, states = {}, {}
     for name, tx in variants.items():
         steps[name] = build_step(tx, mesh, per_device)
-        # Host copies, then device_put: every leaf gets its own (donatable) buffer.
-        host = jax.tree.map(np.array, (params, tx.init(params)))
-        states[name] = jax.device_put(host, jax.NamedSharding(mesh, P()))
-        for i in range(3):  # compile and warm up
-            states[name] = steps[name](*states[name], batches[i])
-        jax.block_until_ready(states[name])
-    times = {name: [] for name in variants}
+        for j in range(args.instances):
+            # Host copies, then device_put: every leaf gets its own (donatable) buffer.
+            host = jax.tree.map(np.array, (params, tx.init(params)))
+            key = (name, j)
+            states[key] = jax.device_put(host, jax.NamedSharding(mesh, P()))
+            for i in range(3):  # compile and warm up
+                states[key] = steps[name](*states[key], batches[i])
+            jax.block_until_ready(states[key])
+    keys = list(states)
+    times = {key: [] for key in keys}
     noise = {name: [] for name in variants if name.startswith("chunks=")}
     order = np.random.default_rng(0)
     for t in range(args.steps):
         batch = batches[t % len(batches)]
         # A fresh order each round: load that drifts within a round biases no variant.
-        for name in order.permutation(list(variants)):
+        for k in order.permutation(len(keys)):
+            key = keys[k]
             t0 = time.perf_counter()
-            states[name] = steps[name](*states[name], batch)
-            jax.block_until_ready(states[name])
-            times[name].append(time.perf_counter() - t0)
+            states[key] = steps[key[0]](*states[key], batch)
+            jax.block_until_ready(states[key])
+            times[key].append(time.perf_counter() - t0)
         for name in noise:  # read after timing: not part of the step
-            noise[name].append(adaptjax.read_metrics(states[name][1])["noise_scale"])
-    med = {name: float(np.median(t)) for name, t in times.items()}
+            noise[name].append(adaptjax.read_metrics(states[name, 0][1])["noise_scale"])
+    # a round's time for a variant: the mean over its instances
+    rounds = {name: np.mean([times[name, j] for j in range(args.instances)], axis=0)
+              for name in variants}
+    med = {name: float(np.median(t)) for name, t in rounds.items()}
     print(
         f"params={n_params} devices=8 per_device_batch={per_device} steps={args.steps} "
         f"monitor_every={args.monitor_every} norm_chunks={args.norm_chunks} "
-        f"(library default {default_chunks})"
+        f"(library default {default_chunks}), {args.instances} instances of each "
+        f"(load average {os.getloadavg()[0]:.1f})"
     )
     for name in variants:
         print(f"{name:>12}: median {med[name] * 1e3:8.2f} ms  ratio {med[name] / med['plain']:.4f}")
@@ -169,7 +191,8 @@ def main():
             f"estimate's own step-to-step relative std {own:.4f}"
         )
     last = f"chunks={args.norm_chunks[-1]}"
-    print(f"monitor_overhead_ratio={med[last] / med['plain']:.4f}")
+    print(f"monitor_overhead_ratio={med[last] / med['plain']:.4f} "
+          f"monitor_overhead_vs_sync={med[last] / med['sync']:.4f}")
 
 
 if __name__ == "__main__":
