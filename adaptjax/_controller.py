@@ -445,10 +445,12 @@ class Controller:
         self._progress = progress
         self.reader = MetricsReader(self._comm_time)
         self.compilations = 0
-        # the waits of this process's compiles and the time of its first step, which
-        # policies see as compile_seconds and train_seconds (_switch_cost_metrics)
+        # the waits of the run's compiles, the time of this process's first step and the
+        # run's age before it (a resume's checkpoint), which policies see as
+        # compile_seconds and train_seconds (_switch_cost_metrics)
         self._compile_waits: list[float] = []
         self._first_dispatch: float | None = None
+        self._age_before = 0.0
         self.step = 0
         self.samples_seen = 0
         self.latest_metrics: dict[str, float] = {}
@@ -746,16 +748,21 @@ class Controller:
         """``compile_seconds`` (median wait of this process's compiles) and ``train_seconds``.
 
         What a move to a configuration not compiled yet costs, and how long the
-        run has been going (since its first step in this process), for policies
-        that weigh a change against its compile (``AdaptiveBatchSize``). Every
-        metrics row carries them.
+        run has been training (both carried across a resume by the checkpoint),
+        for policies that weigh a change against its compile
+        (``AdaptiveBatchSize``). Every metrics row carries them.
         """
         if not self._compile_waits or self._first_dispatch is None:
             return {}
         return {
             "compile_seconds": float(np.median(self._compile_waits)),
-            "train_seconds": time.perf_counter() - self._first_dispatch,
+            "train_seconds": self._train_seconds(),
         }
+
+    def _train_seconds(self) -> float:
+        """The run's age: before this process (from the checkpoint) plus since its first step."""
+        now = 0.0 if self._first_dispatch is None else time.perf_counter() - self._first_dispatch
+        return self._age_before + now
 
     def _decide(self, snapshot: Snapshot) -> None:
         metrics = dict(snapshot.metrics)
@@ -1104,6 +1111,9 @@ class Controller:
             "data": self.data.state_dict(),
             "policy": json.loads(json.dumps(self.policy.state_dict())),
             "to_decide": [{"step": s.step, "metrics": s.metrics} for s in self._to_decide],
+            # what _switch_cost_metrics continues from after a resume
+            "train_seconds": self._train_seconds(),
+            "compile_waits": list(self._compile_waits),
         }
 
     def _checkpoint(self, transition: dict | None = None) -> None:
@@ -1179,6 +1189,8 @@ class Controller:
             Snapshot(int(s["step"]), config, dict(s["metrics"])) for s in meta.get("to_decide", [])
         ]
         self.latest_metrics = dict(self._to_decide[-1].metrics) if self._to_decide else {}
+        self._age_before = float(meta.get("train_seconds", 0.0))  # absent in older checkpoints
+        self._compile_waits = [float(w) for w in meta.get("compile_waits", [])]
         for key, value in passed.items():
             if value != getattr(config, key):
                 self._warn_override(key, value, getattr(config, key))

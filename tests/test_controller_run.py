@@ -157,6 +157,29 @@ def test_every_row_says_what_a_compile_costs_and_how_old_the_run_is(tmp_path):
     assert ages[0] >= waits[0] and all(b > a for a, b in zip(ages, ages[1:], strict=False))
 
 
+def test_a_resumed_run_continues_its_age_and_compile_history(tmp_path):
+    sched = ajp.Schedule({5: ajp.SetBatchSize(32)})
+    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[sched], policy_every=5))
+    ctrl.run(10)
+    ctrl.close()
+    before = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    waits = [e["latency_s"] for e in ctrl.log.events if e["kind"] == "compile"]
+    ctrl = adaptjax.Controller.resume(
+        tmp_path, **job.job_kwargs(policies=[ajp.Schedule({5: ajp.SetBatchSize(32)})],
+                                   policy_every=5, batch_size=32))
+    ctrl.run(14)
+    ctrl.close()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, 15))
+    # this process's compiles (none when its jit cache already holds the step)
+    resumed = [e["latency_s"] for e in ctrl.log.events if e["kind"] == "compile"
+               and e["step"] > 10]
+    # the age goes on from the checkpoint's (the end of the first run), not from zero
+    assert rows[10]["train_seconds"] > before[-1]["train_seconds"]
+    # and the compile history is the whole run's
+    assert rows[-1]["compile_seconds"] == float(np.median(waits + resumed))
+
+
 def test_injected_nan_gradient_leaves_params_unchanged_and_is_counted(tmp_path):
     data = job.make_data()
     data["x"][5, 0] = np.nan
