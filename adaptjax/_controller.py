@@ -463,6 +463,8 @@ class Controller:
         # Configurations policies announce (Policy.upcoming), compiled in the background.
         self._precompile_upcoming = bool(precompile_upcoming)
         self._background: dict[RunConfig, concurrent.futures.Future | None] = {}  # None: logged
+        # configurations compiled by Controller.precompile or, successfully, in the background
+        self._compiled_ahead: set[RunConfig] = set()
         self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
         self._hints_waiting = False  # announced after a change: asked once its step compiled
 
@@ -675,9 +677,12 @@ class Controller:
         if self._first_dispatch is None:
             self._first_dispatch = t0
         pending = self._background.get(config)
-        if pending is not None and not pending.done():
-            # compiling in the background: wait for it rather than compile twice
-            concurrent.futures.wait([pending])
+        if pending is not None:
+            if not pending.done():
+                # compiling in the background: wait for it rather than compile twice
+                concurrent.futures.wait([pending])
+            if not pending.cancelled() and pending.exception() is None:
+                self._compiled_ahead.add(config)
         if self._host_hparams is None:
             self._host_hparams = self.hyperparams
         self.state, metrics = fn(self.state, batch)
@@ -687,11 +692,14 @@ class Controller:
         self.samples_seen += config.batch_size
         if compiled:
             self.compilations += 1
-            self._compile_waits.append(elapsed(t0))
-            self.log.event(
-                "compile", step=self.step, latency_s=self._compile_waits[-1],
-                config=dataclasses.asdict(config),
-            )
+            fields = {"step": self.step, "latency_s": elapsed(t0),
+                      "config": dataclasses.asdict(config)}
+            if config in self._compiled_ahead:
+                # its program was compiled ahead: the wait says nothing of a compile's cost
+                fields["compiled_ahead"] = True
+            else:
+                self._compile_waits.append(fields["latency_s"])
+            self.log.event("compile", **fields)
         self.reader.push(self.step, config, metrics, compiled=compiled)
         heartbeat()
 
@@ -745,10 +753,12 @@ class Controller:
         )
 
     def _switch_cost_metrics(self) -> dict[str, float]:
-        """``compile_seconds`` (median wait of this process's compiles) and ``train_seconds``.
+        """``compile_seconds`` (median wait of the run's compiles) and ``train_seconds``.
 
-        What a move to a configuration not compiled yet costs, and how long the
-        run has been training (both carried across a resume by the checkpoint),
+        What a move to a configuration not compiled yet costs (compiles whose
+        program was compiled ahead, ``compiled_ahead`` in their event, are left
+        out), and how long the run has been training (both carried across a
+        resume by the checkpoint),
         for policies that weigh a change against its compile
         (``AdaptiveBatchSize``). Every metrics row carries them.
         """
@@ -1025,6 +1035,7 @@ class Controller:
         if not hasattr(self.data, "batch_at"):
             raise ValueError("precompile needs a dataset with batch_at (e.g. ArrayDataset)")
         seconds = self.steps.compile(config, self.data)
+        self._compiled_ahead.add(config)
         self.log.event(
             "precompile", step=self.step, latency_s=seconds, config=dataclasses.asdict(config)
         )
@@ -1092,6 +1103,7 @@ class Controller:
                 fields["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
             else:
                 fields["latency_s"] = future.result()
+                self._compiled_ahead.add(config)
             self.log.event("background_compile", **fields)
 
     def _comm_time(self, config: RunConfig) -> float | None:

@@ -13,8 +13,11 @@ costs the run's median compile seconds, a rescale its median rescale seconds.
 The metrics a replayed policy sees are the recorded ones of that step, with
 ``step_time``, ``throughput`` (and ``comm_time``/``comm_share`` when present)
 replaced by the modelled ones whenever ``step_time=`` is given or the replay's
-configuration left the recorded one; so are ``compile_seconds`` (the run's
-median compile seconds) and ``train_seconds`` (the replay's clock). Metrics of
+configuration left the recorded one; so are ``compile_seconds`` (the median of
+the run's compiles that were not compiled ahead: the controller's value at the
+run's end) and ``train_seconds`` (the last recorded age, then the replay's
+clock; from the start with ``step_time=``, on which the first compile counts).
+Both are approximations of what the controller would have said. Metrics of
 the training itself (loss, noise scale) are the recorded run's: a replay that
 takes another path still reads the recorded run's statistics, which is the
 approximation every trace-driven simulator makes.
@@ -251,6 +254,15 @@ def simulate(
     compile_s = event_latencies(events, "compile")
     rescale_s = event_latencies(events, "rescale")
     compile_cost = statistics.median(compile_s) if compile_s else 0.0
+    # what the controller tells policies a compile costs: its compiles less those whose
+    # program was compiled ahead (the controller's compile_seconds at the run's end)
+    waits = event_latencies([e for e in events if not e.get("compiled_ahead")], "compile")
+    compile_metric = statistics.median(waits) if waits else compile_cost
+    # the run's age: the recorded one while the replay follows the run, then the
+    # replay's clock from the last recorded age on
+    # (recorded train_seconds, replay seconds then); the controller's age counts the first
+    # compile, which the replay's clock counts only with step_time=
+    age_mark = (compile_cost if step_time is None else 0.0, 0.0)
     rescale_cost = statistics.median(rescale_s) if rescale_s else 0.0
     policy = ajp.any_of(*policies)
 
@@ -302,8 +314,10 @@ def simulate(
             row = {k: v for k, v in row.items() if k not in TIME_KEYS}
             row.update(step_time=t, throughput=config.batch_size / t,
                        devices=float(config.devices), batch_size=float(config.batch_size))
-            if compile_s:  # what the controller tells policies, on the replay's clock
-                row.update(compile_seconds=compile_cost, train_seconds=seconds)
+            row.update(compile_seconds=compile_metric,
+                       train_seconds=age_mark[0] + seconds + t - age_mark[1])
+        elif "train_seconds" in row:
+            age_mark = (float(row["train_seconds"]), seconds + t)
         seconds += t
         samples += config.batch_size
         if s % policy_every == 0 and s in by_step:

@@ -123,3 +123,27 @@ def test_replay_splits_the_batch_on_one_device_as_the_controller_does(
     schedule = {10: ajp.Rescale(devices=1)} if devices == 2 else {10: ajp.SetBatchSize(32)}
     sim = simulate(str(tmp_path), [ajp.Schedule(schedule)], step_time=lambda c: 0.1)
     assert (sim.config.devices, sim.config.microbatches) == (1, expected)
+
+
+@pytest.mark.slow
+def test_a_replay_off_the_recorded_path_tells_policies_its_own_age(recorded):
+    class Sees(ajp.Policy):
+        def __init__(self):
+            self.seen = []
+
+        def decide(self, metrics, ctx):
+            self.seen.append((ctx.step, metrics["compile_seconds"], metrics["train_seconds"]))
+            return []
+
+    sees = Sees()
+    sim = simulate(recorded, [sees], step_time=lambda c: 0.5, policy_every=5)
+    _, events = adaptjax.costs.read_run(recorded)
+    waits = [e["latency_s"] for e in events
+             if e["kind"] == "compile" and not e.get("compiled_ahead")]
+    compile_cost = _median([e["latency_s"] for e in events if e["kind"] == "compile"])
+    # one configuration all along (no actions): the start's compile, then 0.5 s a step
+    assert sim.steps == 32
+    assert [s for s, _, _ in sees.seen] == list(range(5, 33, 5))
+    for step, compile_seconds, age in sees.seen:
+        assert compile_seconds == _median(waits)
+        assert age == pytest.approx(compile_cost + 0.5 * step)
