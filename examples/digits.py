@@ -6,7 +6,7 @@ download), 8 simulated CPU devices, and the adaptjax controller with:
 * ``AdaptiveBatchSize``: Pollux-style goodput from the in-step noise scale and
   the measured step times; the learning rate follows AdaScale (Adam: sqrt).
   It counts the compile a new batch size waits for against the run's age: in
-  this job of a few seconds a compile (~0.8 s) outweighs the gain and the
+  this job of a few seconds a compile (median wait ~0.8 s) outweighs the gain and the
   batch stays at 64 (with ``count_compiles=False`` it grows 64 -> 128 -> 512,
   and in one pair of runs the 400 steps took 10.0 s instead of 7.5 s and
   reached test accuracy 0.953 instead of 0.975).

@@ -64,6 +64,9 @@ class AdaptiveBatchSize(StatefulPolicy):
     the job's age the same way), so a move to such a batch keeps only A − C of
     the next A seconds: its goodput counts × (A − C)/A, and a batch already run
     in this configuration (which the candidates then include) costs nothing.
+    The configuration is (devices, micro-batches, compressed or not), as for
+    the step-time model: a switch between two codecs or sync strategies is not
+    told apart, so a batch run under one counts as compiled under the other.
     Early in a run, when a compile is a large part of the time so far, the
     policy moves only for a large gain; hours in, the factor is ~1. Without the
     two metrics (e.g. outside the controller) nothing is discounted.
@@ -224,6 +227,12 @@ class AdaptiveBatchSize(StatefulPolicy):
         key = self._config(ctx)
         return {e["batch_size"] for e in self._state["observations"] if _config_of(e) == key}
 
+    def _compiled_candidates(self, ctx: Context, low: int, high: int, step: int) -> set[int]:
+        """The valid batch sizes already run here, candidates at no compile cost."""
+        if not self.count_compiles:
+            return set()
+        return {m for m in self._compiled(ctx) if low <= m <= high and m % step == 0}
+
     def _compile_discount(self, metrics: Mapping[str, float], ctx: Context):
         """``m -> factor`` on a candidate's goodput for the compile a move to it waits for."""
         seconds = read_metric(metrics, "compile_seconds")
@@ -341,8 +350,7 @@ class AdaptiveBatchSize(StatefulPolicy):
                 peak = math.sqrt(alpha * phi / beta)
             below = high if math.isinf(peak) else int(peak // step * step)
             candidates = {low, high, clip(below), clip(below + step)}
-            if self.count_compiles:  # the sizes already compiled here, which cost no wait
-                candidates |= {m for m in self._compiled(ctx) if low <= m <= high}
+            candidates |= self._compiled_candidates(ctx, low, high, step)
         candidates.discard(current)
         if not candidates:
             return []
@@ -353,7 +361,7 @@ class AdaptiveBatchSize(StatefulPolicy):
         best = min(candidates, key=lambda m: (-score(m) * discount(m), m))
         if score(best) * discount(best) < (1.0 + self.gain_threshold) * score(current):
             return []
-        gain = score(best) / score(current) - 1.0
+        gain = score(best) * discount(best) / score(current) - 1.0
         fit = "prior" if is_prior else "fit"
         why = (
             f"AdaptiveBatchSize: noise scale {phi:.4g}, step time T(M) = {alpha:.3g} + "
@@ -377,7 +385,7 @@ class AdaptiveBatchSize(StatefulPolicy):
         now = score(ctx.batch_size)
         if now is None:
             return None
-        candidates = {low, high}
+        candidates = {low, high} | self._compiled_candidates(ctx, low, high, step)
         for k in range(-12, 13):
             m = int(round(ctx.batch_size * 2.0**k / step)) * step
             if low <= m <= high:

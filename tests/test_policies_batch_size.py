@@ -376,3 +376,43 @@ def test_with_a_planner_a_move_also_pays_for_its_compile():
         policy = ajp.AdaptiveBatchSize(128, planner=Linear())
         metrics = {"noise_scale": 1e4, "compile_seconds": 1.0, "train_seconds": age}
         assert (policy.decide(metrics, ctx())[:1] == [ajp.SetBatchSize(128)]) == moves
+
+
+@pytest.mark.parametrize("metrics", [
+    {"compile_seconds": 0.0, "train_seconds": 0.5},  # nothing compiled so far costs a wait
+    {"compile_seconds": 1.0},  # no age: nothing to weigh it against
+    {"train_seconds": 0.5},
+])
+def test_without_both_metrics_or_a_cost_nothing_is_discounted(metrics):
+    got = ajp.AdaptiveBatchSize(1024).decide(
+        {"noise_scale": 1e4, "step_time": 0.2, **metrics}, ctx())
+    assert got[:1] == [ajp.SetBatchSize(128)]
+
+
+def test_a_run_of_age_zero_moves_nowhere_new():
+    metrics = {"noise_scale": 1e4, "step_time": 0.2, "compile_seconds": 1.0, "train_seconds": 0.0}
+    assert ajp.AdaptiveBatchSize(1024).decide(metrics, ctx()) == []
+
+
+def test_compiled_sizes_that_are_not_valid_multiples_are_not_candidates():
+    alpha, beta = 0.1, 0.1 / 64
+    policy = ajp.AdaptiveBatchSize(1024, multiple_of=64)
+    observe(policy, alpha, beta, [64, 96])  # 96: set by someone else, not a multiple of 64
+    young = {"compile_seconds": 5.0, "train_seconds": 4.0}
+    assert policy.decide({"noise_scale": 1e4, "step_time": alpha + beta * 64, **young},
+                         ctx(64)) == []
+
+
+def test_with_a_planner_the_sizes_already_run_are_candidates_too():
+    class Linear:
+        def step_time(self, cand):
+            return 0.1 + 0.1 * cand.batch_size / 64
+
+        def observe(self, cand, t):
+            pass
+
+    policy = ajp.AdaptiveBatchSize(1024, planner=Linear())
+    assert policy.decide({"step_time": 0.25}, ctx(96)) == []  # 96 has run: compiled
+    young = {"noise_scale": 1e4, "compile_seconds": 5.0, "train_seconds": 4.0}
+    # off the planner's grid of powers of two times 64, and the only move a young run affords
+    assert policy.decide(young, ctx(64))[0] == ajp.SetBatchSize(96)
