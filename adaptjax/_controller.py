@@ -757,10 +757,9 @@ class Controller:
 
         What a move to a configuration not compiled yet costs (compiles whose
         program was compiled ahead, ``compiled_ahead`` in their event, are left
-        out), and how long the run has been training (both carried across a
-        resume by the checkpoint),
-        for policies that weigh a change against its compile
-        (``AdaptiveBatchSize``). Every metrics row carries them.
+        out) and how long the run has been training, both carried across a
+        resume by the checkpoint, for policies that weigh a change against its
+        compile (``AdaptiveBatchSize``). Every metrics row carries them.
         """
         if not self._compile_waits or self._first_dispatch is None:
             return {}

@@ -258,10 +258,10 @@ def simulate(
     # program was compiled ahead (the controller's compile_seconds at the run's end)
     waits = event_latencies([e for e in events if not e.get("compiled_ahead")], "compile")
     compile_metric = statistics.median(waits) if waits else compile_cost
-    # the run's age: the recorded one while the replay follows the run, then the
-    # replay's clock from the last recorded age on
-    # (recorded train_seconds, replay seconds then); the controller's age counts the first
-    # compile, which the replay's clock counts only with step_time=
+    # The run's age: the recorded one while the replay follows the run, then the replay's
+    # clock from the last recorded age on. age_mark = (recorded train_seconds, replay
+    # seconds then); the controller's age counts the first compile, which the replay's
+    # clock counts only with step_time=.
     age_mark = (compile_cost if step_time is None else 0.0, 0.0)
     rescale_cost = statistics.median(rescale_s) if rescale_s else 0.0
     policy = ajp.any_of(*policies)
