@@ -31,6 +31,7 @@ _LAZY = {
     "RunDirectoryLocked": "adaptjax._run_lock",
     "ArrayDataset": "adaptjax._data",
     "IterableDataset": "adaptjax._data",
+    "Metrics": "adaptjax._metric_vector",
     "UpdateNormState": "adaptjax._metrics",
     "collect_metrics": "adaptjax._metrics",
     "read_metrics": "adaptjax._metrics",
@@ -103,6 +104,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax._distributed import EXIT_RESCALE, DecisionMismatch, initialize_distributed
     from adaptjax._gossip import Gossip, GossipState, gossip
     from adaptjax._local_sgd import LocalSGD, LocalSGDState, local_sgd
+    from adaptjax._metric_vector import Metrics
     from adaptjax._metrics import UpdateNormState, collect_metrics, read_metrics, update_norm
     from adaptjax._model_averaging import ModelAveraging, ModelAveragingState, model_averaging
     from adaptjax._monitors import (
@@ -181,6 +183,7 @@ __all__ = [
     "chain",
     "named_chain",
     "TrainState",
+    "Metrics",
     "UpdateNormState",
     "WireReport",
     "collect_metrics",

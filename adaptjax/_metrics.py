@@ -9,11 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from adaptjax._metric_vector import Metrics
 from adaptjax._tree import tree_sq_norm
 
 
 def _has_metrics(node) -> bool:
-    return hasattr(node, "_fields") and "metrics" in node._fields and isinstance(node.metrics, dict)
+    return (
+        hasattr(node, "_fields")
+        and "metrics" in node._fields
+        and isinstance(node.metrics, dict | Metrics)
+    )
 
 
 def collect_metrics(opt_state) -> dict:

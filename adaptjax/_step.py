@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from adaptjax._chain import guarded_sync
+from adaptjax._metric_vector import Metrics
 from adaptjax._metrics import collect_metrics
 from adaptjax._per_replica import to_global, to_local
 from adaptjax._state import (
@@ -135,7 +136,7 @@ class DataParallelStep:
                 jax.block_until_ready(self._in_flight.popleft())
         new_state, metrics = self.jitted(state, batch)
         if self._max_in_flight is not None:
-            self._in_flight.append(metrics["loss"])
+            self._in_flight.append(metrics.values)  # an output, never donated
         return new_state, metrics
 
     def lower(self, state, batch):
@@ -201,10 +202,12 @@ def data_parallel_step(
     its own all-reduce (XLA:CPU's all-reduce combiner is off for the step), so
     the transfers overlap the rest of the backward pass.
 
-    ``metrics`` holds ``loss`` (mean over the global batch), ``nonfinite``
-    (1.0 when this step was skipped), every monitor value (see
-    :func:`adaptjax.read_metrics`) and, with ``has_aux``, the aux outputs
-    averaged over replicas under ``aux``.
+    ``metrics`` is an :class:`adaptjax.Metrics` mapping (all scalars in one
+    float32 vector, one buffer per device): ``loss`` (mean over the global
+    batch), ``nonfinite`` (1.0 when this step was skipped), every monitor value
+    (see :func:`adaptjax.read_metrics`) and, with ``has_aux``, the aux outputs
+    averaged over replicas under ``aux``. Read them with one
+    ``jax.device_get(metrics)``.
 
     Args:
       loss_fn: ``loss_fn(params_or_model, batch) -> loss`` (or ``(loss, aux)``
@@ -378,10 +381,10 @@ def data_parallel_step(
             new_params, rest_state, model_state, sync_state = update(*operands)
         opt_state = tx.join_state(sync_state, rest_state) if in_sync else rest_state
         aux = jax.lax.pmean(aux, axis_name)
-        metrics = {"loss": loss, "nonfinite": (~ok).astype(jnp.float32)}
-        metrics.update(collect_metrics(opt_state))
-        if has_aux:
-            metrics["aux"] = aux
+        scalars = {"loss": loss, "nonfinite": (~ok).astype(jnp.float32)}
+        scalars.update(collect_metrics(opt_state))
+        # one vector: one output buffer per device instead of one per metric
+        metrics = Metrics.pack(scalars, {"aux": aux} if has_aux else None)
         new_state = dataclasses.replace(
             state,
             step=state.step + 1,

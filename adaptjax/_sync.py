@@ -12,6 +12,7 @@ import optax
 
 from adaptjax._codec import GradientCodec
 from adaptjax._hash import hash32
+from adaptjax._metric_vector import Metrics
 from adaptjax._monitors import GradientMonitor, GradientNoiseScale, GradStats
 from adaptjax._tree import axis_size, check_float_tree, tree_sq_norm_sampled
 
@@ -105,14 +106,14 @@ class SyncState(NamedTuple):
       count: int32 number of updates so far.
       codec_state: the codec's state (``()`` without a codec).
       monitor_states: one state per monitor, in order.
-      metrics: the monitors' latest values, a dict of float32 scalars; read it
-        with :func:`adaptjax.read_metrics`.
+      metrics: the monitors' latest values, an :class:`adaptjax.Metrics` (one
+        float32 vector); read it with :func:`adaptjax.read_metrics`.
     """
 
     count: jax.Array
     codec_state: Any
     monitor_states: tuple
-    metrics: dict
+    metrics: Metrics
 
 
 def _wire_dtype(wire_dtype):
@@ -323,7 +324,7 @@ def sync_gradients(
             monitor_states=tuple(
                 () if i in shared else m.init(params) for i, m in enumerate(monitors)
             ),
-            metrics={k: jnp.zeros((), jnp.float32) for m in monitors for k in m.metric_names()},
+            metrics=Metrics.pack({k: 0.0 for m in monitors for k in m.metric_names()}),
         )
 
     def update_with_sums(updates, state, params=None, extra_sums=None, *, deferred=False, **extra):
@@ -431,7 +432,8 @@ def sync_gradients(
             for i, j in shared.items():
                 values[i] = monitors[i].from_shared(values[j], stats)
             metrics = {k: v for i in range(len(monitors)) for k, v in values[i].items()}
-            return tuple(new_states), {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+            # in the state's order: the cond's two branches must agree on the structure
+            return tuple(new_states), Metrics.pack({k: metrics[k] for k in state.metrics})
 
         def dense_mean(summed):
             return jax.tree.map(lambda s, g: (s / n).astype(g.dtype), summed, updates)
@@ -446,7 +448,7 @@ def sync_gradients(
                     out, state.codec_state, axis_name=axis_name, step=state.count
                 )
             if not monitors:
-                return mean, SyncState(state.count + 1, codec_state, (), {})
+                return mean, SyncState(state.count + 1, codec_state, (), state.metrics)
             if monitor_every == 1:
                 monitor_states, metrics = measure(state.monitor_states, mean)
             else:
