@@ -153,18 +153,68 @@ def _debias(ema, count, decay):
 
 
 class NoiseScaleState(NamedTuple):
-    """State of :class:`GradientNoiseScale`."""
+    """State of :class:`GradientNoiseScale`.
 
-    count: jax.Array  # int32: EMA updates so far
-    calls: jax.Array  # int32: measured steps so far
-    sqnorm_ema: jax.Array  # EMA of the unbiased ‖G‖² estimate
-    variance_ema: jax.Array  # EMA of the unbiased tr(Σ) estimate
-    sqnorm_sq_ema: jax.Array  # EMA of the square of the ‖G‖² estimate (its standard error)
+    The scalars are packed into two vectors, ``counts`` and ``values``
+    (each array leaf costs a buffer per device where a step crosses ``jit``);
+    the properties name them. Build one with :meth:`make`.
+    """
+
+    counts: jax.Array  # int32 (3,): count, calls, nu_count
+    values: jax.Array  # float32 (7,): the three EMAs, held (3), valid
     prev_grads: Any  # previous gradient (differencing) or ()
     nu: Any  # second-moment EMA of the averaged gradient (preconditioning) or ()
-    nu_count: jax.Array  # int32: gradients the preconditioner has seen
-    held: jax.Array  # float32 (3,): last valid (noise scale, ‖G‖², tr Σ)
-    valid: jax.Array  # bool: whether the latest reading is valid
+
+    @classmethod
+    def make(cls, *, count, calls, nu_count, sqnorm_ema, variance_ema, sqnorm_sq_ema, held,
+             valid, prev_grads, nu) -> NoiseScaleState:
+        """A state from its named parts (scalars, and ``held`` of shape (3,))."""
+        counts = jnp.stack([jnp.asarray(c, jnp.int32) for c in (count, calls, nu_count)])
+        scalars = [jnp.asarray(v, jnp.float32).reshape(1)
+                   for v in (sqnorm_ema, variance_ema, sqnorm_sq_ema)]
+        flag = jnp.asarray(valid, jnp.float32).reshape(1)
+        values = jnp.concatenate([*scalars, jnp.asarray(held, jnp.float32), flag])
+        return cls(counts, values, prev_grads, nu)
+
+    @property
+    def count(self) -> jax.Array:
+        """int32: EMA updates so far."""
+        return self.counts[0]
+
+    @property
+    def calls(self) -> jax.Array:
+        """int32: measured steps so far."""
+        return self.counts[1]
+
+    @property
+    def nu_count(self) -> jax.Array:
+        """int32: gradients the preconditioner has seen."""
+        return self.counts[2]
+
+    @property
+    def sqnorm_ema(self) -> jax.Array:
+        """EMA of the unbiased ``‖G‖²`` estimate."""
+        return self.values[0]
+
+    @property
+    def variance_ema(self) -> jax.Array:
+        """EMA of the unbiased ``tr(Σ)`` estimate."""
+        return self.values[1]
+
+    @property
+    def sqnorm_sq_ema(self) -> jax.Array:
+        """EMA of the square of the ``‖G‖²`` estimate (its standard error)."""
+        return self.values[2]
+
+    @property
+    def held(self) -> jax.Array:
+        """float32 (3,): the last valid (noise scale, ``‖G‖²``, ``tr Σ``)."""
+        return self.values[3:6]
+
+    @property
+    def valid(self) -> jax.Array:
+        """bool: whether the latest reading is valid."""
+        return self.values[6] > 0
 
 
 class GradientNoiseScale:
@@ -283,17 +333,17 @@ class GradientNoiseScale:
         """The zero state for gradients shaped like ``params``."""
         f32 = lambda p: jnp.zeros(jnp.shape(p), jnp.float32)
         zero = jnp.zeros((), jnp.float32)
-        return NoiseScaleState(
-            count=jnp.zeros((), jnp.int32),
-            calls=jnp.zeros((), jnp.int32),
+        return NoiseScaleState.make(
+            count=0,
+            calls=0,
             sqnorm_ema=zero,
             variance_ema=zero,
             sqnorm_sq_ema=zero,
             prev_grads=jax.tree.map(f32, params) if self.differencing else (),
             nu=jax.tree.map(f32, params) if self.preconditioned else (),
-            nu_count=jnp.zeros((), jnp.int32),
+            nu_count=0,
             held=jnp.zeros((3,), jnp.float32),
-            valid=jnp.bool_(False),
+            valid=False,
         )
 
     def _precond(self, state):
@@ -386,7 +436,7 @@ class GradientNoiseScale:
             shrink = (1 - d) * (1 + dc) / jnp.maximum((1 + d) * (1 - dc), _TINY)
             enough = count >= 2  # one estimate says nothing about its spread
             valid = valid & enough & (jnp.square(g2_s) >= self.significance**2 * per_step * shrink)
-        new = NoiseScaleState(
+        new = NoiseScaleState.make(
             count=count,
             calls=state.calls + 1,
             sqnorm_ema=sqnorm_ema,
