@@ -358,7 +358,7 @@ def _train(codec, steps, x, y, target=None, monitors=(), monitor_every=1, lr=0.5
         state, metrics = step(state, {"x": x[idx], "y": y[idx]})
         losses.append(float(full(state.params, {"x": x, "y": y})))
         if monitors:
-            noise.append(float(metrics["noise_scale"]))
+            noise.append(float(jax.device_get(metrics)["noise_scale"]))
         if target is not None and losses[-1] <= target:
             break
     return np.array(losses), np.array(noise), state.params
@@ -399,7 +399,7 @@ def _measure_noise_scale(params, x, y, steps, codec=None, every=1, decay=0.95, s
         idx = rng.integers(0, len(x), 128)
         state, metrics = step(state, {"x": x[idx], "y": y[idx]})
         jax.block_until_ready(metrics)  # few steps in flight (see the tests' note)
-    return float(metrics["noise_scale"])
+    return float(jax.device_get(metrics)["noise_scale"])
 
 
 def noise_scale_error(steps):

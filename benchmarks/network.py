@@ -274,7 +274,7 @@ def worker(variants, rank: int, coordinator: str, steps: int, warmup: int, extra
         if v in built:
             compiled, state = built[v][:2]
             state, metrics = compiled(state, _jax_batch(jax, mesh, x, y))
-            loss = float(metrics["loss"])  # waits for the step
+            loss = float(jax.device_get(metrics)["loss"])  # waits for the step
             built[v][1] = state
         else:
             model, opt = torch_steps[v]
@@ -320,7 +320,7 @@ def local_worker(rank: int, steps: int, warmup: int) -> dict:
     for x, y in _data(rank, warmup + steps):
         t0 = time.perf_counter()
         state, metrics = compiled(state, _jax_batch(jax, mesh, x, y))
-        float(metrics["loss"])
+        jax.device_get(metrics)
         times.append(time.perf_counter() - t0)
     return {"s_per_step": float(np.median(times[warmup:])), "s_min": float(np.min(times[warmup:]))}
 
