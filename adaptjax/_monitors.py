@@ -18,8 +18,9 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from adaptjax._tree import tree_sq_norm, tree_vdot
+from adaptjax._tree import tree_sq_norm
 
 _TINY = 1e-30
 
@@ -162,7 +163,7 @@ class NoiseScaleState(NamedTuple):
 
     counts: jax.Array  # int32 (3,): count, calls, nu_count
     values: jax.Array  # float32 (7,): the three EMAs, held (3), valid
-    prev_grads: Any  # previous gradient (differencing) or ()
+    prev_grads: Any  # previous gradient, all leaves in one float32 vector (differencing) or ()
     nu: Any  # second-moment EMA of the averaged gradient (preconditioning) or ()
 
     @classmethod
@@ -339,7 +340,11 @@ class GradientNoiseScale:
             sqnorm_ema=zero,
             variance_ema=zero,
             sqnorm_sq_ema=zero,
-            prev_grads=jax.tree.map(f32, params) if self.differencing else (),
+            prev_grads=(
+                jnp.zeros((sum(int(np.size(p)) for p in jax.tree.leaves(params)),), jnp.float32)
+                if self.differencing
+                else ()
+            ),
             nu=jax.tree.map(f32, params) if self.preconditioned else (),
             nu_count=0,
             held=jnp.zeros((3,), jnp.float32),
@@ -404,10 +409,13 @@ class GradientNoiseScale:
             g2 = (n * mean_sq - s_bar) / (n - 1)
             var = (s_bar - mean_sq) * n * sample_b / (n - 1)
         elif self.differencing:
-            g_now = jax.tree.map(lambda x: x.astype(jnp.float32), local_g)
-            g2 = tree_vdot(g_now, state.prev_grads)
-            diff = jax.tree.map(jnp.subtract, g_now, state.prev_grads)
-            var = tree_sq_norm(diff) * sample_b / 2.0
+            # One vector: two reductions and one buffer instead of two kernels and a
+            # buffer per leaf (a fixed ~1 ms of an H200 LM step at 64 windows).
+            g_now = jnp.concatenate(
+                [x.reshape(-1).astype(jnp.float32) for x in jax.tree.leaves(local_g)]
+            )
+            g2 = jnp.vdot(g_now, state.prev_grads)
+            var = jnp.sum(jnp.square(g_now - state.prev_grads)) * sample_b / 2.0
             # The first step has no previous gradient yet.
             sample_ok = sample_ok & (state.calls > 0)
             prev = g_now

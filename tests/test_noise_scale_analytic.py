@@ -343,3 +343,29 @@ def test_snr_next_to_an_identical_noise_scale_shares_its_state_and_values():
     assert snr["alone"][:, 1].max() == 1.0 and snr["alone"][-1, 0] > 0  # not vacuous
     np.testing.assert_allclose(snr["shared"], snr["alone"], rtol=1e-6)
     np.testing.assert_allclose(snr["other decay"], snr["alone"], rtol=1e-6)
+
+
+def test_differencing_over_several_leaves_is_the_two_step_estimate():
+    # One sample per step: after steps g1, g2 the first estimate is ‖G‖² = g2·g1 and
+    # tr Σ = b‖g2 − g1‖²/2, over every leaf (the state keeps g1 as one flat vector).
+    rng = np.random.default_rng(3)
+    shapes = {"a": (3, 4), "b": (5,), "c": (2, 2, 2)}
+    g1, g2 = ({k: jnp.asarray(rng.normal(size=s) + 1.0, jnp.float32) for k, s in shapes.items()}
+              for _ in range(2))
+    mon = adaptjax.GradientNoiseScale(differencing=True, significance=0.0, local_batch_size=8)
+    state = mon.init(g1)
+    assert state.prev_grads.shape == (12 + 5 + 8,)
+    for g in (g1, g2):
+        stats = adaptjax.GradStats(
+            local_grads=g, mean_grads=g, local_sq=adaptjax.tree_sq_norm(g),
+            mean_sq=adaptjax.tree_sq_norm(g), n_replicas=1, samples_per_replica=1,
+            local_batch_size=8, summed={}, mean_sample=None,
+        )
+        state, metrics = mon.update(stats, state)
+    flat = lambda t: np.concatenate([np.ravel(t[k]) for k in shapes])
+    dot = float(flat(g2) @ flat(g1))
+    var = 8 * float(np.sum((flat(g2) - flat(g1)) ** 2)) / 2
+    assert float(metrics["grad_sqnorm"]) == pytest.approx(dot, rel=1e-5)
+    assert float(metrics["grad_variance"]) == pytest.approx(var, rel=1e-5)
+    assert float(metrics["noise_scale"]) == pytest.approx(var / dot, rel=1e-5)
+    assert float(metrics["noise_scale_valid"]) == 1.0
