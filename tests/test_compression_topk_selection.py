@@ -41,8 +41,8 @@ def test_threshold_recall_on_gaussian_is_at_least_095(ratio):
 @pytest.mark.parametrize("cap", [5, 300, 4000])
 @pytest.mark.parametrize("density", [0.0, 0.001, 0.05, 0.5])
 def test_compaction_lists_the_first_cap_set_positions(cap, density):
-    # both ways of finding each slot's word (binary search for few slots, a running
-    # maximum over first slots for many) against numpy's flatnonzero
+    # units of 4 words (128 elements) with from none to all bits set, and a padded last
+    # unit (10,000 is not a multiple of 128), against numpy's flatnonzero
     mask = np.random.default_rng(int(1000 * density) + cap).random(10_000) < density
     mask[-1] = density > 0.2  # a set bit in the last, padded word
     pos, count = jax.jit(lambda m: _sparse._compact(_sparse._mask_words(m), cap))(jnp.asarray(mask))
@@ -82,7 +82,7 @@ def test_threshold_plan_brackets_k_by_the_stated_margin():
 def test_threshold_survives_ties():
     size = 40000
     x = jnp.full((size,), 0.5, jnp.float32)
-    idx = np.asarray(jax.jit(lambda a: _sparse.select_topk(a, 400, "threshold", 0))(x))
+    idx = np.asarray(jax.jit(lambda a: _sparse.select_topk(a, 400, "threshold", 0)[0])(x))
     valid = idx[idx < size]
     assert valid.size == 400 and np.unique(valid).size == 400
 
@@ -97,7 +97,7 @@ def test_threshold_sends_every_nonzero_of_a_sparse_gradient(nonzero):
     nz = rng.choice(size, nonzero, replace=False)
     x[nz] = np.abs(rng.standard_normal(nonzero)) + 0.1
     k = size // 100
-    idx = np.asarray(jax.jit(lambda a: _sparse.select_topk(a, k, "threshold", 0))(x))
+    idx = np.asarray(jax.jit(lambda a: _sparse.select_topk(a, k, "threshold", 0)[0])(x))
     assert idx.shape == (k,)
     assert sorted(idx[idx < size].tolist()) == sorted(nz.tolist())
 
