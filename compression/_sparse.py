@@ -60,7 +60,7 @@ def _count(mask):
     return jnp.sum(mask.astype(jnp.int32))
 
 
-def _kth_largest_bits(bits, r: int, lo=0, hi=0x7FFFFFFF, steps: int = 31):
+def _kth_largest_bits(bits, r: int, lo, hi, steps: int = 31):
     """The ``r``-th largest of int32 patterns ``bits >= 0``, by bisection of ``[lo, hi)``.
 
     Needs ``count(bits >= lo) >= r`` (else returns ``lo``). ``steps`` bisection
@@ -226,7 +226,7 @@ def _select_threshold(f, k: int):
     send every nonzero and leave the other slots unused.
     """
     size = f.shape[0]
-    raw = jax.lax.bitcast_convert_type(f.astype(jnp.float32), jnp.int32)
+    raw = jax.lax.bitcast_convert_type(f, jnp.int32)  # f: float32 (select_topk)
     bits = raw & 0x7FFFFFFF  # |f|: non-negative patterns order as the floats do
     s, r, cap = threshold_plan(size, k)
     sample = bits[jnp.asarray(_sample_offsets(size, s))]
