@@ -56,6 +56,7 @@ from adaptjax.compression._plan import Plan, PlanRow, plan
 from adaptjax.compression._powersgd import powersgd
 from adaptjax.compression._quantizers import bf16, fp16, natural, onebit, qsgd, terngrad
 from adaptjax.compression._sparse import dgc, randomk, topk
+from adaptjax.compression._topk_native import native_topk_available
 
 __all__ = [
     "Codec",
@@ -66,6 +67,7 @@ __all__ = [
     "bf16",
     "dgc",
     "fp16",
+    "native_topk_available",
     "natural",
     "onebit",
     "pack_bits",

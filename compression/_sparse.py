@@ -44,6 +44,7 @@ from adaptjax.compression._collectives import (
 )
 from adaptjax.compression._feedback import MomentumCorrection
 from adaptjax.compression._layout import prod
+from adaptjax.compression._topk_native import native_topk, native_topk_available
 
 _VARIANTS = ("threshold", "exact", "sampled", "approx")
 
@@ -253,9 +254,11 @@ def select_topk(f, k: int, variant: str, seed):
     """(indices, values) of (about) the ``k`` largest of ``|f|``; unused slots: ``(f.size, 0)``.
 
     ``threshold`` (the codecs' default): the exact top-k set from a sampled
-    threshold and a compaction of the candidates (see :func:`_select_threshold`); under
-    32768 elements ``lax.top_k``. ``exact``: ``lax.top_k``. ``approx``:
-    ``lax.approx_max_k`` (recall 0.95; exact on CPU). ``sampled``: a threshold
+    threshold and a compaction of the candidates; on CPU by the native kernel
+    where it was built (:func:`native_topk`), else in XLA operations
+    (:func:`_select_threshold`; under 32768 elements ``lax.top_k``).
+    ``exact``: ``lax.top_k``. ``approx``: ``lax.approx_max_k`` (recall 0.95;
+    exact on CPU). ``sampled``: a threshold
     from a stratified sample of ``max(1024, 50/ratio)`` entries, then the first
     ``k`` entries at or above it (fixed capacity; entries beyond it stay in the
     error-feedback residual; recall about 0.8).
@@ -264,16 +267,34 @@ def select_topk(f, k: int, variant: str, seed):
     size = f.shape[0]
     if k >= size:
         return jnp.arange(size, dtype=jnp.int32), f
-    if variant == "threshold" and size >= _THRESHOLD_MIN_SIZE:
-        return _select_threshold(f, k)
+    if variant == "threshold":
+        if native_topk_available():  # the CPU kernel on CPU, the XLA lane elsewhere
+            return jax.lax.platform_dependent(
+                f, cpu=lambda f: native_topk(f, k), default=lambda f: _select_xla(f, k)
+            )
+        return _select_xla(f, k)
     a = jnp.abs(f)
-    if variant in ("threshold", "exact"):
+    if variant == "exact":
         idx = jax.lax.top_k(a, k)[1].astype(jnp.int32)
     elif variant == "approx":
         idx = jax.lax.approx_max_k(a, k, recall_target=0.95)[1].astype(jnp.int32)
     else:
         idx = _select_sampled(a, k, seed)
+    return _with_values(f, idx)
+
+
+def _with_values(f, idx):
+    """``(idx, f[idx])``, 0 where an index is ``f.size`` (unused)."""
+    size = f.shape[0]
     return idx, jnp.where(idx < size, f[jnp.minimum(idx, size - 1)], 0.0)
+
+
+def _select_xla(f, k: int):
+    """The threshold variant in XLA operations: :func:`_select_threshold`, or
+    ``lax.top_k`` under 32768 elements."""
+    if f.shape[0] >= _THRESHOLD_MIN_SIZE:
+        return _select_threshold(f, k)
+    return _with_values(f, jax.lax.top_k(jnp.abs(f), k)[1].astype(jnp.int32))
 
 
 def _select_sampled(a, k: int, seed):

@@ -2,7 +2,9 @@
 
 Its speed is measured by ``benchmarks/topk_selection.py``; here: recall against
 ``lax.top_k`` on a stated distribution (standard Gaussian), the degenerate
-inputs it must survive, and error feedback keeping what it does not send.
+inputs it must survive, and error feedback keeping what it does not send. Each
+runs on both lanes: the default (on CPU the native kernel where it was built,
+see test_compression_topk_native.py) and the XLA operations of other platforms.
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ import pytest
 from adaptjax.compression import _sparse
 
 from adaptjax import compression as ajc
+
+_LANES = {
+    "default": lambda a, k: _sparse.select_topk(a, k, "threshold", 0),
+    "xla": _sparse._select_xla,
+}
 
 
 def _recall(idx, exact, size, k):
@@ -32,6 +39,8 @@ def test_threshold_recall_on_gaussian_is_at_least_095(ratio):
     exact = jax.lax.top_k(jnp.abs(x), k)[1]
     assert p["indices"].shape == (k,)
     assert _recall(p["indices"], exact, size, k) >= 0.95
+    xla_idx = jax.jit(lambda v: _sparse._select_xla(v, k)[0])(x)
+    assert _recall(xla_idx, exact, size, k) >= 0.95
     idx = np.asarray(p["indices"])
     assert np.unique(idx[idx < size]).size == (idx < size).sum()  # no index sent twice
     ok = idx < size
@@ -79,16 +88,18 @@ def test_threshold_plan_brackets_k_by_the_stated_margin():
         assert cap < 3 * k  # the candidates stay few
 
 
-def test_threshold_survives_ties():
+@pytest.mark.parametrize("lane", _LANES)
+def test_threshold_survives_ties(lane):
     size = 40000
     x = jnp.full((size,), 0.5, jnp.float32)
-    idx = np.asarray(jax.jit(lambda a: _sparse.select_topk(a, 400, "threshold", 0)[0])(x))
+    idx = np.asarray(jax.jit(lambda a: _LANES[lane](a, 400)[0])(x))
     valid = idx[idx < size]
     assert valid.size == 400 and np.unique(valid).size == 400
 
 
+@pytest.mark.parametrize("lane", _LANES)
 @pytest.mark.parametrize("nonzero", [0, 300, 2000])  # k = 2621
-def test_threshold_sends_every_nonzero_of_a_sparse_gradient(nonzero):
+def test_threshold_sends_every_nonzero_of_a_sparse_gradient(nonzero, lane):
     # fewer nonzeros than k (an embedding's gradient): all of them, and no zero, are
     # sent; the sampled threshold at 0 once kept the first positions instead (63 of 5242)
     size = 1 << 18
@@ -97,7 +108,7 @@ def test_threshold_sends_every_nonzero_of_a_sparse_gradient(nonzero):
     nz = rng.choice(size, nonzero, replace=False)
     x[nz] = np.abs(rng.standard_normal(nonzero)) + 0.1
     k = size // 100
-    idx = np.asarray(jax.jit(lambda a: _sparse.select_topk(a, k, "threshold", 0)[0])(x))
+    idx = np.asarray(jax.jit(lambda a: _LANES[lane](a, k)[0])(x))
     assert idx.shape == (k,)
     assert sorted(idx[idx < size].tolist()) == sorted(nz.tolist())
 
