@@ -1,7 +1,7 @@
 // Exact top-k of |x| on CPU, as an XLA FFI handler: the native lane of
-// adaptjax.compression's threshold selection (see _native.py).
+// adaptjax.compression's threshold selection (see _topk_native.py).
 //
-// 1. The r-th largest |x| of a stratified sample of 16384 entries gives a
+// 1. The r-th largest |x| of a stratified sample of 8192 entries gives a
 //    threshold t that about (1 + 4.5/sqrt(expect))·k entries reach (expect:
 //    the sample entries expected above the k-th largest).
 // 2. One pass writes the positions of the entries with |x| >= t (branch-free
@@ -138,6 +138,7 @@ struct Lane {
 std::vector<Lane> Lanes() {
   std::vector<Lane> lanes;
 #ifdef ADAPTJAX_X86
+  __builtin_cpu_init();  // runs from a static initializer, maybe before libgcc's
   if (__builtin_cpu_supports("avx512f")) lanes.push_back({"avx512", ScanAvx512});
   if (__builtin_cpu_supports("avx2")) lanes.push_back({"avx2", ScanAvx2});
 #endif
