@@ -75,9 +75,11 @@ def _kth_largest_bits(bits, r: int, lo, hi, steps: int = 31):
         ok = _count(bits >= mid) >= r
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-    # a fixed trip count: a while loop that stops early costs more than it saves on CPU
+    # A fixed trip count (a loop that stops early costs more than it saves on CPU),
+    # unrolled: on GPU each trip of a while loop waits on the host (4M entries on
+    # an H200: 0.50 instead of 0.64 ms per selection); the same time on CPU.
     init = (jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32))
-    return jax.lax.fori_loop(0, steps, body, init)[0]
+    return jax.lax.fori_loop(0, steps, body, init, unroll=True)[0]
 
 
 _UNIT = 4  # mask words per unit of the compaction (128 elements)
