@@ -43,8 +43,14 @@ def native_topk(f, k: int):
     Indices ascend; ties at the k-th largest go to the first positions; exact
     zeros are never selected, and slots left unused hold ``(f.size, 0)``: the
     result of the XLA lane (``_sparse._select_threshold``) wherever that is exact.
-    Needs :func:`native_topk_available`.
+    Raises ``RuntimeError`` where the kernel was not built (see
+    :func:`native_topk_available`).
     """
+    if not native_topk_available():
+        raise RuntimeError(
+            "adaptjax's native top-k kernel was not built (no C++17 compiler at install?); "
+            "use select_topk, which falls back to XLA operations"
+        )
     out = (jax.ShapeDtypeStruct((k,), jnp.int32), jax.ShapeDtypeStruct((k,), jnp.float32))
     idx, vals = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(f)
     # inside shard_map the results vary over the same mesh axes as the leaf

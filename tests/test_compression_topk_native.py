@@ -177,3 +177,16 @@ def test_threshold_variant_lowers_the_kernel_on_cpu_and_xla_ops_elsewhere():
     assert 'custom_call_target="adaptjax_topk_f32"' in fn.lower(x).compile().as_text()
     exported = jax.export.export(fn, platforms=["cuda"])(x)  # lowered only, no GPU needed
     assert "adaptjax_topk_f32" not in exported.mlir_module()
+
+
+def test_without_the_kernel_native_topk_says_so_and_select_topk_falls_back(monkeypatch):
+    from adaptjax.compression import _topk_native
+
+    monkeypatch.setattr(_topk_native, "native_topk_available", lambda: False)
+    monkeypatch.setattr(_sparse, "native_topk_available", lambda: False)
+    x = jnp.asarray(np.random.default_rng(9).standard_normal(65536).astype(np.float32))
+    with pytest.raises(RuntimeError, match="^adaptjax's native top-k kernel was not built"):
+        _topk_native.native_topk(x, 10)
+    fn = jax.jit(lambda a: _sparse.select_topk(a, 600, "threshold", 0))
+    assert "adaptjax_topk_f32" not in fn.lower(x).as_text()
+    _check_topk(np.asarray(x), 600, *map(np.asarray, fn(x)))
