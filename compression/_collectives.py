@@ -44,6 +44,7 @@ __all__ = [
     "owner_sparse",
     "sparse_capacity",
     "psum_mean",
+    "scatter_leaves",
     "sum_decoded",
 ]
 
@@ -84,14 +85,33 @@ def psum_mean_leaves(leaves, names: tuple[str, ...], n: int) -> list:
     return lay.unflatten(mean, [x.shape for x in leaves])
 
 
-def allgather_sparse(values, indices, total: int, names: tuple[str, ...], n: int):
-    """Mean over replicas of sparse vectors given as (values f32, indices int32)."""
+def allgather_sparse(values, indices, sizes, names: tuple[str, ...], n: int) -> list:
+    """Mean over replicas of sparse vectors given as (values f32, indices int32).
+
+    ``indices`` index the concatenation of leaves of ``sizes`` elements
+    (``sum(sizes)``: unused); returns each leaf's dense mean, flat.
+    """
     k = values.shape[0]
     payload = jnp.concatenate([jax.lax.bitcast_convert_type(values, jnp.int32), indices])
     gathered = _gather(payload, names, n)
     vals = jax.lax.bitcast_convert_type(gathered[:, :k], jnp.float32).reshape(-1)
     idx = gathered[:, k:].reshape(-1)
-    return jnp.zeros((total,), jnp.float32).at[idx].add(vals, mode="drop") / n
+    return scatter_leaves(vals, idx, sizes, n)
+
+
+def scatter_leaves(values, indices, sizes, n: int) -> list:
+    """Each leaf's ``zeros(size).at[indices - offset].add(values) / n``, for the pairs in its range.
+
+    One buffer per leaf rather than one of ``sum(sizes)`` sliced into leaves: no
+    copy per leaf, and no buffer above glibc's largest mmap threshold (32 MiB),
+    which is mapped afresh, page-faulted and unmapped on every call.
+    """
+    out, off = [], 0
+    for size in sizes:
+        local = jnp.where((indices >= off) & (indices < off + size), indices - off, size)
+        out.append(jnp.zeros((size,), jnp.float32).at[local].add(values, mode="drop") / n)
+        off += size
+    return out
 
 
 def _a2a(rows, names, size):
@@ -431,7 +451,7 @@ def sparse_capacity(k: int, n: int, factor: float = 2.0) -> tuple[int, int]:
     return max(1, math.ceil(factor * k / n)), max(1, math.ceil(k / n))
 
 
-def owner_sparse(values, indices, total: int, names: tuple[str, ...], n: int):
+def owner_sparse(values, indices, sizes, names: tuple[str, ...], n: int, select=None):
     """Mean over replicas of sparse vectors through their owners, in ``O(k)`` bytes.
 
     Replica ``j`` owns indices ``[j·c, (j+1)·c)``, ``c = ceil(total/N)``. Each
@@ -442,19 +462,26 @@ def owner_sparse(values, indices, total: int, names: tuple[str, ...], n: int):
     ``8·(N−1)·(cap + ceil(k/N)) ≈ 24k(N−1)/N`` instead of an all-gather's ``8k(N−1)``.
 
     Args:
-      values, indices: this replica's pairs (float32, int32; index ``total`` marks
-        an unused slot).
-      total: length of the dense vector.
+      values, indices: this replica's pairs (float32, int32) into the concatenation
+        of leaves of ``sizes`` elements; index ``total = sum(sizes)`` marks an
+        unused slot.
+      sizes: the leaves' sizes.
       names, n: the bound axes and their size.
+      select: ``select(f, k) -> (indices, values)``, the ``k`` largest of
+        ``|f|`` among its nonzero entries, unused slots ``f.size``: how an owner
+        keeps its largest sums (default ``lax.top_k``; the codecs pass their
+        own selection, on CPU the native kernel).
 
     Returns:
-      ``(mean, sent, dropped_idx, dropped_val)``: the dense mean (same on every
-      replica); a bool mask of this replica's pairs that were routed; and the
-      owner's sums it received but did not keep (global indices, ``total`` for
-      none, and values already divided by ``N``), so that error feedback can
-      keep them: ``mean_i(x_i) = mean + mean_i(unsent_i) + dropped``.
+      ``(means, sent, dropped_idx, dropped_val)``: each leaf's dense mean, flat
+      (the same on every replica, :func:`scatter_leaves`); a bool mask of this
+      replica's pairs that were routed; and the owner's sums it received but
+      did not keep (global indices, ``total`` for none, and values already
+      divided by ``N``), so that error feedback can keep them:
+      ``mean_i(x_i) = mean + mean_i(unsent_i) + dropped``.
     """
     k = values.shape[0]
+    total = sum(sizes)
     cap, keep = sparse_capacity(k, n)
     c = -(-total // n)
     order = jnp.argsort(indices)
@@ -482,12 +509,17 @@ def owner_sparse(values, indices, total: int, names: tuple[str, ...], n: int):
     first = jnp.full((c + 1,), m, jnp.int32).at[loc].min(jnp.arange(m, dtype=jnp.int32))
     unique = (first[loc] == jnp.arange(m, dtype=jnp.int32)) & (loc < c)
     mean_at = sums[loc] / n
-    score = jnp.where(unique, jnp.abs(mean_at), -1.0)
-    top = jax.lax.top_k(score, min(keep, m))[1]
-    chosen = unique[top]
+    if select is None:
+        top = jax.lax.top_k(jnp.where(unique, jnp.abs(mean_at), -1.0), min(keep, m))[1]
+        chosen = unique[top]
+    else:  # zero sums need not be kept: they carry nothing
+        top = select(jnp.where(unique, mean_at, 0.0), min(keep, m))[0]
+        used = top < m
+        top = jnp.minimum(top, m - 1)
+        chosen = used & unique[top]  # a selection that may pick zeros (lax.top_k) picks no repeat
     out_idx = jnp.where(chosen, r_idx[top], total)
     out_val = jnp.where(chosen, mean_at[top], 0.0)
-    kept = jnp.zeros((m,), bool).at[top].set(chosen)
+    kept = jnp.zeros((m,), bool).at[top].max(chosen)
     dropped = unique & ~kept
     dropped_idx = jnp.where(dropped, r_idx, total)
     dropped_val = jnp.where(dropped, mean_at, 0.0)
@@ -496,5 +528,4 @@ def owner_sparse(values, indices, total: int, names: tuple[str, ...], n: int):
     kk = out_val.shape[0]
     g_val = jax.lax.bitcast_convert_type(gathered[:, :kk], jnp.float32).reshape(-1)
     g_idx = gathered[:, kk:].reshape(-1)
-    mean = jnp.zeros((total,), jnp.float32).at[g_idx].add(g_val, mode="drop")
-    return mean, sent, dropped_idx, dropped_val
+    return scatter_leaves(g_val, g_idx, sizes, 1), sent, dropped_idx, dropped_val

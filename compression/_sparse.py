@@ -351,13 +351,16 @@ def _sparse_reduce(xs, shapes, ks, ctx, variant, residual):
         off += size
     vals, gidx = jnp.concatenate(vals), jnp.concatenate(gidx)
     if ctx.n >= OWNER_MIN_N:
-        mean, sent, d_idx, d_val = owner_sparse(vals, gidx, total, ctx.names, ctx.n)
+        select = functools.partial(select_topk, variant=variant, seed=ctx.seed_for(15))
+        means, sent, d_idx, d_val = owner_sparse(
+            vals, gidx, sizes, ctx.names, ctx.n, select=select
+        )
     else:
-        mean = allgather_sparse(vals, gidx, total, ctx.names, ctx.n)
+        means = allgather_sparse(vals, gidx, sizes, ctx.names, ctx.n)
         sent, d_idx, d_val = None, None, None
     outs, res, off, at = [], [], 0, 0
-    for x, size, shape, idx, k in zip(xs, sizes, shapes, lidx, ks, strict=True):
-        outs.append(jax.lax.slice(mean, (off,), (off + size,)).reshape(shape))
+    for x, size, shape, idx, k, mean in zip(xs, sizes, shapes, lidx, ks, means, strict=True):
+        outs.append(mean.reshape(shape))
         if residual:
             if sent is not None:
                 idx = jnp.where(jax.lax.slice(sent, (at,), (at + k,)), idx, size)

@@ -5,6 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -42,6 +43,26 @@ def test_owners_return_the_exact_mean_when_nothing_overflows():
     np.testing.assert_array_equal(out, np.broadcast_to(out[0], out.shape))
     # error feedback keeps everything not sent: identity per replica and in the mean
     np.testing.assert_allclose(out[0] + ef.mean(axis=0), g.mean(axis=0), atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["threshold", "exact"])
+def test_sums_that_cancel_leave_owners_slots_and_the_mean_stays_exact(variant):
+    # 75 entries on every replica, and one more at the end of owners 1-7's ranges that only
+    # replicas 1 and 2 send, +v and -v: those sums cancel, so owners 1-7 have fewer nonzero
+    # sums than the 11 they keep, and the selections fill (lax.top_k) or leave (the native
+    # kernel, which never picks a zero) the free slots; either way no index may be sent twice
+    d = 8192
+    shared = np.arange(75) * 109
+    late = np.arange(1, 8) * 1024 + 1000
+    rng = np.random.default_rng(2)
+    g = np.zeros((N, d), np.float32)
+    g[:, shared] = rng.uniform(1.0, 2.0, (N, 75))
+    v = rng.uniform(5.0, 6.0, 7).astype(np.float32)
+    g[1, late], g[2, late] = v, -v
+    out, ef = _sync(ajc.topk(0.01, min_size=64, variant=variant), jnp.asarray(g))
+    want = g.mean(axis=0)
+    np.testing.assert_allclose(out[0], want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(out[0] + ef.mean(axis=0), want, atol=1e-6)
 
 
 def test_owner_drops_go_to_the_owner_residual():
