@@ -451,7 +451,7 @@ def sparse_capacity(k: int, n: int, factor: float = 2.0) -> tuple[int, int]:
     return max(1, math.ceil(factor * k / n)), max(1, math.ceil(k / n))
 
 
-def owner_sparse(values, indices, sizes, names: tuple[str, ...], n: int, select=None):
+def owner_sparse(values, indices, sizes, names: tuple[str, ...], n: int, select):
     """Mean over replicas of sparse vectors through their owners, in ``O(k)`` bytes.
 
     Replica ``j`` owns indices ``[j·c, (j+1)·c)``, ``c = ceil(total/N)``. Each
@@ -468,9 +468,9 @@ def owner_sparse(values, indices, sizes, names: tuple[str, ...], n: int, select=
       sizes: the leaves' sizes.
       names, n: the bound axes and their size.
       select: ``select(f, k) -> (indices, values)``, the ``k`` largest of
-        ``|f|`` among its nonzero entries, unused slots ``f.size``: how an owner
-        keeps its largest sums (default ``lax.top_k``; the codecs pass their
-        own selection, on CPU the native kernel).
+        ``|f|``, unused slots ``f.size``: how an owner keeps its largest sums
+        (the codec's own selection; on CPU the native kernel, which never
+        picks a zero).
 
     Returns:
       ``(means, sent, dropped_idx, dropped_val)``: each leaf's dense mean, flat
@@ -509,14 +509,12 @@ def owner_sparse(values, indices, sizes, names: tuple[str, ...], n: int, select=
     first = jnp.full((c + 1,), m, jnp.int32).at[loc].min(jnp.arange(m, dtype=jnp.int32))
     unique = (first[loc] == jnp.arange(m, dtype=jnp.int32)) & (loc < c)
     mean_at = sums[loc] / n
-    if select is None:
-        top = jax.lax.top_k(jnp.where(unique, jnp.abs(mean_at), -1.0), min(keep, m))[1]
-        chosen = unique[top]
-    else:  # zero sums need not be kept: they carry nothing
-        top = select(jnp.where(unique, mean_at, 0.0), min(keep, m))[0]
-        used = top < m
-        top = jnp.minimum(top, m - 1)
-        chosen = used & unique[top]  # a selection that may pick zeros (lax.top_k) picks no repeat
+    # repeats and zero sums enter as 0: a selection that picks zeros (lax.top_k)
+    # must still not send a repeat, whose sum its first copy already carries
+    top = select(jnp.where(unique, mean_at, 0.0), min(keep, m))[0]
+    used = top < m
+    top = jnp.minimum(top, m - 1)
+    chosen = used & unique[top]
     out_idx = jnp.where(chosen, r_idx[top], total)
     out_val = jnp.where(chosen, mean_at[top], 0.0)
     kept = jnp.zeros((m,), bool).at[top].max(chosen)

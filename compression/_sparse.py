@@ -352,9 +352,7 @@ def _sparse_reduce(xs, shapes, ks, ctx, variant, residual):
     vals, gidx = jnp.concatenate(vals), jnp.concatenate(gidx)
     if ctx.n >= OWNER_MIN_N:
         select = functools.partial(select_topk, variant=variant, seed=ctx.seed_for(15))
-        means, sent, d_idx, d_val = owner_sparse(
-            vals, gidx, sizes, ctx.names, ctx.n, select=select
-        )
+        means, sent, d_idx, d_val = owner_sparse(vals, gidx, sizes, ctx.names, ctx.n, select)
     else:
         means = allgather_sparse(vals, gidx, sizes, ctx.names, ctx.n)
         sent, d_idx, d_val = None, None, None
