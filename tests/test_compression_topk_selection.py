@@ -131,3 +131,24 @@ def test_threshold_with_error_feedback_keeps_what_is_not_sent():
     res = s2.worker.value["ef"]["w"]
     np.testing.assert_array_equal(np.asarray(out) + np.asarray(res), np.asarray(g))
     assert int((np.asarray(out) != 0).sum()) == codec.k(size)
+
+
+@pytest.mark.parametrize("lane", _LANES)
+def test_threshold_inside_shard_map_with_the_replication_check(lane):
+    # check_vma=True, shard_map's default: the bisections' carries start from constants
+    # and must vary over the mesh axis as the leaf does (they failed to trace before)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("d",))
+    P = jax.sharding.PartitionSpec
+    x = np.random.default_rng(13).standard_normal((4, 65536)).astype(np.float32)
+
+    def per_replica(a):
+        idx, vals = _LANES[lane](a[0], 600)
+        return idx[None], vals[None]
+
+    idx, vals = jax.jit(
+        jax.shard_map(per_replica, mesh=mesh, in_specs=P("d"), out_specs=(P("d"), P("d")))
+    )(x)
+    for r in range(4):
+        want_idx, want_vals = jax.jit(lambda a: _LANES[lane](a, 600))(x[r])
+        np.testing.assert_array_equal(np.asarray(idx[r]), np.asarray(want_idx))
+        np.testing.assert_array_equal(np.asarray(vals[r]), np.asarray(want_vals))
