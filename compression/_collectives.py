@@ -44,7 +44,7 @@ __all__ = [
     "owner_sparse",
     "sparse_capacity",
     "psum_mean",
-    "scatter_leaves",
+    "scatter_leaf",
     "sum_decoded",
 ]
 
@@ -85,33 +85,36 @@ def psum_mean_leaves(leaves, names: tuple[str, ...], n: int) -> list:
     return lay.unflatten(mean, [x.shape for x in leaves])
 
 
-def allgather_sparse(values, indices, sizes, names: tuple[str, ...], n: int) -> list:
+def allgather_sparse(values, indices, sizes, ks, names: tuple[str, ...], n: int) -> list:
     """Mean over replicas of sparse vectors given as (values f32, indices int32).
 
     ``indices`` index the concatenation of leaves of ``sizes`` elements
-    (``sum(sizes)``: unused); returns each leaf's dense mean, flat.
+    (``sum(sizes)``: unused), leaf by leaf: the first ``ks[0]`` pairs are the
+    first leaf's, and so on. Returns each leaf's dense mean, flat.
     """
     k = values.shape[0]
     payload = jnp.concatenate([jax.lax.bitcast_convert_type(values, jnp.int32), indices])
     gathered = _gather(payload, names, n)
-    vals = jax.lax.bitcast_convert_type(gathered[:, :k], jnp.float32).reshape(-1)
-    idx = gathered[:, k:].reshape(-1)
-    return scatter_leaves(vals, idx, sizes, n)
-
-
-def scatter_leaves(values, indices, sizes, n: int) -> list:
-    """Each leaf's ``zeros(size).at[indices - offset].add(values) / n``, for the pairs in its range.
-
-    One buffer per leaf rather than one of ``sum(sizes)`` sliced into leaves: no
-    copy per leaf, and no buffer above glibc's largest mmap threshold (32 MiB),
-    which is mapped afresh, page-faulted and unmapped on every call.
-    """
-    out, off = [], 0
-    for size in sizes:
-        local = jnp.where((indices >= off) & (indices < off + size), indices - off, size)
-        out.append(jnp.zeros((size,), jnp.float32).at[local].add(values, mode="drop") / n)
+    vals = jax.lax.bitcast_convert_type(gathered[:, :k], jnp.float32)
+    idx = gathered[:, k:]
+    out, off, at = [], 0, 0
+    for size, kl in zip(sizes, ks, strict=True):  # each leaf scatters its own pairs only
+        seg = slice(at, at + kl)
+        out.append(scatter_leaf(vals[:, seg].reshape(-1), idx[:, seg].reshape(-1), off, size, n))
         off += size
+        at += kl
     return out
+
+
+def scatter_leaf(values, indices, offset: int, size: int, n: int):
+    """``zeros(size).at[indices - offset].add(values) / n``, the pairs in ``[offset, offset+size)``.
+
+    One buffer per leaf rather than one of the whole gradient sliced into
+    leaves: no copy per leaf, and no buffer above glibc's largest mmap threshold
+    (32 MiB), which is mapped afresh, page-faulted and unmapped on every call.
+    """
+    local = jnp.where((indices >= offset) & (indices < offset + size), indices - offset, size)
+    return jnp.zeros((size,), jnp.float32).at[local].add(values, mode="drop") / n
 
 
 def _a2a(rows, names, size):
@@ -474,7 +477,7 @@ def owner_sparse(values, indices, sizes, names: tuple[str, ...], n: int, select)
 
     Returns:
       ``(means, sent, dropped_idx, dropped_val)``: each leaf's dense mean, flat
-      (the same on every replica, :func:`scatter_leaves`); a bool mask of this
+      (the same on every replica, :func:`scatter_leaf`); a bool mask of this
       replica's pairs that were routed; and the owner's sums it received but
       did not keep (global indices, ``total`` for none, and values already
       divided by ``N``), so that error feedback can keep them:
@@ -524,6 +527,14 @@ def owner_sparse(values, indices, sizes, names: tuple[str, ...], n: int, select)
     row = jnp.concatenate([jax.lax.bitcast_convert_type(out_val, jnp.int32), out_idx])
     gathered = _gather(row, names, n)
     kk = out_val.shape[0]
-    g_val = jax.lax.bitcast_convert_type(gathered[:, :kk], jnp.float32).reshape(-1)
-    g_idx = gathered[:, kk:].reshape(-1)
-    return scatter_leaves(g_val, g_idx, sizes, 1), sent, dropped_idx, dropped_val
+    g_val = jax.lax.bitcast_convert_type(gathered[:, :kk], jnp.float32)  # row j: owner j's
+    g_idx = gathered[:, kk:]
+    # owner j's pairs lie in [j·c, (j+1)·c): each leaf scatters the rows of the owners
+    # its range meets, (L + N)·keep pairs in all instead of L·N·keep
+    means, off = [], 0
+    for size in sizes:
+        first, last = off // c, (off + size - 1) // c
+        means.append(scatter_leaf(g_val[first : last + 1].reshape(-1),
+                                  g_idx[first : last + 1].reshape(-1), off, size, 1))
+        off += size
+    return means, sent, dropped_idx, dropped_val

@@ -369,7 +369,7 @@ def _sparse_reduce(xs, shapes, ks, ctx, variant, residual):
         select = functools.partial(select_topk, variant=variant, seed=ctx.seed_for(15))
         means, sent, d_idx, d_val = owner_sparse(vals, gidx, sizes, ctx.names, ctx.n, select)
     else:
-        means = allgather_sparse(vals, gidx, sizes, ctx.names, ctx.n)
+        means = allgather_sparse(vals, gidx, sizes, ks, ctx.names, ctx.n)
         sent, d_idx, d_val = None, None, None
     outs, res, off, at = [], [], 0, 0
     for x, size, shape, idx, k, mean in zip(xs, sizes, shapes, lidx, ks, means, strict=True):

@@ -84,3 +84,30 @@ def test_topk_sends_20x_fewer_bytes_than_fp32_at_16_and_32():
     for n in (16, 32):
         plan = ajc.plan(model, ajc.topk(0.01), n, show=False)
         assert plan.fp32_bytes / plan.bytes >= 20, (n, plan.fp32_bytes / plan.bytes)
+
+
+@pytest.mark.parametrize("n", [2, 8])  # one all-gather under 4 replicas, owners from 4 on
+def test_every_leaf_gets_its_own_pairs_and_feedback_keeps_the_rest(n):
+    # leaves of several sizes, some inside one owner's range and some across several:
+    # each leaf decodes only its own pairs, so out + mean(residual) == mean(g) leaf by leaf
+    shapes = {"a": (50, 100), "b": (3000,), "c": (70,), "d": (12000,), "e": (7, 9, 11)}
+    rng = np.random.default_rng(n)
+    grads = {k: jnp.asarray(rng.standard_normal((n, *s)).astype(np.float32))
+             for k, s in shapes.items()}
+    codec = ajc.topk(0.02, min_size=64)
+    state = codec.init({k: jnp.zeros(s) for k, s in shapes.items()})
+    mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
+
+    def f(g):
+        out, new = codec.sync({k: v[0] for k, v in g.items()}, state, axis_name="data",
+                              step=jnp.int32(0))
+        res = new.worker.value["ef"]
+        return {k: v[None] for k, v in out.items()}, {k: v[None] for k, v in res.items()}
+
+    out, res = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+                                     out_specs=(P("data"), P("data"))))(grads)
+    for k in shapes:
+        o, r, g = np.asarray(out[k]), np.asarray(res[k]), np.asarray(grads[k])
+        np.testing.assert_array_equal(o, np.broadcast_to(o[0], o.shape))
+        np.testing.assert_allclose(o[0] + r.mean(axis=0), g.mean(axis=0), atol=2e-6)
+        assert np.count_nonzero(o[0]) > 0
