@@ -25,6 +25,12 @@ def native_topk_available() -> bool:
     It is built at install time where a C++17 compiler is found; without it the
     codecs select with XLA operations alone (same result, slower on CPU).
 
+    The kernel is a custom call that XLA gives no compatibility guarantee, so
+    ``jax.export`` of a CPU program that uses it needs
+    ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("adaptjax_topk_f32")]``,
+    and the exported program runs only where adaptjax has registered the kernel
+    (by calling this function). ``variant="exact"`` exports without it.
+
     >>> from adaptjax import compression as ajc
     >>> isinstance(ajc.native_topk_available(), bool)
     True

@@ -190,3 +190,17 @@ def test_without_the_kernel_native_topk_says_so_and_select_topk_falls_back(monke
     fn = jax.jit(lambda a: _sparse.select_topk(a, 600, "threshold", 0))
     assert "adaptjax_topk_f32" not in fn.lower(x).as_text()
     _check_topk(np.asarray(x), 600, *map(np.asarray, fn(x)))
+
+
+@needs_kernel
+def test_jax_export_needs_the_custom_call_check_disabled():
+    # the kernel is a custom call without XLA's compatibility guarantee: jax.export
+    # refuses it by default and, with the check disabled, runs it like the jit
+    x = jnp.asarray(np.random.default_rng(10).standard_normal(65536).astype(np.float32))
+    fn = jax.jit(lambda a: _sparse.select_topk(a, 600, "threshold", 0))
+    with pytest.raises(ValueError, match="custom calls whose targets have no compatibility"):
+        jax.export.export(fn, platforms=["cpu"])(x)
+    check = jax.export.DisabledSafetyCheck.custom_call("adaptjax_topk_f32")
+    exported = jax.export.export(fn, platforms=["cpu"], disabled_checks=[check])(x)
+    for got, want in zip(exported.call(x), fn(x), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
