@@ -311,7 +311,8 @@ def _select_xla(f, k: int):
     ``lax.top_k`` under 32768 elements."""
     if f.shape[0] >= _THRESHOLD_MIN_SIZE:
         return _select_threshold(f, k)
-    return _with_values(f, jax.lax.top_k(jnp.abs(f), k)[1].astype(jnp.int32))
+    # sorted, as the other lanes return them
+    return _with_values(f, jnp.sort(jax.lax.top_k(jnp.abs(f), k)[1].astype(jnp.int32)))
 
 
 def _select_sampled(a, k: int, seed):

@@ -152,3 +152,11 @@ def test_threshold_inside_shard_map_with_the_replication_check(lane):
         want_idx, want_vals = jax.jit(lambda a: _LANES[lane](a, 600))(x[r])
         np.testing.assert_array_equal(np.asarray(idx[r]), np.asarray(want_idx))
         np.testing.assert_array_equal(np.asarray(vals[r]), np.asarray(want_vals))
+
+
+@pytest.mark.parametrize("lane", _LANES)
+@pytest.mark.parametrize("size", [5000, 131071])  # lax.top_k below 32768 in the XLA lane
+def test_threshold_indices_ascend_on_every_lane(lane, size):
+    x = jnp.asarray(np.random.default_rng(size).standard_normal(size).astype(np.float32))
+    idx = np.asarray(jax.jit(lambda a: _LANES[lane](a, size // 100)[0])(x))
+    assert np.all(np.diff(idx) > 0)
