@@ -480,7 +480,7 @@ def main(argv=None):
     print(f"# step time: {time.time() - t0:.0f}s", file=sys.stderr)
 
     t0 = time.time()
-    thr = throughput_rows(repeats=15 if args.quick else 60)
+    thr = throughput_rows(repeats=40 if args.quick else 60)
     print(f"# throughput: {time.time() - t0:.0f}s", file=sys.stderr)
     t0 = time.time()
     conv, target = convergence_rows(60 if args.quick else 100)
