@@ -45,9 +45,9 @@ from adaptjax.compression._collectives import (
 from adaptjax.compression._feedback import MomentumCorrection
 from adaptjax.compression._layout import prod
 from adaptjax.compression._topk_native import (
-    _varying_axes,
     native_topk,
     native_topk_available,
+    varying_like,
 )
 
 _VARIANTS = ("threshold", "exact", "sampled", "approx")
@@ -82,19 +82,8 @@ def _kth_largest_bits(bits, r: int, lo, hi, steps: int = 31):
     # A fixed trip count (a loop that stops early costs more than it saves on CPU),
     # unrolled: on GPU each trip of a while loop waits on the host (4M entries on
     # an H200: 0.50 instead of 0.64 ms per selection); the same time on CPU.
-    init = _varying_like(bits, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32))
+    init = varying_like(bits, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32))
     return jax.lax.fori_loop(0, steps, body, init, unroll=True)[0]
-
-
-def _varying_like(x, *ys):
-    """``ys`` marked as varying over the shard_map axes that ``x`` varies over, so a
-    loop carry starting from them keeps its type (``check_vma=True``)."""
-    axes = set(_varying_axes(x))
-    out = []
-    for y in ys:
-        missing = tuple(sorted(axes - set(_varying_axes(y))))
-        out.append(jax.lax.pcast(y, missing, to="varying") if missing else y)
-    return tuple(out)
 
 
 _UNIT = 4  # mask words per unit of the compaction (128 elements)

@@ -60,10 +60,19 @@ def native_topk(f, k: int):
     out = (jax.ShapeDtypeStruct((k,), jnp.int32), jax.ShapeDtypeStruct((k,), jnp.float32))
     idx, vals = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(f)
     # inside shard_map the results vary over the same mesh axes as the leaf
-    vma = _varying_axes(f)
-    if vma:
-        idx, vals = (jax.lax.pcast(a, vma, to="varying") for a in (idx, vals))
-    return idx, vals
+    return varying_like(f, idx, vals)
+
+
+def varying_like(x, *ys) -> tuple:
+    """``ys`` marked as varying over the shard_map axes that ``x`` varies over
+    (a loop carry or a custom call's results keep the leaf's type under
+    ``check_vma=True``); unchanged outside shard_map."""
+    axes = set(_varying_axes(x))
+    out = []
+    for y in ys:
+        missing = tuple(sorted(axes - set(_varying_axes(y))))
+        out.append(jax.lax.pcast(y, missing, to="varying") if missing else y)
+    return tuple(out)
 
 
 def _varying_axes(x) -> tuple[str, ...]:
