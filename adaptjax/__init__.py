@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING
 # it here, to __all__ and to the TYPE_CHECKING imports below (a test checks the
 # three agree).
 _LAZY = {
-    "CheckpointManager": "adaptjax._checkpoint",
-    "CorruptCheckpointError": "adaptjax._checkpoint",
+    "CheckpointManager": "adaptjax.controller._checkpoint",
+    "CorruptCheckpointError": "adaptjax.controller._checkpoint",
     "GradientCodec": "adaptjax._codec",
-    "Controller": "adaptjax._controller",
-    "EXIT_PREEMPTED": "adaptjax._controller",
-    "EXIT_RESCALE": "adaptjax._distributed",
-    "DecisionMismatch": "adaptjax._distributed",
-    "initialize_distributed": "adaptjax._distributed",
-    "NonFiniteTraining": "adaptjax._controller",
-    "RunConfig": "adaptjax._run_config",
-    "codec_key": "adaptjax._run_config",
-    "RunDirectoryLocked": "adaptjax._run_lock",
+    "Controller": "adaptjax.controller._controller",
+    "EXIT_PREEMPTED": "adaptjax.controller._controller",
+    "EXIT_RESCALE": "adaptjax.launch._distributed",
+    "DecisionMismatch": "adaptjax.launch._distributed",
+    "initialize_distributed": "adaptjax.launch._distributed",
+    "NonFiniteTraining": "adaptjax.controller._controller",
+    "RunConfig": "adaptjax.controller._run_config",
+    "codec_key": "adaptjax.controller._run_config",
+    "RunDirectoryLocked": "adaptjax.controller._run_lock",
     "ArrayDataset": "adaptjax._data",
     "IterableDataset": "adaptjax._data",
     "Metrics": "adaptjax._metric_vector",
@@ -51,7 +51,7 @@ _LAZY = {
     "state_shardings": "adaptjax._per_replica",
     "to_global": "adaptjax._per_replica",
     "to_local": "adaptjax._per_replica",
-    "RunLog": "adaptjax._run_log",
+    "RunLog": "adaptjax.controller._run_log",
     "TrainState": "adaptjax._state",
     "abstract_state": "adaptjax._state",
     "init_state": "adaptjax._state",
@@ -59,7 +59,7 @@ _LAZY = {
     "train_state_specs": "adaptjax._state",
     "DataParallelStep": "adaptjax._step",
     "data_parallel_step": "adaptjax._step",
-    "make_mesh": "adaptjax._step",
+    "make_mesh": "adaptjax._mesh",
     "SyncState": "adaptjax._sync",
     "SyncGradients": "adaptjax._sync",
     "SyncChain": "adaptjax._chain",
@@ -74,39 +74,33 @@ _LAZY = {
     "WireReport": "adaptjax._wire",
     "wire_bytes": "adaptjax._wire",
     # synchronisation strategies
-    "SyncStrategy": "adaptjax._sync_strategy",
-    "consensus_params": "adaptjax._sync_strategy",
-    "local_params": "adaptjax._sync_strategy",
-    "per_replica_optimizer": "adaptjax._sync_strategy",
-    "sync_chain": "adaptjax._sync_strategy",
-    "sync_key": "adaptjax._sync_strategy",
-    "SSGD": "adaptjax._ssgd",
-    "ModelAveraging": "adaptjax._model_averaging",
-    "ModelAveragingState": "adaptjax._model_averaging",
-    "model_averaging": "adaptjax._model_averaging",
-    "LocalSGD": "adaptjax._local_sgd",
-    "LocalSGDState": "adaptjax._local_sgd",
-    "local_sgd": "adaptjax._local_sgd",
-    "DiLoCo": "adaptjax._diloco",
-    "diloco": "adaptjax._diloco",
-    "Gossip": "adaptjax._gossip",
-    "GossipState": "adaptjax._gossip",
-    "gossip": "adaptjax._gossip",
+    "SyncStrategy": "adaptjax.sync._strategy",
+    "consensus_params": "adaptjax.sync._strategy",
+    "local_params": "adaptjax.sync._strategy",
+    "per_replica_optimizer": "adaptjax.sync._strategy",
+    "sync_chain": "adaptjax.sync._registry",
+    "sync_key": "adaptjax.sync._registry",
+    "SSGD": "adaptjax.sync._ssgd",
+    "ModelAveraging": "adaptjax.sync._model_averaging",
+    "ModelAveragingState": "adaptjax.sync._model_averaging",
+    "model_averaging": "adaptjax.sync._model_averaging",
+    "LocalSGD": "adaptjax.sync._local_sgd",
+    "LocalSGDState": "adaptjax.sync._local_sgd",
+    "local_sgd": "adaptjax.sync._local_sgd",
+    "DiLoCo": "adaptjax.sync._diloco",
+    "diloco": "adaptjax.sync._diloco",
+    "Gossip": "adaptjax.sync._gossip",
+    "GossipState": "adaptjax.sync._gossip",
+    "gossip": "adaptjax.sync._gossip",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
     from adaptjax._chain import SyncChain, chain, named_chain
-    from adaptjax._checkpoint import CheckpointManager, CorruptCheckpointError
     from adaptjax._codec import GradientCodec
-    from adaptjax._controller import EXIT_PREEMPTED, Controller, NonFiniteTraining
     from adaptjax._data import ArrayDataset, IterableDataset
-    from adaptjax._diloco import DiLoCo, diloco
-    from adaptjax._distributed import EXIT_RESCALE, DecisionMismatch, initialize_distributed
-    from adaptjax._gossip import Gossip, GossipState, gossip
-    from adaptjax._local_sgd import LocalSGD, LocalSGDState, local_sgd
+    from adaptjax._mesh import make_mesh
     from adaptjax._metric_vector import Metrics
     from adaptjax._metrics import UpdateNormState, collect_metrics, read_metrics, update_norm
-    from adaptjax._model_averaging import ModelAveraging, ModelAveragingState, model_averaging
     from adaptjax._monitors import (
         GradientMonitor,
         GradientNoiseScale,
@@ -126,10 +120,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
         to_global,
         to_local,
     )
-    from adaptjax._run_config import RunConfig, codec_key
-    from adaptjax._run_lock import RunDirectoryLocked
-    from adaptjax._run_log import RunLog
-    from adaptjax._ssgd import SSGD
     from adaptjax._state import (
         TrainState,
         abstract_state,
@@ -137,18 +127,28 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
         train_state_shardings,
         train_state_specs,
     )
-    from adaptjax._step import DataParallelStep, data_parallel_step, make_mesh
+    from adaptjax._step import DataParallelStep, data_parallel_step
     from adaptjax._sync import SyncGradients, SyncState, noise_scale, sync_gradients
-    from adaptjax._sync_strategy import (
+    from adaptjax._tree import tree_sq_norm, tree_sq_norm_sampled, tree_vdot
+    from adaptjax._wire import Collective, WireReport, wire_bytes
+    from adaptjax.controller._checkpoint import CheckpointManager, CorruptCheckpointError
+    from adaptjax.controller._controller import EXIT_PREEMPTED, Controller, NonFiniteTraining
+    from adaptjax.controller._run_config import RunConfig, codec_key
+    from adaptjax.controller._run_lock import RunDirectoryLocked
+    from adaptjax.controller._run_log import RunLog
+    from adaptjax.launch._distributed import EXIT_RESCALE, DecisionMismatch, initialize_distributed
+    from adaptjax.sync._diloco import DiLoCo, diloco
+    from adaptjax.sync._gossip import Gossip, GossipState, gossip
+    from adaptjax.sync._local_sgd import LocalSGD, LocalSGDState, local_sgd
+    from adaptjax.sync._model_averaging import ModelAveraging, ModelAveragingState, model_averaging
+    from adaptjax.sync._registry import sync_chain, sync_key
+    from adaptjax.sync._ssgd import SSGD
+    from adaptjax.sync._strategy import (
         SyncStrategy,
         consensus_params,
         local_params,
         per_replica_optimizer,
-        sync_chain,
-        sync_key,
     )
-    from adaptjax._tree import tree_sq_norm, tree_sq_norm_sampled, tree_vdot
-    from adaptjax._wire import Collective, WireReport, wire_bytes
 
 __all__ = [
     "abstract_state",

@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from adaptjax._mesh import check_mesh
 from adaptjax._per_replica import stack_replicas, state_partition_specs
 from adaptjax._tree import check_float_tree
 
@@ -270,8 +271,6 @@ def init_state(model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...] = 
       >>> int(state.step), state.params["w"].sharding.spec == jax.P()
       (0, True)
     """
-    from adaptjax._step import check_mesh
-
     n = check_mesh(mesh, axis_name)
     graphdef, params, model_state = split_model(model_or_params)
     check_float_tree(params, "parameters")
@@ -312,8 +311,6 @@ def abstract_state(model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...
       >>> s.params["w"].shape, s.params["w"].sharding.spec
       ((3,), P())
     """
-    from adaptjax._step import check_mesh
-
     n = check_mesh(mesh, axis_name)
     graphdef, params, model_state = split_model(model_or_params)
     check_float_tree(params, "parameters")

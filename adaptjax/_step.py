@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from adaptjax._chain import guarded_sync
+from adaptjax._mesh import check_mesh
 from adaptjax._metric_vector import Metrics
 from adaptjax._metrics import collect_metrics
 from adaptjax._per_replica import to_global, to_local
@@ -25,56 +26,11 @@ from adaptjax._state import (
     model_state_after,
     train_state_specs,
 )
-from adaptjax._sync_strategy import find_model_sync, local_params, resolve_sync
 from adaptjax._tree import tree_sq_norm
 from adaptjax._wire import GUARD_SCOPE
 from adaptjax._xla_options import step_compiler_options
-
-
-def _axis_names(axis_name) -> tuple[str, ...]:
-    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-
-def check_mesh(mesh, axis_name="data") -> int:
-    """Raises a one-line ``ValueError`` unless ``mesh`` has ``axis_name``; returns replicas."""
-    if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    missing = [a for a in _axis_names(axis_name) if a not in mesh.axis_names]
-    if missing:
-        raise ValueError(
-            f"mesh axes {mesh.axis_names} have no {missing[0]!r} axis; build it with "
-            f"adaptjax.make_mesh(n) or Mesh(devices, ({missing[0]!r},))"
-        )
-    return int(np.prod([mesh.shape[a] for a in _axis_names(axis_name)]))
-
-
-def make_mesh(devices: int | None = None, *, axis_name: str = "data", device_list=None) -> Mesh:
-    """A 1-D data-parallel mesh on the first ``devices`` devices.
-
-    Args:
-      devices: how many devices (default: all).
-      axis_name: the axis name.
-      device_list: pick from these devices instead of ``jax.devices()``.
-
-    Returns:
-      A ``jax.sharding.Mesh`` with one axis.
-
-    Example:
-      >>> import adaptjax
-      >>> dict(adaptjax.make_mesh(4).shape)
-      {'data': 4}
-    """
-    available = list(device_list if device_list is not None else jax.devices())
-    n = len(available) if devices is None else int(devices)
-    if n < 1:
-        raise ValueError(f"devices must be >= 1, got {n}")
-    if n > len(available):
-        raise ValueError(
-            f"asked for {n} devices but only {len(available)} exist; use devices <= "
-            f"{len(available)} (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count)"
-        )
-    return Mesh(np.array(available[:n]), (axis_name,))
-
+from adaptjax.sync._registry import resolve_sync
+from adaptjax.sync._strategy import find_model_sync, local_params
 
 # On XLA:CPU a multi-device step launches on the client's thread pool, which
 # has max(cores, devices) threads; a launch that finds a device's in-flight

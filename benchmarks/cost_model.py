@@ -203,7 +203,7 @@ def _network():
 
 def link_worker(rank: int, coordinator: str, rounds: int, steps: int) -> dict:
     """One of the two processes across the link: calibrate it, time the held-out steps."""
-    from adaptjax._cost_planner import _wire_json
+    from adaptjax.costs._planner import _wire_json
 
     _network()._jax_start(rank, coordinator)  # gloo, jax.distributed.initialize
     t0 = time.perf_counter()
@@ -236,7 +236,7 @@ def link_rows(args, local_links, all_codecs) -> list[dict] | None:
     import dataclasses
     import shutil
 
-    from adaptjax._cost_planner import _wire_from_json
+    from adaptjax.costs._planner import _wire_from_json
 
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         print("\nlink part skipped: it needs root and iproute2 (ip, tc) for the veth pair")

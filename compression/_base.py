@@ -56,7 +56,8 @@ from adaptjax.compression._collectives import (
     replica_index,
 )
 from adaptjax.compression._feedback import NoFeedback, feedback_for
-from adaptjax.compression._layout import prod
+from adaptjax.compression._layout import bf16_bytes, prod
+from adaptjax.compression._plan import Plan, plan
 
 from adaptjax import PerReplica
 
@@ -459,18 +460,6 @@ class Codec:
         """Inverse of :meth:`encode` (up to the codec's loss): a float32 array."""
         raise NotImplementedError
 
-    def plan(self, grads, n: int, *, show: bool = False):
+    def plan(self, grads, n: int, *, show: bool = False) -> Plan:
         """The per-leaf plan at ``n`` replicas; see :func:`adaptjax.compression.plan`."""
-        from adaptjax.compression._plan import plan
-
         return plan(grads, self, n, show=show)
-
-
-def bf16_bytes(size: int, n: int) -> float:
-    """Bytes per device of a bf16 psum of ``size`` elements: ``4 d (N−1)/N``."""
-    return 4.0 * size * (n - 1) / n if n > 1 else 0.0
-
-
-def fp32_bytes(size: int, n: int) -> float:
-    """Bytes per device of a float32 psum of ``size`` elements: ``8 d (N−1)/N``."""
-    return 8.0 * size * (n - 1) / n if n > 1 else 0.0

@@ -77,3 +77,13 @@ def make_layout(sizes, align: int = 1, groups: int = 1) -> Layout:
 
 def prod(shape) -> int:
     return math.prod(int(d) for d in shape)
+
+
+def bf16_bytes(size: int, n: int) -> float:
+    """Bytes per device of a bf16 psum of ``size`` elements: ``4 d (N−1)/N``."""
+    return 4.0 * size * (n - 1) / n if n > 1 else 0.0
+
+
+def fp32_bytes(size: int, n: int) -> float:
+    """Bytes per device of a float32 psum of ``size`` elements: ``8 d (N−1)/N``."""
+    return 8.0 * size * (n - 1) / n if n > 1 else 0.0

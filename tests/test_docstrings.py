@@ -20,14 +20,14 @@ import adaptjax
 
 def _modules():
     names = ["adaptjax"]
-    names += [f"adaptjax.{m.name}" for m in pkgutil.iter_modules(adaptjax.__path__)]
+    names += [m.name for m in pkgutil.walk_packages(adaptjax.__path__, "adaptjax.")]
     try:
         from adaptjax import compression
     except ImportError:  # pragma: no cover - the package always ships it
         return names
     names.append("adaptjax.compression")
     names += [f"adaptjax.compression.{m.name}" for m in pkgutil.iter_modules(compression.__path__)]
-    return names
+    return sorted(set(names) - {"adaptjax.policies"})
 
 
 def _own_names(module) -> dict:

@@ -1,0 +1,105 @@
+"""Reading a step's metrics from the device a step behind, without stalling dispatch."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from adaptjax.controller._run_config import RunConfig
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """One step's metrics as plain floats, with the configuration that produced them."""
+
+    step: int
+    config: RunConfig
+    metrics: dict[str, float]
+
+
+class MetricsReader:
+    """Queues each dispatched step's device metrics and turns them into :class:`Snapshot`s.
+
+    ``push`` after dispatching step *t*; ``read(lag=1)`` then returns the
+    snapshots of every step but the newest (whose values may still be in
+    flight), so reading never waits on the device; ``read(lag=0)`` drains.
+    Besides the step's own values a snapshot holds ``nonfinite_count`` (the
+    run's total), ``step_time`` and ``throughput`` (median interval between
+    consecutive completions of this configuration, its first step skipped),
+    ``batch_size``, ``devices`` and, when ``comm_time(config)`` gives a value,
+    ``comm_time`` and ``comm_share``.
+
+    Example:
+      >>> import numpy as np
+      >>> from adaptjax import RunConfig
+      >>> from adaptjax.controller._metrics_reader import MetricsReader
+      >>> reader = MetricsReader()
+      >>> for t in (1, 2):
+      ...     reader.push(t, RunConfig(2, 4), {"loss": np.float32(t), "nonfinite": 0.0})
+      >>> [s.step for s in reader.read(lag=1)], [s.step for s in reader.read(lag=0)]
+      ([1], [2])
+    """
+
+    def __init__(self, comm_time: Callable[[RunConfig], float | None] | None = None):
+        self._comm_time = comm_time
+        self._pending: list[tuple[int, RunConfig, Any]] = []
+        self._times: dict[RunConfig, list[float]] = {}
+        self._last_ready: float | None = None
+        self._fresh = True
+        self.nonfinite_count = 0
+        self.nonfinite_streak = 0
+
+    def push(self, step: int, config: RunConfig, device_metrics, *, compiled: bool = False) -> None:
+        """Queues step ``step``'s metrics (``compiled``: this step compiled, so it is not timed)."""
+        if compiled:
+            self._fresh = True
+        self._pending.append((step, config, device_metrics))
+
+    def read(self, lag: int = 1) -> list[Snapshot]:
+        """Snapshots of the queued steps except the newest ``lag``, oldest first."""
+        out = []
+        while len(self._pending) > lag:
+            out.append(self._snapshot(*self._pending.pop(0)))
+        return out
+
+    def restart_clock(self) -> None:
+        """Forgets the last completion time (after evaluation, checkpoints or a new mesh)."""
+        self._last_ready = None
+
+    def _snapshot(self, step: int, config: RunConfig, device_metrics) -> Snapshot:
+        values = jax.device_get(device_metrics)
+        now = time.perf_counter()
+        flat: dict[str, float] = {}
+        for key, value in values.items():
+            if key == "aux":
+                for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+                    flat["aux" + jax.tree_util.keystr(path)] = float(np.asarray(leaf))
+            else:
+                flat[key] = float(np.asarray(value))
+        skipped = flat.get("nonfinite", 0.0) > 0
+        self.nonfinite_count += int(skipped)
+        self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
+        flat["nonfinite_count"] = float(self.nonfinite_count)
+        if self._last_ready is not None and not self._fresh:
+            times = self._times.setdefault(config, [])
+            times.append(now - self._last_ready)
+            del times[:-32]  # the median of the last 32 is all that is read
+        self._fresh = False
+        self._last_ready = now
+        times = self._times.get(config)
+        if times:
+            step_time = float(np.median(times))
+            flat["step_time"] = step_time
+            flat["throughput"] = config.batch_size / step_time
+            comm = self._comm_time(config) if self._comm_time is not None else None
+            if comm is not None:
+                flat["comm_time"] = comm
+                flat["comm_share"] = comm / (step_time + comm)
+        flat["batch_size"] = float(config.batch_size)
+        flat["devices"] = float(config.devices)
+        return Snapshot(step, config, flat)

@@ -1,0 +1,74 @@
+"""Rebuilding the train state under another synchronisation strategy or codec."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from adaptjax._per_replica import PerReplica, stack_replicas
+from adaptjax._state import init_state, train_state_shardings
+from adaptjax.sync._strategy import _mark, consensus_params
+
+
+def rebuild_state(state, new_tx, mesh, *, carry_sync: bool):
+    """Host side: the train state under ``new_tx`` (another strategy or codec), nothing lost.
+
+    The new global parameters are :func:`consensus_params` of the old state;
+    the optimizer state (``opt_state["optimizer"]``) carries over, averaged
+    over replicas when the new strategy keeps it replicated and copied to
+    every replica when it keeps it per replica; local models start at the new
+    global parameters. With ``carry_sync`` (S-SGD to S-SGD) the sync's count,
+    monitor states and metrics carry over too; the codec's state and a DiLoCo
+    outer momentum start afresh. ``new_tx`` is the controller's named chain
+    (``"sync"``, ``"optimizer"``, ...) or a :func:`sync_chain` (a tuple).
+    """
+    n = int(np.prod(mesh.devices.shape))
+    old = jax.device_get(state)
+    params = jax.device_get(consensus_params(old.params, old.opt_state))
+    fresh = jax.device_get(init_state(params, new_tx, mesh))
+    named = isinstance(fresh.opt_state, dict)
+    opt_key, sync_slot = ("optimizer", "sync") if named else (1, 0)
+    opt_state = dict(fresh.opt_state) if named else list(fresh.opt_state)
+    old_opt = old.opt_state[opt_key]
+    new_opt = fresh.opt_state[opt_key]
+    if _is_marked(old_opt) and _is_marked(new_opt):
+        opt_state[opt_key] = old_opt  # per replica before and after: kept as it is
+    else:
+        replicated = jax.tree.map(
+            lambda node: jax.tree.map(_mean0, node.value) if isinstance(node, PerReplica) else node,
+            old_opt,
+            is_leaf=lambda x: isinstance(x, PerReplica),
+        )
+        if _is_marked(new_opt):
+            replicated = jax.device_get(stack_replicas(_mark(replicated), n))
+        opt_state[opt_key] = replicated
+    if carry_sync:
+        sync = fresh.opt_state[sync_slot]
+        opt_state[sync_slot] = sync._replace(
+            count=old.opt_state[sync_slot].count,
+            monitor_states=old.opt_state[sync_slot].monitor_states,
+            metrics=old.opt_state[sync_slot].metrics,
+        )
+    new = dataclasses.replace(
+        fresh,
+        step=old.step,
+        nonfinite_count=old.nonfinite_count,
+        model_state=old.model_state,
+        graphdef=old.graphdef,
+        opt_state=type(fresh.opt_state)(opt_state) if named else tuple(opt_state),
+    )
+    new = jax.tree.map(np.array, new)
+    return jax.device_put(new, train_state_shardings(new, mesh))
+
+
+def _is_marked(opt_state) -> bool:
+    return isinstance(opt_state, PerReplica) or isinstance(
+        getattr(opt_state, "inner_state", None), PerReplica
+    )
+
+
+def _mean0(x):
+    x = np.asarray(x)
+    return x.mean(axis=0, dtype=np.float64).astype(x.dtype)

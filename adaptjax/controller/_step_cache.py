@@ -1,0 +1,237 @@
+"""Compiled steps keyed by :class:`adaptjax.RunConfig`: meshes, transformations, steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from adaptjax._chain import named_chain
+from adaptjax._mesh import make_mesh
+from adaptjax._metrics import update_norm
+from adaptjax._state import abstract_state, init_state, shape_struct, split_model
+from adaptjax._step import DataParallelStep, data_parallel_step
+from adaptjax._sync import sync_gradients
+from adaptjax.controller._run_config import RunConfig, codec_key
+from adaptjax.launch._distributed import mesh_devices
+from adaptjax.sync._registry import resolve_sync, sync_key
+from adaptjax.sync._ssgd import SSGD
+
+#: Names of the controller's chain; optimizer state is addressed by them, never by position.
+SYNC, OPTIMIZER, UPDATE_NORM = "sync", "optimizer", "update_norm"
+#: The strategy's model synchronisation (only for strategies with local models).
+MODEL_SYNC = "model_sync"
+#: Communication options a schedule may choose for a configuration's step.
+STEP_OPTIONS = ("dense_lane", "bucket_bytes")
+
+
+@dataclasses.dataclass
+class StepCache:
+    """Builds and remembers everything a :class:`RunConfig` needs to run a step.
+
+    The transformation is ``optax.named_chain(("sync", sync_gradients(...)),
+    ("optimizer", inject_hyperparams(optimizer)(**hyperparams)), ("update_norm",
+    update_norm()))``, so ``state.opt_state["optimizer"]`` is the optimizer's
+    state whatever else the chain holds. Under a synchronisation strategy with
+    local models (``RunConfig.sync``, see :class:`adaptjax.SyncStrategy`) the
+    chain is ``("sync", pass-through), ("optimizer", per-replica optimizer),
+    ("model_sync", the strategy's post step), ("update_norm", ...)``. Meshes
+    are cached by device count, transformations by codec and strategy key,
+    compiled steps by the whole configuration: returning to a configuration
+    seen before compiles nothing.
+
+    ``schedule`` (set by :meth:`adaptjax.costs.Planner.attach`) maps a
+    configuration to its step's communication options (:data:`STEP_OPTIONS`):
+    ``dense_lane`` (of :func:`adaptjax.sync_gradients`, without a codec) and
+    ``bucket_bytes`` (a field of the codec, set on a copy of it). They change
+    the step's collectives, never the state's structure, so states are built
+    without them; each configuration's options are asked for once, when its
+    step is first built, and kept in :attr:`options_of`. Without a schedule
+    every step is built as before.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from adaptjax import RunConfig
+      >>> from adaptjax.controller._step_cache import StepCache
+      >>> cache = StepCache(model={"w": jnp.zeros(2)}, loss_fn=lambda p, b: 0.0,
+      ...                   optimizer=optax.sgd, hyperparams={"learning_rate": 0.1})
+      >>> state = cache.init_state(RunConfig(devices=2, batch_size=4))
+      >>> list(state.opt_state)
+      ['sync', 'optimizer', 'update_norm']
+      >>> cache.step(RunConfig(2, 4)) is cache.step(RunConfig(2, 4))
+      True
+    """
+
+    model: Any
+    loss_fn: Callable[..., Any]
+    optimizer: Callable[..., optax.GradientTransformation]
+    hyperparams: Mapping[str, Any]
+    monitors: Sequence[Any] = ()
+    norm_chunks: int | None = None  # None: sync_gradients' default
+    has_aux: bool = False
+    codecs: dict[str | None, Any] = dataclasses.field(default_factory=lambda: {None: None})
+    strategies: dict[str | None, Any] = dataclasses.field(default_factory=lambda: {None: SSGD()})
+    schedule: Callable[[RunConfig], Mapping[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        self.options_of: dict[RunConfig, dict[str, Any]] = {}
+        self._meshes: dict[int, Any] = {}
+        self._txs: dict[tuple, optax.GradientTransformation] = {}
+        self._steps: dict[RunConfig, DataParallelStep] = {}
+        self._wire: dict[RunConfig, float | None] = {}
+        # The controller's background compiles build through here too: one builder at a time.
+        self._lock = threading.RLock()
+
+    def add_codec(self, codec) -> str | None:
+        """Registers ``codec`` (if new) and returns its key."""
+        key = codec_key(codec)
+        self.codecs.setdefault(key, codec)
+        return key
+
+    def add_sync(self, strategy) -> str | None:
+        """Registers ``strategy`` (a strategy, a name or ``None``) and returns its key."""
+        strategy = resolve_sync(strategy)
+        key = sync_key(strategy)
+        self.strategies.setdefault(key, strategy)
+        return key
+
+    def strategy(self, key: str | None):
+        if key not in self.strategies:
+            raise ValueError(
+                f"sync strategy {key!r} is not known to this controller; pass it as sync= "
+                "or inside a policy (e.g. SwitchSync(strategy))"
+            )
+        return self.strategies[key]
+
+    def mesh(self, devices: int):
+        with self._lock:
+            if devices not in self._meshes:
+                self._meshes[devices] = make_mesh(devices, device_list=mesh_devices(devices))
+            return self._meshes[devices]
+
+    def options(self, config: RunConfig) -> dict[str, Any]:
+        """The communication options of ``config``'s step (``{}`` without a schedule)."""
+        with self._lock:
+            return self._options(config)
+
+    def _options(self, config: RunConfig) -> dict[str, Any]:
+        if config not in self.options_of:
+            chosen = dict(self.schedule(config)) if self.schedule is not None else {}
+            unknown = sorted(set(chosen) - set(STEP_OPTIONS))
+            if unknown:
+                raise ValueError(
+                    f"schedule returned unknown step options {unknown}; use {STEP_OPTIONS}"
+                )
+            self.options_of[config] = chosen
+        return self.options_of[config]
+
+    def param_leaves(self) -> list[tuple[tuple[int, ...], Any]]:
+        """``(shape, dtype)`` of each trained parameter (= gradient) leaf, in tree order."""
+        params = split_model(self.model)[1]
+        return [(tuple(np.shape(x)), np.dtype(x.dtype)) for x in jax.tree.leaves(params)]
+
+    def tx(
+        self, key: str | None, sync: str | None = None, **options: Any
+    ) -> optax.GradientTransformation:
+        """The chain for codec ``key`` and strategy ``sync``, with communication ``options``."""
+        with self._lock:
+            return self._tx(key, sync, **options)
+
+    def _tx(self, key: str | None, sync: str | None, **options: Any):
+        defaults = {"dense_lane": "all-reduce", "bucket_bytes": None}
+        options = {k: v for k, v in options.items() if defaults.get(k, ...) != v}
+        cache = (key, sync, *sorted(options.items()))
+        if cache not in self._txs:
+            if key not in self.codecs:
+                raise ValueError(
+                    f"codec {key!r} is not known to this controller; pass it as codec= "
+                    "or inside a policy (e.g. SwitchCompression(codec))"
+                )
+            strategy = self.strategy(sync)
+            codec = self.codecs[key]
+            strategy.check(2, codec)
+            lane = {"dense_lane": options["dense_lane"]} if "dense_lane" in options else {}
+            if options.get("bucket_bytes") is not None and codec is not None:
+                codec = dataclasses.replace(codec, bucket_bytes=options["bucket_bytes"])
+            opt = optax.inject_hyperparams(self.optimizer, hyperparam_dtype=np.float32)(
+                **self.hyperparams
+            )
+            if not strategy.local_models:
+                chunks = {} if self.norm_chunks is None else {"norm_chunks": self.norm_chunks}
+                pre = sync_gradients(
+                    "data", codec=codec, monitors=self.monitors, **chunks, **lane
+                )
+                parts = [(SYNC, pre), (OPTIMIZER, opt)]
+            else:
+                parts = [
+                    (SYNC, strategy.pre("data")),
+                    (OPTIMIZER, strategy.optimizer(opt)),
+                    (MODEL_SYNC, strategy.post("data", codec=codec)),
+                ]
+            self._txs[cache] = named_chain(*parts, (UPDATE_NORM, update_norm()))
+        return self._txs[cache]
+
+    def step(self, config: RunConfig) -> DataParallelStep:
+        with self._lock:
+            if config not in self._steps:
+                self._steps[config] = data_parallel_step(
+                    self.loss_fn,
+                    self.tx(config.codec, config.sync, **self.options(config)),
+                    self.mesh(config.devices),
+                    microbatches=config.microbatches,
+                    has_aux=self.has_aux,
+                    sync=self.strategy(config.sync),
+                )
+            return self._steps[config]
+
+    def has_run(self, config: RunConfig) -> bool:
+        """Whether a step of ``config`` has been called (so its program is compiled)."""
+        with self._lock:
+            step = self._steps.get(config)
+        return step is not None and step.jitted._cache_size() > 0
+
+    def init_state(self, config: RunConfig):
+        return init_state(
+            self.model, self.tx(config.codec, config.sync), self.mesh(config.devices)
+        )
+
+    def abstract_state(self, config: RunConfig):
+        return abstract_state(
+            self.model, self.tx(config.codec, config.sync), self.mesh(config.devices)
+        )
+
+    def abstract_args(self, config: RunConfig, data):
+        """The step's ``(state, batch)`` at ``config`` as ``ShapeDtypeStruct``s (no arrays)."""
+        batch = jax.tree.map(shape_struct, data.batch_at(0, config.batch_size))
+        return self.abstract_state(config), batch
+
+    def compile(self, config: RunConfig, data=None, *, args=None) -> float:
+        """Compiles ``config``'s step ahead of time; returns the seconds it took.
+
+        ``args``: the step's ``(state, batch)`` structs (:meth:`abstract_args`),
+        so that another thread can compile without touching the model or ``data``.
+        """
+        t0 = time.perf_counter()
+        if args is None:
+            args = self.abstract_args(config, data)
+        self.step(config).jitted.lower(*args).compile()
+        return time.perf_counter() - t0
+
+    def wire_total(self, config: RunConfig, data) -> float | None:
+        """Bytes each device sends per step at ``config`` (from the HLO), cached."""
+        if config not in self._wire:
+            from adaptjax._wire import wire_bytes
+
+            total = None
+            if hasattr(data, "batch_at"):
+                args = self.abstract_args(config, data)
+                report = wire_bytes(self.step(config).jitted, *args)
+                total = self.strategy(config.sync).amortised_bytes(report)
+            self._wire[config] = total
+        return self._wire[config]

@@ -1,0 +1,219 @@
+"""What a decision asks for: actions folded into one transition, before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from adaptjax import policies as ajp
+from adaptjax.controller._run_config import RunConfig, codec_key, round_batch
+from adaptjax.sync._registry import resolve_sync, sync_key
+
+_KEEP = object()  # "SetCodec was not asked for" (None means: back to a dense sync)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+    """A decision's actions folded into the changes they ask for, in the order they run.
+
+    Carried out as: ``rollback`` -> ``hyperparams`` -> ``codec`` and ``sync``
+    (one rebuild of the state when the strategy changes) -> the new
+    ``config`` (batch, micro-batches, devices; a new device count goes through a
+    checkpoint that records ``config`` as the configuration the run continues
+    in) -> ``checkpoint`` -> ``stop``. When two actions ask for the same thing,
+    the later one wins; hyperparameter updates merge.
+
+    Attributes:
+      config: the configuration to continue in.
+      requested_batch: the batch asked for when rounding changed it, else ``None``.
+      hyperparams: hyperparameter values to write into the optimizer state.
+      codec: the codec object to switch to (``None``: dense) when ``codec_changed``.
+      codec_changed: whether the codec changes.
+      sync: the :class:`adaptjax.SyncStrategy` to switch to when ``sync_changed``.
+      sync_changed: whether the synchronisation strategy changes.
+      rollback: the reason of a ``Rollback``, or ``None``.
+      checkpoint: whether a ``Checkpoint`` was asked for.
+      stop: the reason of a ``Stop``, or ``None``.
+
+    Example:
+      >>> from adaptjax import RunConfig, policies as ajp
+      >>> from adaptjax.controller._transition import plan_transition
+      >>> t = plan_transition([ajp.Rescale(devices=3), ajp.SetBatchSize(64)],
+      ...                     RunConfig(devices=8, batch_size=32), max_devices=8)
+      >>> t.config, t.requested_batch
+      (RunConfig(devices=3, batch_size=63, microbatches=1, codec=None, sync=None), 64)
+    """
+
+    config: RunConfig
+    requested_batch: int | None = None
+    hyperparams: dict = dataclasses.field(default_factory=dict)
+    codec: object = None
+    codec_changed: bool = False
+    sync: object = None
+    sync_changed: bool = False
+    rollback: str | None = None
+    checkpoint: bool = False
+    stop: str | None = None
+
+
+def plan_transition(
+    actions: Sequence[ajp.Action],
+    config: RunConfig,
+    *,
+    max_devices: int,
+    hyperparam_names: Sequence[str] | None = None,
+    strategies: Mapping[str | None, object] | None = None,
+    min_samples: int = 1,
+    min_replicas: int = 1,
+) -> Transition:
+    """Folds ``actions`` into one :class:`Transition` from ``config``; checks every request.
+
+    Raises a one-line ``ValueError`` (before anything is carried out) for more
+    devices than ``max_devices`` or a hyperparameter the optimizer does not
+    have (when ``hyperparam_names`` is given) or a learning rate <= 0, and for
+    a synchronisation strategy that cannot run in the new configuration
+    (gossip on one replica, a codec the strategy cannot carry); ``strategies``
+    maps the current config's sync key to its strategy (``None``: S-SGD).
+
+    ``min_samples`` and ``min_replicas``: the gradient samples (replicas x
+    micro-batches) and replicas per step the monitors need (see
+    :func:`monitor_sample_needs`). Landing on fewer devices than
+    ``min_samples`` splits the batch into that many micro-batches, and leaving
+    such a configuration (for at least ``min_samples`` devices) takes the
+    split back, unless an action set the micro-batches; fewer replicas than
+    ``min_replicas``, or micro-batches set too few, raise.
+    """
+    devices, batch, micro = config.devices, None, config.microbatches
+    micro_set = False
+    hyper: dict[str, float] = {}
+    codec, codec_changed = _KEEP, False
+    sync = _KEEP
+    rollback = stop = None
+    checkpoint = False
+    for action in ajp.validate_actions(list(actions)):
+        if isinstance(action, ajp.SetHyperparams):
+            hyper.update({k: float(v) for k, v in action.values.items()})
+        elif isinstance(action, ajp.SetBatchSize):
+            batch = int(action.batch_size)
+            if action.microbatches is not None:
+                micro, micro_set = int(action.microbatches), True
+        elif isinstance(action, ajp.Rescale):
+            devices = (
+                int(action.devices) if action.devices is not None else math.prod(action.mesh_shape)
+            )
+        elif isinstance(action, ajp.SetCodec):
+            codec = action.codec
+        elif isinstance(action, getattr(ajp, "SetSync", ())):
+            sync = resolve_sync(action.strategy)
+        elif isinstance(action, ajp.Checkpoint):
+            checkpoint = True
+        elif isinstance(action, ajp.Stop):
+            stop = action.reason or "stopped by a policy"
+        elif isinstance(action, ajp.Rollback):
+            rollback = action.reason or "rollback"
+    if devices > max_devices:
+        raise ValueError(
+            f"cannot rescale to {devices} devices: max_devices is {max_devices}; "
+            f"use devices <= {max_devices}"
+        )
+    if devices < min_replicas:
+        raise ValueError(
+            f"cannot rescale to {devices} device(s): the noise scale's preconditioned "
+            f"norms need {min_replicas} replicas; use GradientNoiseScale(differencing=True) "
+            "to measure on one device"
+        )
+    split = sample_split(min_samples, devices)
+    if devices * micro < min_samples:
+        if micro_set:
+            raise ValueError(
+                f"microbatches={micro} on {devices} device(s) gives the noise scale "
+                f"{devices * micro} gradient sample(s) per step; use microbatches >= "
+                f"{split} or GradientNoiseScale(differencing=True)"
+            )
+        micro = split
+    elif (
+        not micro_set
+        and config.devices < min_samples <= devices
+        and micro == sample_split(min_samples, config.devices)
+    ):
+        micro = 1  # the split was for the sample count alone
+    if hyperparam_names is not None:
+        unknown = sorted(set(hyper) - set(hyperparam_names))
+        if unknown:
+            raise ValueError(
+                f"unknown hyperparameter {unknown[0]!r}; this optimizer has "
+                f"{sorted(hyperparam_names)}"
+            )
+    if "learning_rate" in hyper and not hyper["learning_rate"] > 0:
+        raise ValueError(f"learning_rate must be > 0, got {hyper['learning_rate']}")
+    if codec is not _KEEP:
+        codec_changed = codec_key(codec) != config.codec
+    sync_changed = sync is not _KEEP and sync_key(sync) != config.sync
+    if sync is _KEEP:
+        known = strategies or {}
+        sync = resolve_sync(known.get(config.sync) if config.sync in known else None)
+        if config.sync is not None and config.sync not in known:
+            sync = None  # unknown here: its checks ran when it was chosen
+    has_codec = (codec is not None) if codec is not _KEEP else config.codec is not None
+    if sync is not None:
+        sync.check(devices, object() if has_codec else None)
+    wanted = config.batch_size if batch is None else batch
+    rounded = round_batch(wanted, devices, micro)
+    new = config.replace(
+        devices=devices,
+        batch_size=rounded,
+        microbatches=micro,
+        codec=codec_key(codec) if codec_changed else config.codec,
+        sync=sync_key(sync) if sync_changed else config.sync,
+    )
+    return Transition(
+        config=new,
+        requested_batch=wanted if rounded != wanted else None,
+        hyperparams=hyper,
+        codec=None if codec is _KEEP else codec,
+        codec_changed=codec_changed,
+        sync=sync if sync_changed else None,
+        sync_changed=sync_changed,
+        rollback=rollback,
+        checkpoint=checkpoint,
+        stop=stop,
+    )
+
+
+def monitor_sample_needs(monitors) -> tuple[int, int]:
+    """``(min_samples, min_replicas)`` per step for ``monitors`` to measure.
+
+    A :class:`adaptjax.GradientNoiseScale` (or :class:`adaptjax.GradientSNR`)
+    without ``differencing`` needs two gradient samples per step (replicas x
+    micro-batches); preconditioned, two replicas. Other monitors need one.
+
+    Example:
+      >>> import adaptjax
+      >>> from adaptjax.controller._transition import monitor_sample_needs
+      >>> monitor_sample_needs([adaptjax.GradientNoiseScale(), adaptjax.GradientNorm()])
+      (2, 1)
+      >>> monitor_sample_needs([adaptjax.GradientSNR(differencing=True)])
+      (1, 1)
+    """
+    samples = replicas = 1
+    for m in monitors:
+        if getattr(m, "differencing", True) is False:
+            samples = 2
+            if getattr(m, "preconditioned", False):
+                replicas = 2
+    return samples, replicas
+
+
+def sample_split(min_samples: int, devices: int) -> int:
+    """The micro-batches that give ``devices`` replicas ``min_samples`` gradient samples."""
+    return -(-min_samples // devices)
+
+
+def one_gradient_sample(devices: int, microbatches: int) -> bool:
+    """Whether a step has one gradient sample (one device, no micro-batches).
+
+    The :class:`adaptjax.Controller`'s default noise scale then differences
+    consecutive steps' gradients.
+    """
+    return devices == 1 and microbatches == 1

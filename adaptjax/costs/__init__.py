@@ -1,0 +1,69 @@
+"""Cost model, simulator and planner: predict a step's time before trying it.
+
+A step's time is its computation (a fixed plus a per-sample cost fitted on this
+model), each codec's own work, and the collectives of its compiled step
+(:func:`adaptjax.wire_bytes`) through an α–β model per collective kind,
+calibrated by a few timed micro-collectives at start-up and refitted on the
+step times the controller records anyway. A configuration the model has no
+measurement for raises :class:`CannotPredict` with a one-line reason.
+
+Example:
+  >>> from adaptjax.costs import LinkModel, message_steps
+  >>> link = LinkModel.from_bandwidth(10e9 / 8)  # pin a 10 Gbit/s link
+  >>> link.time("all-reduce", 8, 7e6) == 7e6 * 8 / 10e9
+  True
+"""
+
+from adaptjax.costs._calibrate import calibrate_links, time_collectives, time_tuple_all_reduce
+from adaptjax.costs._compute import ComputeModel, fit_compute
+from adaptjax.costs._links import LinkModel, fit_alpha_beta, fit_operand_alpha, message_steps
+from adaptjax.costs._model import (
+    CannotPredict,
+    CodecCost,
+    Observation,
+    Prediction,
+    StepTimeModel,
+    config_key,
+    rescale_report,
+)
+from adaptjax.costs._planner import Planner
+from adaptjax.costs._schedule import buckets, choose_bucket_bytes, choose_dense_lane
+from adaptjax.costs._simulate import (
+    Cluster,
+    SimEvent,
+    Simulation,
+    predicted_times,
+    read_run,
+    simulate,
+    wire_for,
+)
+
+__all__ = [
+    "CannotPredict",
+    "Cluster",
+    "CodecCost",
+    "ComputeModel",
+    "LinkModel",
+    "Observation",
+    "Planner",
+    "Prediction",
+    "SimEvent",
+    "Simulation",
+    "StepTimeModel",
+    "buckets",
+    "calibrate_links",
+    "choose_bucket_bytes",
+    "choose_dense_lane",
+    "config_key",
+    "fit_alpha_beta",
+    "fit_compute",
+    "fit_operand_alpha",
+    "message_steps",
+    "predicted_times",
+    "read_run",
+    "rescale_report",
+    "simulate",
+    "time_collectives",
+    "time_tuple_all_reduce",
+    "wire_for",
+]

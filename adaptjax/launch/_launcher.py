@@ -1,0 +1,428 @@
+"""``adaptjax launch``: N local processes of one training script, restarted as a unit.
+
+``adaptjax launch -n N [--devices-per-process K] [--max-restarts R] -- python train.py ARGS``
+
+* starts ``N`` copies of the command with ``jax.distributed``'s coordinator on
+  ``127.0.0.1`` at a free port; each learns its place from the environment
+  (``ADAPTJAX_COORDINATOR_ADDRESS``, ``ADAPTJAX_NUM_PROCESSES``,
+  ``ADAPTJAX_PROCESS_ID``), which :func:`adaptjax.initialize_distributed` reads;
+  ``--devices-per-process K`` gives each process ``K`` simulated CPU devices
+  (``--xla_force_host_platform_device_count``);
+* prefixes every output line with its rank (``[1] ...``);
+* when a process dies (non-zero exit or a signal) kills the others at once
+  (their collectives could never finish) and starts all of them again, up to
+  ``R`` times with a doubling backoff; the script resumes from its latest
+  checkpoint (``Controller.resume``);
+* when every process exits with :data:`adaptjax.EXIT_RESCALE` (76), reads the
+  process count the run asks for and starts that many (not counted as a
+  restart);
+* on SIGTERM/SIGINT forwards SIGTERM to every process (the controller
+  checkpoints and exits with ``EXIT_PREEMPTED``, 75) and exits with their code.
+
+Timeouts, so nothing hangs silently: a process that has not reached
+``initialize_distributed`` within ``--start-timeout`` seconds, or that made no
+step for ``--hang-timeout`` seconds (stuck in a collective), ends the attempt
+and counts as a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+#: Exit code of every process after a transition checkpoint to a replica count that the
+#: current processes cannot give: relaunch with the process count the run asks for.
+EXIT_RESCALE = 76
+
+ENV_COORDINATOR = "ADAPTJAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "ADAPTJAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "ADAPTJAX_PROCESS_ID"
+#: The most processes the launcher may start (so a policy may ask for more devices than exist now).
+ENV_MAX_PROCESSES = "ADAPTJAX_MAX_PROCESSES"
+#: Where process 0 writes ``{"processes": P, "devices": n}`` before exiting with EXIT_RESCALE.
+ENV_RESCALE_FILE = "ADAPTJAX_RESCALE_FILE"
+#: A directory in which each process touches ``<rank>`` after initialize and after every step.
+ENV_HEARTBEAT_DIR = "ADAPTJAX_HEARTBEAT_DIR"
+#: ``1``: compare a digest of every decision across processes (a debug check).
+ENV_CHECK_DECISIONS = "ADAPTJAX_CHECK_DECISIONS"
+#: ``0`` on the first start; ``k > 0`` on the k-th restart or relaunch (the script resumes).
+ENV_ATTEMPT = "ADAPTJAX_ATTEMPT"
+
+
+#: The launcher's exit code for bad arguments (nothing was started).
+EXIT_USAGE = 2
+_EXIT_PREEMPTED = 75  # adaptjax.EXIT_PREEMPTED, without importing the controller (and jax)
+
+
+class LaunchError(ValueError):
+    """A bad argument to ``adaptjax launch`` (one line, naming the fix)."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def check_command(command: list[str]) -> None:
+    """One-line :class:`LaunchError` when the command or its Python script cannot be found."""
+    if not command:
+        raise LaunchError("no command to launch; give it after --, e.g. -- python train.py")
+    exe = command[0]
+    if shutil.which(exe) is None and not os.path.isfile(exe):
+        raise LaunchError(f"command {exe!r} not found; give a program on PATH or a path to one")
+    if os.path.basename(exe).startswith("python"):
+        rest = command[1:]
+        i = 0
+        while i < len(rest) and rest[i].startswith("-"):
+            if rest[i] in ("-m", "-c"):
+                return
+            i += 2 if rest[i] in ("-W", "-X") else 1
+        if i < len(rest) and not os.path.isfile(rest[i]):
+            raise LaunchError(f"script {rest[i]!r} not found; check the path of the script")
+
+
+def _xla_flags(existing: str, devices: int) -> str:
+    key = "--xla_force_host_platform_device_count"
+    flags = [f for f in existing.split() if not f.startswith(key)]
+    flags.append(f"{key}={devices}")
+    return " ".join(flags)
+
+
+class _Attempt:
+    """One start of N processes: their output, liveness and how they ended."""
+
+    def __init__(self, command, n, *, env, port, workdir, out, err, lock):
+        self.n = n
+        self.out = out
+        self.err = err
+        self.lock = lock
+        self.heartbeats = os.path.join(workdir, "heartbeat")
+        os.makedirs(self.heartbeats, exist_ok=True)
+        self.rescale_file = os.path.join(workdir, "rescale.json")
+        self.procs: list[subprocess.Popen] = []
+        self.readers: list[threading.Thread] = []
+        self.started = time.monotonic()
+        for rank in range(n):
+            child = dict(env)
+            child.update(
+                {
+                    ENV_COORDINATOR: f"127.0.0.1:{port}",
+                    ENV_NUM_PROCESSES: str(n),
+                    ENV_PROCESS_ID: str(rank),
+                    ENV_HEARTBEAT_DIR: self.heartbeats,
+                    ENV_RESCALE_FILE: self.rescale_file,
+                    "PYTHONUNBUFFERED": "1",
+                }
+            )
+            proc = subprocess.Popen(
+                command,
+                env=child,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group: we can stop all it started
+            )
+            self.procs.append(proc)
+            t = threading.Thread(target=self._pump, args=(rank, proc), daemon=True)
+            t.start()
+            self.readers.append(t)
+
+    def _pump(self, rank: int, proc: subprocess.Popen) -> None:
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            with self.lock:
+                self.out.write(f"[{rank}] {line}\n")
+                self.out.flush()
+
+    def say(self, text: str) -> None:
+        with self.lock:
+            self.err.write(f"adaptjax launch: {text}\n")
+            self.err.flush()
+
+    def signal_all(self, sig) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def kill_all(self) -> None:
+        self.signal_all(signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+        for t in self.readers:
+            t.join(timeout=2)
+
+    def beats(self) -> dict[int, float]:
+        out = {}
+        for rank in range(self.n):
+            try:
+                out[rank] = os.path.getmtime(os.path.join(self.heartbeats, str(rank)))
+            except OSError:
+                pass
+        return out
+
+
+def _describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+def _run_attempt(attempt: _Attempt, *, start_timeout, hang_timeout, stop_event) -> int:
+    """Watches one attempt until it ends; returns 0, EXIT_RESCALE, 75 or a failure code."""
+    forwarded = False
+    while True:
+        time.sleep(0.1)
+        codes = [p.poll() for p in attempt.procs]
+        if stop_event.is_set() and not forwarded:
+            attempt.say("forwarding SIGTERM to every process (they checkpoint and exit)")
+            attempt.signal_all(signal.SIGTERM)
+            forwarded = True
+            forwarded_at = time.monotonic()
+        if all(c is not None for c in codes):
+            attempt.kill_all()  # joins the output readers
+            if all(c == 0 for c in codes):
+                return 0
+            if all(c == EXIT_RESCALE for c in codes):
+                return EXIT_RESCALE
+            if all(c == _EXIT_PREEMPTED for c in codes):
+                return _EXIT_PREEMPTED
+            bad = next(c for c in codes if c != 0)
+            return bad if bad > 0 else 128 - bad
+        if forwarded:
+            if time.monotonic() - forwarded_at > hang_timeout:
+                attempt.say(f"processes did not exit {hang_timeout:.0f} s after SIGTERM; killing")
+                attempt.kill_all()
+                return _EXIT_PREEMPTED
+            continue
+        failed = [
+            (r, c) for r, c in enumerate(codes) if c is not None and c not in (0, EXIT_RESCALE)
+        ]
+        if failed:
+            rank, rc = failed[0]
+            attempt.say(f"process {rank} ended ({_describe(rc)}); stopping the others")
+            attempt.kill_all()
+            return rc if rc > 0 else 128 - rc
+        now = time.monotonic()
+        beats = attempt.beats()
+        missing = [r for r in range(attempt.n) if r not in beats and codes[r] is None]
+        if missing and now - attempt.started > start_timeout:
+            attempt.say(
+                f"process(es) {missing} did not reach initialize_distributed within "
+                f"{start_timeout:.0f} s; stopping all"
+            )
+            attempt.kill_all()
+            return 1
+        if not missing:
+            wall = time.time()
+            stale = [r for r, t in beats.items() if codes[r] is None and wall - t > hang_timeout]
+            if stale:
+                attempt.say(
+                    f"process {stale[0]} made no step for {hang_timeout:.0f} s (hung in a "
+                    "collective?); stopping all"
+                )
+                attempt.kill_all()
+                return 1
+
+
+def launch(
+    command: list[str],
+    *,
+    processes: int,
+    devices_per_process: int | None = None,
+    max_restarts: int = 3,
+    max_processes: int | None = None,
+    port: int | None = None,
+    start_timeout: float = 120.0,
+    hang_timeout: float = 600.0,
+    backoff: float = 1.0,
+    check_decisions: bool = False,
+    out=None,
+    err=None,
+) -> int:
+    """Runs ``command`` as ``processes`` processes until they finish; returns the exit code.
+
+    See the module docstring (``adaptjax launch -h``) for the behaviour. Raises
+    :class:`LaunchError` (one line) for bad arguments before starting anything.
+    The processes' lines go to ``out`` (default stdout), the launcher's own to
+    ``err`` (default stderr).
+
+    Example:
+      >>> import io, sys
+      >>> from adaptjax.launch._launcher import launch
+      >>> launch([sys.executable, "-c", "print('hi')"], processes=1, out=sys.stdout,
+      ...        err=io.StringIO())
+      [0] hi
+      0
+    """
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    for name, value, low in (
+        ("-n", processes, 1),
+        ("--devices-per-process", devices_per_process, 1),
+        ("--max-restarts", max_restarts, 0),
+        ("--max-processes", max_processes, 1),
+    ):
+        if value is not None and (not isinstance(value, int) or value < low):
+            raise LaunchError(f"{name} must be an integer >= {low}, got {value!r}")
+    for name, value in (("--start-timeout", start_timeout), ("--hang-timeout", hang_timeout)):
+        if not value > 0:
+            raise LaunchError(f"{name} must be > 0 seconds, got {value!r}")
+    command = list(command)
+    check_command(command)
+    if port is not None:
+        if not 0 < port < 65536:
+            raise LaunchError(f"--port must be in 1..65535, got {port}")
+        if _port_in_use(port):
+            raise LaunchError(
+                f"port {port} on 127.0.0.1 is in use; choose another --port or leave it out "
+                "(a free one is picked)"
+            )
+    max_processes = max(max_processes or processes, processes)
+    lock = threading.Lock()
+    stop_event = threading.Event()
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            handlers[sig] = signal.signal(sig, lambda *_: stop_event.set())
+    workdir = tempfile.mkdtemp(prefix="adaptjax-launch-")
+    n, restarts, attempts = processes, 0, 0
+    try:
+        while True:
+            env = dict(os.environ)
+            env[ENV_ATTEMPT] = str(attempts)
+            attempts += 1
+            env[ENV_MAX_PROCESSES] = str(max(max_processes, n))
+            if check_decisions:
+                env[ENV_CHECK_DECISIONS] = "1"
+            if devices_per_process is not None:
+                env["XLA_FLAGS"] = _xla_flags(env.get("XLA_FLAGS", ""), devices_per_process)
+                env.setdefault("JAX_PLATFORMS", "cpu")
+            attempt_dir = tempfile.mkdtemp(dir=workdir)
+            attempt = _Attempt(
+                command,
+                n,
+                env=env,
+                port=port if port is not None else free_port(),
+                workdir=attempt_dir,
+                out=out,
+                err=err,
+                lock=lock,
+            )
+            attempt.say(f"started {n} process(es): {shlex.join(command)}")
+            try:
+                rc = _run_attempt(
+                    attempt,
+                    start_timeout=start_timeout,
+                    hang_timeout=hang_timeout,
+                    stop_event=stop_event,
+                )
+            finally:
+                attempt.kill_all()
+            if rc == 0:
+                attempt.say(f"all {n} process(es) finished")
+                return 0
+            if stop_event.is_set():
+                attempt.say(f"stopped by a signal (exit code {rc})")
+                return rc
+            if rc == EXIT_RESCALE:
+                try:
+                    with open(attempt.rescale_file) as f:
+                        request = json.load(f)
+                    wanted = int(request["processes"])
+                except (OSError, ValueError, KeyError) as e:
+                    attempt.say(f"processes exited with EXIT_RESCALE but left no request ({e})")
+                    return EXIT_RESCALE
+                if wanted > max_processes:
+                    attempt.say(
+                        f"the run asks for {wanted} processes, above --max-processes "
+                        f"{max_processes}; stopping"
+                    )
+                    return EXIT_RESCALE
+                attempt.say(f"rescale: relaunching with {wanted} process(es) (was {n})")
+                n = wanted
+                continue
+            restarts += 1
+            if restarts > max_restarts:
+                attempt.say(f"giving up after {max_restarts} restart(s) (exit code {rc})")
+                return rc
+            wait = min(backoff * 2 ** (restarts - 1), 30.0)
+            attempt.say(f"restart {restarts}/{max_restarts} in {wait:.1f} s (resume)")
+            if stop_event.wait(wait):
+                return _EXIT_PREEMPTED
+    finally:
+        for sig, previous in handlers.items():
+            signal.signal(sig, previous)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``adaptjax launch`` from the command line; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        i = argv.index("--")
+        options, command = argv[:i], argv[i + 1 :]
+    else:
+        options, command = argv, []
+    parser = argparse.ArgumentParser(
+        prog="adaptjax launch",
+        description=__doc__.splitlines()[0],
+        epilog="Exit codes: 0 done; 75 preempted (resume later); 76 a process-count change the "
+        "launcher could not carry out; 2 bad arguments; otherwise the failing process's code.",
+    )
+    parser.add_argument("-n", "--processes", type=int, required=True)
+    parser.add_argument("--devices-per-process", type=int, default=None)
+    parser.add_argument("--max-restarts", type=int, default=3)
+    parser.add_argument("--max-processes", type=int, default=None)
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--start-timeout", type=float, default=120.0)
+    parser.add_argument("--hang-timeout", type=float, default=600.0)
+    parser.add_argument("--backoff", type=float, default=1.0)
+    parser.add_argument("--check-decisions", action="store_true")
+    args = parser.parse_args(options)
+    try:
+        return launch(
+            command,
+            processes=args.processes,
+            devices_per_process=args.devices_per_process,
+            max_restarts=args.max_restarts,
+            max_processes=args.max_processes,
+            port=args.port,
+            start_timeout=args.start_timeout,
+            hang_timeout=args.hang_timeout,
+            backoff=args.backoff,
+            check_decisions=args.check_decisions,
+        )
+    except LaunchError as e:
+        print(f"adaptjax launch: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

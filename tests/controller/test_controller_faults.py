@@ -1,0 +1,504 @@
+"""The controller under faults: real kills from outside, Ctrl-C, SIGTERM, two owners, corrupt files.
+
+Every fault test checks every promise after the fault: the final parameters are
+bit-identical to an uninterrupted run's, every step is in ``metrics.jsonl``
+exactly once, every event in ``events.jsonl`` exactly once, and the run goes on
+in the configuration the uninterrupted run had at that step.
+"""
+
+import collections
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import adaptjax
+from adaptjax import policies as ajp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import controller_job as job  # noqa: E402
+
+JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "controller_job.py")
+STEPS = 45
+# Events that describe the run itself (compile/resume/skip events describe the sessions).
+RUN_EVENTS = {
+    "decision",
+    "set_hyperparams",
+    "set_codec",
+    "batch_rounded",
+    "checkpoint",
+    "rescale",
+    "rollback",
+    "stop",
+    "eval",
+}
+
+
+class Job:
+    """The job as a subprocess whose stdout lines are read as they come."""
+
+    def __init__(self, run_dir, steps=STEPS, *extra):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", JOB, str(run_dir), str(steps), *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self._watchdog = threading.Timer(240, self.proc.kill)
+        self._watchdog.start()
+
+    def wait_for(self, predicate) -> str | None:
+        """Reads lines until ``predicate(line)``; ``None`` when the process ended first."""
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if predicate(line.split()):
+                return line
+        return None
+
+    def finish(self) -> int:
+        out, _ = self.proc.communicate()
+        self.lines.extend(out.splitlines(keepends=True))
+        self._watchdog.cancel()
+        return self.proc.returncode
+
+    def output(self) -> str:
+        return "".join(self.lines[-60:])
+
+
+def _rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _event_key(e):
+    fields = (
+        "kind",
+        "step",
+        "metrics_step",
+        "actions",
+        "devices_from",
+        "devices_to",
+        "learning_rate",
+        "requested",
+        "batch_size",
+        "codec",
+    )
+    return tuple((k, json.dumps(e.get(k))) for k in fields)
+
+
+def run_events(run_dir):
+    return collections.Counter(
+        _event_key(e)
+        for e in _rows(os.path.join(run_dir, "events.jsonl"))
+        if e["kind"] in RUN_EVENTS
+    )
+
+
+def final_params(run_dir):
+    with np.load(os.path.join(run_dir, "final_params.npz")) as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    j = Job(run_dir)
+    assert j.finish() == 0, j.output()
+    return run_dir
+
+
+def assert_same_run(run_dir, reference):
+    got, want = final_params(run_dir), final_params(reference)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)  # bit-identical
+    steps = [r["step"] for r in _rows(os.path.join(run_dir, "metrics.jsonl"))]
+    assert steps == list(range(1, STEPS + 1)), "every step exactly once, in order"
+    got_events, want_events = run_events(run_dir), run_events(reference)
+    # A preemption (SIGTERM) adds one real checkpoint, at the step it was asked for.
+    preempted = {
+        e["step"] for e in _rows(os.path.join(run_dir, "events.jsonl")) if e["kind"] == "preempted"
+    }
+    for step in preempted:
+        key = _event_key({"kind": "checkpoint", "step": step})
+        if got_events[key] > want_events[key]:
+            got_events[key] -= 1
+    assert +got_events == +want_events, "every event exactly once"
+    leftovers = [n for n in os.listdir(os.path.join(run_dir, "checkpoints")) if "tmp" in n]
+    assert leftovers == []
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_sigint_and_sigterm_lose_nothing(tmp_path, reference):
+    """Five ``kill -9`` from outside (two during rescales, one right after one), then
+    Ctrl-C and SIGTERM, each followed by a resume; the run ends as if never interrupted."""
+    rng = random.Random(int(os.environ.get("ADAPTJAX_FAULT_SEED", "8")))
+    run_dir = tmp_path / "run"
+    trials = [
+        ("SIGKILL", "step", rng.randint(4, 9)),  # before the first checkpoint
+        ("SIGKILL", "rescale", rng.uniform(0.0, 0.3)),  # inside the 8 -> 4 transition
+        ("SIGKILL", "devices", 4),  # just after it: the checkpoint must say 4 devices
+        ("SIGINT", "step", rng.randint(24, 28)),  # an async checkpoint may be in flight
+        ("SIGKILL", "rescale", rng.uniform(0.0, 0.3)),  # inside the 4 -> 8 transition
+        ("SIGTERM", "step", 42),  # preemption: checkpoint now, exit 75
+        ("SIGKILL", "step", rng.randint(43, 44)),
+    ]
+    landed = []
+    for sig, what, value in trials:
+        j = Job(run_dir)
+        if what == "step":
+            hit = j.wait_for(lambda w, v=value: w[:1] == ["STEP"] and int(w[1]) >= v)
+        elif what == "devices":
+            hit = j.wait_for(lambda w, v=value: w[:1] == ["STEP"] and int(w[2]) == v)
+        else:
+            hit = j.wait_for(lambda w: w[:1] == ["RESCALE"])
+            time.sleep(value)
+        assert hit is not None, f"{sig} {what} never came:\n{j.output()}"
+        j.proc.send_signal(getattr(signal, sig))
+        code = j.finish()
+        landed.append((sig, hit.strip()))
+        if sig == "SIGKILL":
+            assert code == -signal.SIGKILL, j.output()
+        elif sig == "SIGTERM":
+            assert code == adaptjax.EXIT_PREEMPTED == 75, j.output()
+            preempted = [e for e in _rows(run_dir / "events.jsonl") if e["kind"] == "preempted"]
+            assert (
+                preempted
+                and preempted[-1]["step"]
+                in adaptjax.CheckpointManager(run_dir / "checkpoints").all_steps()
+            )
+        else:
+            assert code != 0, j.output()  # KeyboardInterrupt propagates
+        # Whatever was interrupted: only completed checkpoints are logged (older ones may be
+        # gone by max_to_keep), and a clean exit finished and logged its in-flight checkpoint.
+        on_disk = set(adaptjax.CheckpointManager(run_dir / "checkpoints").all_steps())
+        logged = {e["step"] for e in _rows(run_dir / "events.jsonl") if e["kind"] == "checkpoint"}
+        assert {s for s in logged if not on_disk or s >= min(on_disk)} <= on_disk
+        if sig != "SIGKILL":
+            assert max(on_disk) in logged
+            assert not [n for n in os.listdir(run_dir / "checkpoints") if "tmp" in n]
+    print(f"fault trials (signal, last line the job printed): {landed}")
+    assert sum(sig == "SIGKILL" for sig, _ in landed) >= 5
+    j = Job(run_dir)
+    assert j.finish() == 0, j.output()
+    assert_same_run(run_dir, reference)
+    resumes = [e for e in _rows(run_dir / "events.jsonl") if e["kind"] == "resume"]
+    assert len(resumes) >= 5, landed
+
+
+@pytest.mark.slow
+def test_kill_inside_a_checkpoint_write_resumes_from_the_previous_one(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    j = Job(run_dir, STEPS, "--kill-in-save", "20")
+    assert j.finish() == 17, j.output()
+    assert any(".orbax-checkpoint-tmp" in n for n in os.listdir(run_dir / "checkpoints"))
+    j = Job(run_dir)
+    assert j.wait_for(lambda w: w[:1] == ["RESUMED"]) == "RESUMED 10\n"
+    assert j.finish() == 0, j.output()
+    assert_same_run(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_a_second_process_on_the_run_dir_is_refused_and_the_first_is_unharmed(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    first = Job(run_dir, STEPS, "--step-sleep", "0.3")  # still training when the second starts
+    assert first.wait_for(lambda w: w[:1] == ["STEP"]) is not None, first.output()
+    second = Job(run_dir)
+    assert second.finish() != 0
+    assert f"in use by another controller (pid {first.proc.pid})" in second.output()
+    assert first.finish() == 0, first.output()
+    assert_same_run(run_dir, reference)
+
+
+# ---------------------------------------------------------------------------- in-process
+
+
+def _one_line(excinfo):
+    msg = str(excinfo.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+class Recorder(ajp.Policy):
+    """Records the context step of every decision; acts through ``actions(ctx)``."""
+
+    def __init__(self, actions=lambda ctx: []):
+        self.steps, self.actions = [], actions
+
+    def decide(self, metrics, ctx):
+        self.steps.append(ctx.step)
+        return self.actions(ctx)
+
+
+def test_one_decision_fires_once_even_when_it_rescales(tmp_path):
+    policy = Recorder(lambda ctx: [ajp.Rescale(devices=4)] if ctx.step == 4 else [])
+    ctrl = adaptjax.Controller(
+        run_dir=tmp_path, **job.job_kwargs(policies=[policy], policy_every=1)
+    )
+    ctrl.run(8)
+    ctrl.close()
+    events = _rows(tmp_path / "events.jsonl")
+    assert [e["devices_to"] for e in events if e["kind"] == "rescale"] == [4]
+    assert [e["metrics_step"] for e in events if e["kind"] == "decision"] == [4]
+    assert policy.steps == list(range(1, 8)), "each step decided once, in order"
+
+
+def test_context_step_is_the_step_the_metrics_belong_to(tmp_path):
+    policy = Recorder()
+    sched = ajp.Schedule({15: ajp.SetBatchSize(32)})
+    ctrl = adaptjax.Controller(
+        run_dir=tmp_path,
+        **job.job_kwargs(policies=[policy, sched], policy_every=5, checkpoint_every=10),
+    )
+    ctrl.run(21)
+    ctrl.close()
+    assert policy.steps == [5, 10, 15, 20]
+    (decision,) = [e for e in _rows(tmp_path / "events.jsonl") if e["kind"] == "decision"]
+    assert decision["metrics_step"] == 15 and decision["step"] == 16
+    compiles = [e for e in _rows(tmp_path / "events.jsonl") if e["kind"] == "compile"]
+    assert [e["step"] for e in compiles] == [1, 17]  # batch 32 from step 17: s + 2
+
+
+def test_exception_finishes_the_in_flight_checkpoint_and_logs_only_completed_ones(tmp_path):
+    class Boom(ajp.Policy):
+        def decide(self, metrics, ctx):
+            if ctx.step == 10:
+                raise RuntimeError("policy bug")
+            return []
+
+    ctrl = adaptjax.Controller(
+        run_dir=tmp_path, **job.job_kwargs(policies=[Boom()], policy_every=1, checkpoint_every=10)
+    )
+    with pytest.raises(RuntimeError, match="policy bug"):
+        ctrl.run(20)  # checkpoint 10 is written asynchronously, then step 11 decides on 10
+    assert [n for n in os.listdir(tmp_path / "checkpoints")] == ["10"]
+    logged = [e["step"] for e in _rows(tmp_path / "events.jsonl") if e["kind"] == "checkpoint"]
+    assert logged == [10]
+    # the run directory was released: it resumes in this same process
+    resumed = adaptjax.Controller.resume(
+        tmp_path, **job.job_kwargs(policies=[Boom()], policy_every=1)
+    )
+    assert resumed.step == 10
+    resumed.close()
+
+
+def test_a_second_controller_on_the_run_dir_gets_the_holders_pid(tmp_path):
+    first = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+    with pytest.raises(adaptjax.RunDirectoryLocked) as e:
+        adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+    assert f"pid {os.getpid()}" in _one_line(e)
+    first.close()
+    adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[])).close()
+
+
+# --- corrupt checkpoints -------------------------------------------------------------
+
+
+@pytest.fixture
+def three_checkpoints(tmp_path):
+    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+    ctrl.run(30)
+    ctrl.close()
+    return tmp_path
+
+
+def _array_files(step_dir):
+    out = []
+    for root, _, files in os.walk(step_dir / "state"):
+        out += [os.path.join(root, f) for f in files if os.sep + "d" + os.sep in root + os.sep]
+    return sorted(out, key=os.path.getsize)
+
+
+def _truncate(run_dir):
+    # every data file: which of them a restore reads depends on Orbax's layout
+    for path in _array_files(run_dir / "checkpoints" / "30"):
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+
+
+def _flip(run_dir):
+    # 64 bytes in the middle of every data file, XOR-ed (the file sizes are unchanged)
+    for path in _array_files(run_dir / "checkpoints" / "30"):
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            chunk = bytearray(f.read(64))
+            f.seek(os.path.getsize(path) // 2)
+            f.write(bytes(b ^ 0x5A for b in chunk))
+
+
+def _delete_metadata(run_dir):
+    os.remove(run_dir / "checkpoints" / "30" / "state" / "_METADATA")
+
+
+def _garbage_meta(run_dir):
+    (run_dir / "checkpoints" / "30" / "meta" / "metadata").write_text("{not json")
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip, _delete_metadata, _garbage_meta])
+def test_a_damaged_latest_checkpoint_is_skipped_for_the_newest_intact_one(
+    three_checkpoints, damage
+):
+    run_dir = three_checkpoints
+    damage(run_dir)
+    with pytest.warns(UserWarning, match="skipped checkpoint 30"):
+        ctrl = adaptjax.Controller.resume(run_dir, **job.job_kwargs(policies=[]))
+    assert ctrl.step == 20
+    (skip,) = [e for e in ctrl.log.events if e["kind"] == "checkpoint_skipped"]
+    assert skip["skipped_step"] == 30 and "checkpoints/30" in skip["reason"]
+    assert os.path.isdir(run_dir / "quarantine" / "30")  # kept, never deleted
+    assert [r["step"] for r in _rows(run_dir / "metrics.jsonl")] == list(range(1, 21))
+    ctrl.run(30)  # the steps after 20 are recomputed and checkpoint 30 written again
+    ctrl.close()
+    assert adaptjax.CheckpointManager(run_dir / "checkpoints").latest_step() == 30
+    assert [r["step"] for r in _rows(run_dir / "metrics.jsonl")] == list(range(1, 31))
+
+
+def test_changed_array_bytes_are_refused_by_checksum_with_a_one_line_error(three_checkpoints):
+    # Orbax can read every byte (step 20's arrays under step 30's meta); only checksums see it.
+    ckpts = three_checkpoints / "checkpoints"
+    shutil.rmtree(ckpts / "30" / "state")
+    shutil.copytree(ckpts / "20" / "state", ckpts / "30" / "state")
+    ctrl = adaptjax.Controller(run_dir=three_checkpoints / "x", **job.job_kwargs(policies=[]))
+    with adaptjax.CheckpointManager(ckpts) as ckpt:
+        with pytest.raises(adaptjax.CorruptCheckpointError) as e:
+            ckpt.restore(30, target_state=ctrl.state, mesh=adaptjax.make_mesh(8))
+    msg = _one_line(e)
+    assert "checkpoints/30 is corrupt" in msg and "does not match the checksum" in msg
+    ctrl.close()
+
+
+def test_a_stray_step_directory_is_ignored_with_a_warning(three_checkpoints):
+    os.makedirs(three_checkpoints / "checkpoints" / "999")
+    with pytest.warns(UserWarning, match="999 is not an adaptjax checkpoint"):
+        ctrl = adaptjax.Controller.resume(three_checkpoints, **job.job_kwargs(policies=[]))
+    assert ctrl.step == 30
+    ctrl.close()
+    assert os.path.isdir(three_checkpoints / "checkpoints" / "999")  # left alone
+
+
+def test_no_intact_checkpoint_says_so_in_one_line(three_checkpoints):
+    for step in (10, 20, 30):
+        os.remove(three_checkpoints / "checkpoints" / str(step) / "state" / "_METADATA")
+    with pytest.warns(UserWarning), pytest.raises(ValueError) as e:
+        adaptjax.Controller.resume(three_checkpoints, **job.job_kwargs(policies=[]))
+    assert "no intact checkpoint" in _one_line(e)
+
+
+# --- every check before anything touches the disk ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(max_devices=4), "max_devices=4 is below devices=8"),
+        (dict(hyperparams={"learning_rate": float("nan")}), "must be finite"),
+        (dict(hyperparams={"learning_rate": float("inf")}), "must be finite"),
+        (dict(hyperparams={"learning_rate": 0.0}), "learning_rate must be > 0"),
+        (dict(hyperparams={"learning_rate": -1e-3}), "learning_rate must be > 0"),
+        (dict(hyperparams={"lr": 1e-3}), "hyperparams has 'lr', which adam does not take"),
+        (dict(hyperparams={}), "hyperparams needs 'learning_rate'"),
+        (dict(batch_size=64.5), "batch_size must be a positive integer, got 64.5"),
+        (dict(batch_size="64"), "batch_size must be a positive integer, got '64'"),
+        (dict(devices=8.0), "devices must be a positive integer"),
+        (dict(link_bandwidth=-1.0), "link_bandwidth must be a positive number"),
+    ],
+)
+def test_bad_arguments_fail_before_the_run_dir_exists(tmp_path, overrides, message):
+    with pytest.raises(ValueError) as e:
+        adaptjax.Controller(run_dir=tmp_path / "run", **job.job_kwargs(**overrides))
+    assert message in _one_line(e)
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_with_negative_or_past_steps_writes_nothing(tmp_path):
+    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+    with pytest.raises(ValueError) as e:
+        ctrl.run(steps=-5)
+    assert "steps must be a non-negative integer, got -5" in _one_line(e)
+    assert not (tmp_path / "checkpoints").exists() or os.listdir(tmp_path / "checkpoints") == []
+    ctrl.run(3)
+    with pytest.raises(ValueError) as e:
+        ctrl.run(2)
+    assert "already at step 3" in _one_line(e)
+    ctrl.close()
+
+
+def test_a_run_whose_every_step_is_nonfinite_stops_with_an_error(tmp_path):
+    data = job.make_data()
+    data["x"][:] = np.nan
+    ctrl = adaptjax.Controller(
+        run_dir=tmp_path,
+        **job.job_kwargs(
+            policies=[], data=adaptjax.ArrayDataset(data, seed=0), max_nonfinite_steps=5
+        ),
+    )
+    with pytest.raises(adaptjax.NonFiniteTraining) as e:
+        ctrl.run(50)
+    assert "non-finite" in _one_line(e)
+    assert ctrl.step < 10  # it stopped within a step or two of the limit
+
+
+def test_resume_warns_for_every_value_the_checkpoint_overrides(tmp_path):
+    ctrl = adaptjax.Controller(
+        run_dir=tmp_path,
+        **job.job_kwargs(policies=[Recorder()], hyperparams={"learning_rate": 1e-2, "b1": 0.9}),
+    )
+    ctrl.run(10)
+    ctrl.close()
+    seen = Recorder()
+    seen.decide = lambda metrics, ctx: seen.steps.append(dict(ctx.hyperparams)) or []
+    with pytest.warns(UserWarning) as record:
+        resumed = adaptjax.Controller.resume(
+            tmp_path,
+            **job.job_kwargs(
+                policies=[seen],
+                policy_every=1,
+                devices=4,
+                batch_size=32,
+                hyperparams={"learning_rate": 1e-3, "b1": 0.8},
+            ),
+        )
+    messages = [str(w.message) for w in record]
+    for key in ("devices=4", "batch_size=32", "learning_rate=0.001", "b1=0.8"):
+        assert any(key in m and "continues with the checkpoint's" in m for m in messages), key
+    resumed.run(12)
+    assert seen.steps[-1]["b1"] == pytest.approx(0.9)  # what the optimizer really holds
+    assert resumed.config.devices == 8 and resumed.config.batch_size == 64
+    resumed.close()
+
+
+def test_resume_accepts_run_dir_among_the_same_arguments(tmp_path):
+    kwargs = job.job_kwargs(policies=[], run_dir=tmp_path)
+    ctrl = adaptjax.Controller(**kwargs)
+    ctrl.run(10)
+    ctrl.close()
+    resumed = adaptjax.Controller.resume(**job.job_kwargs(policies=[], run_dir=tmp_path))
+    assert resumed.step == 10
+    resumed.close()
+
+
+def test_a_policy_that_needs_a_metric_never_produced_warns_at_construction(tmp_path):
+    switch = ajp.SwitchCompression(object(), when_comm_share_above=0.5)
+    with pytest.warns(UserWarning, match="'comm_share'.*link_bandwidth") as record:
+        ctrl = adaptjax.Controller(
+            run_dir=tmp_path / "a", **job.job_kwargs(policies=[ajp.cooldown(switch, steps=5)])
+        )
+    assert sum("comm_share" in str(w.message) for w in record) == 1  # one line, once
+    ctrl.close()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctrl = adaptjax.Controller(
+            run_dir=tmp_path / "b", **job.job_kwargs(policies=[switch], link_bandwidth=1e9)
+        )
+    ctrl.close()
