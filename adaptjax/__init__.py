@@ -10,14 +10,15 @@ the ``adaptjax`` command's read-only subcommands never import jax.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from adaptjax._lazy import attach
 
 # Public name -> the private module that defines it. To export a new name, add
 # it here, to __all__ and to the TYPE_CHECKING imports below (a test checks the
-# three agree).
-_LAZY = {
-    "CheckpointManager": "adaptjax.controller._checkpoint",
+# three agree). Every public package of adaptjax has this facade (adaptjax._lazy).
+_NAMES = {
+    "RunCheckpoints": "adaptjax.controller._checkpoint",
     "CorruptCheckpointError": "adaptjax.controller._checkpoint",
     "GradientCodec": "adaptjax._codec",
     "Controller": "adaptjax.controller._controller",
@@ -131,7 +132,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax._sync import SyncGradients, SyncState, noise_scale, sync_gradients
     from adaptjax._tree import tree_sq_norm, tree_sq_norm_sampled, tree_vdot
     from adaptjax._wire import Collective, WireReport, wire_bytes
-    from adaptjax.controller._checkpoint import CheckpointManager, CorruptCheckpointError
+    from adaptjax.controller._checkpoint import CorruptCheckpointError, RunCheckpoints
     from adaptjax.controller._controller import EXIT_PREEMPTED, Controller, NonFiniteTraining
     from adaptjax.controller._run_config import RunConfig, codec_key
     from adaptjax.controller._run_lock import RunDirectoryLocked
@@ -164,7 +165,7 @@ __all__ = [
     "RunLog",
     "codec_key",
     "ArrayDataset",
-    "CheckpointManager",
+    "RunCheckpoints",
     "Collective",
     "DataParallelStep",
     "GradStats",
@@ -237,19 +238,12 @@ def _version() -> str:
         return "0+unknown"
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value  # later lookups skip __getattr__
-        return value
+_DEPRECATED = {"CheckpointManager": "RunCheckpoints"}  # old -> new, for one release
+_getattr, __dir__ = attach(__name__, _NAMES, _DEPRECATED)
+
+
+def __getattr__(name: str) -> object:
     if name == "__version__":
         value = globals()["__version__"] = _version()
         return value
-    # Unknown names raise AttributeError, so `from adaptjax import compression`
-    # falls through to importing the subpackage.
-    raise AttributeError(f"module 'adaptjax' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__) | {"__version__"})
+    return _getattr(name)

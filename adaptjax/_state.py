@@ -293,7 +293,7 @@ def abstract_state(model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...
     """The :class:`TrainState` that :func:`init_state` would build, as ``ShapeDtypeStruct``s.
 
     Nothing is allocated: use it as the restore target of a checkpoint on a
-    new mesh (``CheckpointManager.restore(target_state=...)``) or to compile a
+    new mesh (``RunCheckpoints.restore(target_state=...)``) or to compile a
     step ahead of time. Each leaf carries its ``NamedSharding`` on ``mesh``.
 
     Args:

@@ -50,13 +50,42 @@ if __name__ != "adaptjax.compression":  # pragma: no cover - guards against shad
         "import this package as `adaptjax.compression`, not as a top-level `compression`"
     )
 
-from adaptjax.compression._base import Codec, CompressionState, SumToAll
-from adaptjax.compression._bits import pack_bits, unpack_bits
-from adaptjax.compression._plan import Plan, PlanRow, plan
-from adaptjax.compression._powersgd import powersgd
-from adaptjax.compression._quantizers import bf16, fp16, natural, onebit, qsgd, terngrad
-from adaptjax.compression._sparse import dgc, randomk, topk
-from adaptjax.compression._topk_native import native_topk_available
+from typing import TYPE_CHECKING
+
+from adaptjax._lazy import attach
+
+# Public name -> the private module that defines it (a test checks this table,
+# __all__ and the TYPE_CHECKING imports agree).
+_NAMES = {
+    "Codec": "adaptjax.compression._base",
+    "CompressionState": "adaptjax.compression._base",
+    "SumToAll": "adaptjax.compression._base",
+    "pack_bits": "adaptjax.compression._bits",
+    "unpack_bits": "adaptjax.compression._bits",
+    "Plan": "adaptjax.compression._plan",
+    "PlanRow": "adaptjax.compression._plan",
+    "plan": "adaptjax.compression._plan",
+    "powersgd": "adaptjax.compression._powersgd",
+    "bf16": "adaptjax.compression._quantizers",
+    "fp16": "adaptjax.compression._quantizers",
+    "natural": "adaptjax.compression._quantizers",
+    "onebit": "adaptjax.compression._quantizers",
+    "qsgd": "adaptjax.compression._quantizers",
+    "terngrad": "adaptjax.compression._quantizers",
+    "dgc": "adaptjax.compression._sparse",
+    "randomk": "adaptjax.compression._sparse",
+    "topk": "adaptjax.compression._sparse",
+    "native_topk_available": "adaptjax.compression._topk_native",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
+    from adaptjax.compression._base import Codec, CompressionState, SumToAll
+    from adaptjax.compression._bits import pack_bits, unpack_bits
+    from adaptjax.compression._plan import Plan, PlanRow, plan
+    from adaptjax.compression._powersgd import powersgd
+    from adaptjax.compression._quantizers import bf16, fp16, natural, onebit, qsgd, terngrad
+    from adaptjax.compression._sparse import dgc, randomk, topk
+    from adaptjax.compression._topk_native import native_topk_available
 
 __all__ = [
     "Codec",
@@ -79,3 +108,5 @@ __all__ = [
     "topk",
     "unpack_bits",
 ]
+
+__getattr__, __dir__ = attach(__name__, _NAMES)

@@ -22,37 +22,83 @@ Example:
 if __name__ != "adaptjax.policies":  # pragma: no cover - guards against shadowing
     raise ImportError("import this package as `adaptjax.policies`, not as a top-level `policies`")
 
-from adaptjax.policies._actions import (
-    ACTION_TYPES,
-    Action,
-    Checkpoint,
-    Rescale,
-    Rollback,
-    SetBatchSize,
-    SetCodec,
-    SetHyperparams,
-    SetSync,
-    Stop,
-    with_reason,
-)
-from adaptjax.policies._batch_size import AdaptiveBatchSize
-from adaptjax.policies._checks import read_metric
-from adaptjax.policies._combinators import any_of, cooldown, hysteresis, when
-from adaptjax.policies._context import Context
-from adaptjax.policies._elastic import ElasticScale
-from adaptjax.policies._goodput import (
-    adascale_gain,
-    fit_throughput,
-    goodput,
-    lr_scale,
-    statistical_efficiency,
-)
-from adaptjax.policies._planner import Candidate, Planner
-from adaptjax.policies._plateau import EarlyStop, ReduceLROnPlateau
-from adaptjax.policies._policy import Policy, required_metrics, upcoming, validate_actions
-from adaptjax.policies._schedule import Schedule
-from adaptjax.policies._switch_compression import SwitchCompression
-from adaptjax.policies._switch_sync import SwitchSync
+from typing import TYPE_CHECKING
+
+from adaptjax._lazy import attach
+
+# Public name -> the private module that defines it (a test checks this table,
+# __all__ and the TYPE_CHECKING imports agree).
+_NAMES = {
+    "ACTION_TYPES": "adaptjax.policies._actions",
+    "Action": "adaptjax.policies._actions",
+    "Checkpoint": "adaptjax.policies._actions",
+    "Rescale": "adaptjax.policies._actions",
+    "Rollback": "adaptjax.policies._actions",
+    "SetBatchSize": "adaptjax.policies._actions",
+    "SetCodec": "adaptjax.policies._actions",
+    "SetHyperparams": "adaptjax.policies._actions",
+    "SetSync": "adaptjax.policies._actions",
+    "Stop": "adaptjax.policies._actions",
+    "with_reason": "adaptjax.policies._actions",
+    "AdaptiveBatchSize": "adaptjax.policies._batch_size",
+    "read_metric": "adaptjax.policies._checks",
+    "any_of": "adaptjax.policies._combinators",
+    "cooldown": "adaptjax.policies._combinators",
+    "hysteresis": "adaptjax.policies._combinators",
+    "when": "adaptjax.policies._combinators",
+    "Context": "adaptjax.policies._context",
+    "ElasticScale": "adaptjax.policies._elastic",
+    "adascale_gain": "adaptjax.policies._goodput",
+    "fit_throughput": "adaptjax.policies._goodput",
+    "goodput": "adaptjax.policies._goodput",
+    "lr_scale": "adaptjax.policies._goodput",
+    "statistical_efficiency": "adaptjax.policies._goodput",
+    "Candidate": "adaptjax.policies._planner",
+    "Predictor": "adaptjax.policies._planner",
+    "EarlyStop": "adaptjax.policies._plateau",
+    "ReduceLROnPlateau": "adaptjax.policies._plateau",
+    "Policy": "adaptjax.policies._policy",
+    "required_metrics": "adaptjax.policies._policy",
+    "upcoming": "adaptjax.policies._policy",
+    "validate_actions": "adaptjax.policies._policy",
+    "Schedule": "adaptjax.policies._schedule",
+    "SwitchCompression": "adaptjax.policies._switch_compression",
+    "SwitchSync": "adaptjax.policies._switch_sync",
+}
+_DEPRECATED = {"Planner": "Predictor"}  # old -> new, for one release
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
+    from adaptjax.policies._actions import (
+        ACTION_TYPES,
+        Action,
+        Checkpoint,
+        Rescale,
+        Rollback,
+        SetBatchSize,
+        SetCodec,
+        SetHyperparams,
+        SetSync,
+        Stop,
+        with_reason,
+    )
+    from adaptjax.policies._batch_size import AdaptiveBatchSize
+    from adaptjax.policies._checks import read_metric
+    from adaptjax.policies._combinators import any_of, cooldown, hysteresis, when
+    from adaptjax.policies._context import Context
+    from adaptjax.policies._elastic import ElasticScale
+    from adaptjax.policies._goodput import (
+        adascale_gain,
+        fit_throughput,
+        goodput,
+        lr_scale,
+        statistical_efficiency,
+    )
+    from adaptjax.policies._planner import Candidate, Predictor
+    from adaptjax.policies._plateau import EarlyStop, ReduceLROnPlateau
+    from adaptjax.policies._policy import Policy, required_metrics, upcoming, validate_actions
+    from adaptjax.policies._schedule import Schedule
+    from adaptjax.policies._switch_compression import SwitchCompression
+    from adaptjax.policies._switch_sync import SwitchSync
 
 __all__ = [
     "ACTION_TYPES",
@@ -63,7 +109,7 @@ __all__ = [
     "Context",
     "EarlyStop",
     "ElasticScale",
-    "Planner",
+    "Predictor",
     "Policy",
     "ReduceLROnPlateau",
     "Rescale",
@@ -91,3 +137,5 @@ __all__ = [
     "when",
     "with_reason",
 ]
+
+__getattr__, __dir__ = attach(__name__, _NAMES, _DEPRECATED)

@@ -145,5 +145,5 @@ def check_planner(planner, owner: str) -> None:
     if planner is not None and not callable(getattr(planner, "step_time", None)):
         raise ValueError(
             f"{owner}: planner must have a step_time(candidate) method (see "
-            f"adaptjax.policies.Planner), got {short_repr(planner)}; or pass planner=None"
+            f"adaptjax.policies.Predictor), got {short_repr(planner)}; or pass planner=None"
         )

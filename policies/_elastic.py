@@ -42,7 +42,7 @@ class ElasticScale(StatefulPolicy):
       schedule: ``{step: devices}``, steps >= 0, devices >= 1.
       predicate: ``(metrics, ctx) -> int | None``. Give ``schedule``, ``predicate``,
         ``planner`` or several.
-      planner: an object following :class:`adaptjax.policies.Planner`, or ``None``.
+      planner: an object following :class:`adaptjax.policies.Predictor`, or ``None``.
       min_gain: with a planner, the smallest predicted relative speed-up worth a rescale.
 
     Example:

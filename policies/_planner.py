@@ -1,6 +1,6 @@
 """What a policy may ask a cost model: predicted step times, and what is worth probing.
 
-A planner is any object with a ``step_time`` method (and optionally
+A planner (a :class:`Predictor`) is any object with a ``step_time`` method (and optionally
 ``observe`` and ``explore``); policies take one as ``planner=`` and never
 import it, so this layer stays plain Python. ``adaptjax.costs.Planner`` is the
 library's, calibrated from timed collectives and the run's own step times.
@@ -35,7 +35,7 @@ class Candidate(NamedTuple):
 
 
 @runtime_checkable
-class Planner(Protocol):
+class Predictor(Protocol):
     """Predicts step times of configurations (``None``: the model cannot tell).
 
     Optional methods a policy uses when present:
@@ -46,11 +46,11 @@ class Planner(Protocol):
       (cost-aware search), or ``None``.
 
     Example:
-      >>> from adaptjax.policies import Candidate, Planner
+      >>> from adaptjax.policies import Candidate, Predictor
       >>> class Fixed:
       ...     def step_time(self, candidate):
       ...         return 0.1 if candidate.codec is None else 0.05
-      >>> isinstance(Fixed(), Planner), Fixed().step_time(Candidate(8, 64))
+      >>> isinstance(Fixed(), Predictor), Fixed().step_time(Candidate(8, 64))
       (True, 0.1)
     """
 

@@ -35,7 +35,7 @@ class SwitchCompression(Policy):
       when_comm_share_above: the on-threshold, in [0, 1).
       off_below: the off-threshold, in [0, when_comm_share_above), or ``None`` to never
         switch off.
-      planner: an object following :class:`adaptjax.policies.Planner`, or ``None``.
+      planner: an object following :class:`adaptjax.policies.Predictor`, or ``None``.
       min_gain: with a planner, the smallest predicted relative speed-up worth a switch.
 
     Example:

@@ -134,7 +134,7 @@ def test_dropout_masks_differ_per_replica_and_per_step_and_replay_from_a_checkpo
     assert not np.array_equal(w2 - w1, w1)  # step 2 drew new masks
     assert not np.array_equal(w3 - w2, w2 - w1)
     # the stream's count is part of the state: a checkpoint replays the same masks
-    with adaptjax.CheckpointManager(tmp_path / "ckpt") as ckpt:
+    with adaptjax.RunCheckpoints(tmp_path / "ckpt") as ckpt:
         ckpt.save(1, state1, {})
         target = adaptjax.init_state(DropNet(nnx.Rngs(dropout=99)), tx, mesh)
         restored, _ = ckpt.restore(target_state=target, mesh=mesh)
@@ -164,7 +164,7 @@ def test_batch_statistics_survive_a_rescale_through_a_checkpoint(tmp_path):
     mesh8, mesh4 = adaptjax.make_mesh(8), adaptjax.make_mesh(4)
     state8 = adaptjax.init_state(model, tx, mesh8)
     state8, _ = adaptjax.data_parallel_step(_norm_loss, tx, mesh8)(state8, _batch())
-    with adaptjax.CheckpointManager(tmp_path / "ckpt") as ckpt:
+    with adaptjax.RunCheckpoints(tmp_path / "ckpt") as ckpt:
         ckpt.save(1, state8, {})
         target = adaptjax.abstract_state(NormNet(nnx.Rngs(1)), tx, mesh4)
         state4, _ = ckpt.restore(target_state=target, mesh=mesh4)

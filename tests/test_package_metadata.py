@@ -34,20 +34,32 @@ def test_changelog_has_a_section_for_the_current_version():
     assert f"## [{adaptjax.__version__}]" in (ROOT / "CHANGELOG.md").read_text()
 
 
-def test_every_public_name_resolves_to_its_module():
-    for name in adaptjax.__all__:
-        obj = getattr(adaptjax, name)
-        module = importlib.import_module(adaptjax._LAZY[name])
+FACADES = {
+    "adaptjax": ROOT / "adaptjax" / "__init__.py",
+    "adaptjax.costs": ROOT / "adaptjax" / "costs" / "__init__.py",
+    "adaptjax.compression": ROOT / "compression" / "__init__.py",
+    "adaptjax.policies": ROOT / "policies" / "__init__.py",
+}
+
+
+@pytest.mark.parametrize("package", sorted(FACADES))
+def test_every_public_name_resolves_to_its_module(package):
+    facade = importlib.import_module(package)
+    for name in facade.__all__:
+        obj = getattr(facade, name)
+        module = importlib.import_module(facade._NAMES[name])
         assert obj is getattr(module, name), name
-    assert sorted(adaptjax._LAZY) == sorted(adaptjax.__all__)
-    assert set(adaptjax.__all__) <= set(dir(adaptjax))
+    assert sorted(facade._NAMES) == sorted(facade.__all__)
+    assert set(facade.__all__) <= set(dir(facade))
 
 
-def test_type_checking_imports_list_the_same_names():
+@pytest.mark.parametrize("package", sorted(FACADES))
+def test_type_checking_imports_list_the_same_names(package):
     # what IDEs and type checkers see must match what __getattr__ serves
     import ast
 
-    tree = ast.parse((ROOT / "adaptjax" / "__init__.py").read_text())
+    facade = importlib.import_module(package)
+    tree = ast.parse(FACADES[package].read_text())
     guarded = [
         n for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.dump(n.test)
     ]
@@ -58,7 +70,19 @@ def test_type_checking_imports_list_the_same_names():
         if isinstance(node, ast.ImportFrom)
         for alias in node.names
     }
-    assert names == set(adaptjax._LAZY.items())
+    assert names == set(facade._NAMES.items())
+
+
+@pytest.mark.parametrize(
+    ("package", "old", "new"),
+    [("adaptjax", "CheckpointManager", "RunCheckpoints"),
+     ("adaptjax.policies", "Planner", "Predictor")],
+)
+def test_renamed_names_still_work_for_one_release_and_warn(package, old, new):
+    facade = importlib.import_module(package)
+    with pytest.warns(DeprecationWarning, match=rf"^{package}\.{old} is renamed {package}\.{new}"):
+        value = getattr(facade, old)
+    assert value is getattr(facade, new)
 
 
 def test_unknown_name_raises_attribute_error_and_subpackages_still_import():

@@ -13,7 +13,7 @@ Orbax writes every byte and makes a checkpoint atomic: it writes into
 ``<step>.orbax-checkpoint-tmp-<n>`` and renames the directory to ``<step>``
 when everything is on disk, and only such final directories count as
 checkpoints. A process killed mid-save leaves a temporary directory that
-:meth:`CheckpointManager.latest_step` and :meth:`CheckpointManager.restore`
+:meth:`RunCheckpoints.latest_step` and :meth:`RunCheckpoints.restore`
 ignore; the previous complete checkpoint is restored.
 
 Every leaf's bytes are hashed at save (BLAKE2b of its global value) and the
@@ -258,7 +258,7 @@ def _handler_registry():
     return registry
 
 
-class CheckpointManager:
+class RunCheckpoints:
     """Saves and restores whole training snapshots with Orbax.
 
     A thin wrapper around ``orbax.checkpoint.CheckpointManager``: each step
@@ -278,7 +278,7 @@ class CheckpointManager:
       >>> tx = optax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.1))
       >>> state = adaptjax.init_state({"w": jnp.arange(8.0)}, tx, adaptjax.make_mesh(8))
       >>> run_dir = tempfile.mkdtemp()
-      >>> with adaptjax.CheckpointManager(run_dir + "/ckpt") as ckpt:
+      >>> with adaptjax.RunCheckpoints(run_dir + "/ckpt") as ckpt:
       ...     ckpt.save(10, state, {"cursor": 640})
       ...     new_mesh = adaptjax.make_mesh(4)
       ...     target = adaptjax.init_state({"w": jnp.zeros(8)}, tx, new_mesh)
@@ -300,7 +300,7 @@ class CheckpointManager:
         directory = os.fspath(directory)
         if "://" in directory:
             raise ValueError(
-                f"CheckpointManager takes a local directory, got {directory}; mount the bucket "
+                f"RunCheckpoints takes a local directory, got {directory}; mount the bucket "
                 "(e.g. with gcsfuse) or use orbax.checkpoint directly"
             )
         self._directory = os.path.abspath(directory)
@@ -447,7 +447,7 @@ class CheckpointManager:
         where = os.path.join(self._directory, str(step))
         if not os.path.isdir(os.path.join(where, "meta")):
             raise ValueError(
-                f"checkpoint at {where} was not written by adaptjax.CheckpointManager (it has "
+                f"checkpoint at {where} was not written by adaptjax.RunCheckpoints (it has "
                 f"no 'meta' item); {_FIX}"
             )
         payload = self._read(step, "an unreadable meta item", meta=ocp.args.JsonRestore())["meta"]
@@ -651,11 +651,11 @@ class CheckpointManager:
         finally:
             self._manager.close()
 
-    def __enter__(self) -> CheckpointManager:
+    def __enter__(self) -> RunCheckpoints:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({self._directory!r})"
+        return f"RunCheckpoints({self._directory!r})"

@@ -558,7 +558,7 @@ class Controller:
 
     @property
     def checkpoints(self):
-        """The run's :class:`adaptjax.CheckpointManager`."""
+        """The run's :class:`adaptjax.RunCheckpoints`."""
         return self._dir.checkpoints
 
     @property

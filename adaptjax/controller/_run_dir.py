@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from adaptjax.controller._checkpoint import CheckpointManager, CorruptCheckpointError
+from adaptjax.controller._checkpoint import CorruptCheckpointError, RunCheckpoints
 from adaptjax.controller._run_lock import RunLock
 from adaptjax.controller._run_log import NullRunLog, RunLog, truncate_run_logs
 from adaptjax.launch._distributed import barrier, is_primary
@@ -77,7 +77,7 @@ class RunDirectory:
         os.makedirs(self.path, exist_ok=True)
         self.lock = RunLock(self.path) if self.primary else None
         self._open = True
-        self.checkpoints = CheckpointManager(
+        self.checkpoints = RunCheckpoints(
             os.path.join(self.path, CHECKPOINTS), max_to_keep=max_to_keep
         )
         self.log: RunLog | NullRunLog | None = None

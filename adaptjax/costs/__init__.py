@@ -14,29 +14,66 @@ Example:
   True
 """
 
-from adaptjax.costs._calibrate import calibrate_links, time_collectives, time_tuple_all_reduce
-from adaptjax.costs._compute import ComputeModel, fit_compute
-from adaptjax.costs._links import LinkModel, fit_alpha_beta, fit_operand_alpha, message_steps
-from adaptjax.costs._model import (
-    CannotPredict,
-    CodecCost,
-    Observation,
-    Prediction,
-    StepTimeModel,
-    config_key,
-    rescale_report,
-)
-from adaptjax.costs._planner import Planner
-from adaptjax.costs._schedule import buckets, choose_bucket_bytes, choose_dense_lane
-from adaptjax.costs._simulate import (
-    Cluster,
-    SimEvent,
-    Simulation,
-    predicted_times,
-    read_run,
-    simulate,
-    wire_for,
-)
+from typing import TYPE_CHECKING
+
+from adaptjax._lazy import attach
+
+# Public name -> the private module that defines it (a test checks this table,
+# __all__ and the TYPE_CHECKING imports agree).
+_NAMES = {
+    "calibrate_links": "adaptjax.costs._calibrate",
+    "time_collectives": "adaptjax.costs._calibrate",
+    "time_tuple_all_reduce": "adaptjax.costs._calibrate",
+    "ComputeModel": "adaptjax.costs._compute",
+    "fit_compute": "adaptjax.costs._compute",
+    "LinkModel": "adaptjax.costs._links",
+    "fit_alpha_beta": "adaptjax.costs._links",
+    "fit_operand_alpha": "adaptjax.costs._links",
+    "message_steps": "adaptjax.costs._links",
+    "CannotPredict": "adaptjax.costs._model",
+    "CodecCost": "adaptjax.costs._model",
+    "Observation": "adaptjax.costs._model",
+    "Prediction": "adaptjax.costs._model",
+    "StepTimeModel": "adaptjax.costs._model",
+    "config_key": "adaptjax.costs._model",
+    "rescale_report": "adaptjax.costs._model",
+    "Planner": "adaptjax.costs._planner",
+    "buckets": "adaptjax.costs._schedule",
+    "choose_bucket_bytes": "adaptjax.costs._schedule",
+    "choose_dense_lane": "adaptjax.costs._schedule",
+    "Cluster": "adaptjax.costs._simulate",
+    "SimEvent": "adaptjax.costs._simulate",
+    "Simulation": "adaptjax.costs._simulate",
+    "predicted_times": "adaptjax.costs._simulate",
+    "read_run": "adaptjax.costs._simulate",
+    "simulate": "adaptjax.costs._simulate",
+    "wire_for": "adaptjax.costs._simulate",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
+    from adaptjax.costs._calibrate import calibrate_links, time_collectives, time_tuple_all_reduce
+    from adaptjax.costs._compute import ComputeModel, fit_compute
+    from adaptjax.costs._links import LinkModel, fit_alpha_beta, fit_operand_alpha, message_steps
+    from adaptjax.costs._model import (
+        CannotPredict,
+        CodecCost,
+        Observation,
+        Prediction,
+        StepTimeModel,
+        config_key,
+        rescale_report,
+    )
+    from adaptjax.costs._planner import Planner
+    from adaptjax.costs._schedule import buckets, choose_bucket_bytes, choose_dense_lane
+    from adaptjax.costs._simulate import (
+        Cluster,
+        SimEvent,
+        Simulation,
+        predicted_times,
+        read_run,
+        simulate,
+        wire_for,
+    )
 
 __all__ = [
     "CannotPredict",
@@ -67,3 +104,5 @@ __all__ = [
     "time_tuple_all_reduce",
     "wire_for",
 ]
+
+__getattr__, __dir__ = attach(__name__, _NAMES)

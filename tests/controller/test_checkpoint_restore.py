@@ -119,7 +119,7 @@ def test_save_on_8_restore_on_4_and_back_to_8(tmp_path, mesh8, mesh4, trained8):
         "codec": None,
         "policies": [{"name": "cooldown", "last": 3}],
     }
-    ckpt = adaptjax.CheckpointManager(tmp_path / "ckpt")
+    ckpt = adaptjax.RunCheckpoints(tmp_path / "ckpt")
     ckpt.save(2, trained8, meta)
     assert ckpt.latest_step() == 2 and ckpt.all_steps() == [2]
     assert ckpt.read_meta() == json.loads(json.dumps(meta))  # tuples come back as lists
@@ -190,7 +190,7 @@ def test_restore_into_an_nnx_model_keeps_the_target_graphdef(tmp_path, mesh8, me
     nnx_loss = lambda model, b: jnp.mean((model(b["x"]) - b["y"]) ** 2)
     state = adaptjax.init_state(make(), tx, mesh8)
     state, _ = adaptjax.data_parallel_step(nnx_loss, tx, mesh8)(state, BATCH)
-    with adaptjax.CheckpointManager(tmp_path) as ckpt:
+    with adaptjax.RunCheckpoints(tmp_path) as ckpt:
         ckpt.save(1, state, {})
         target = adaptjax.init_state(make(), tx, mesh4)
         restored, meta = ckpt.restore(target_state=target, mesh=mesh4)
@@ -204,7 +204,7 @@ def test_async_save_lets_the_state_be_donated_at_once(tmp_path, mesh8, trained8)
     step = adaptjax.data_parallel_step(loss_fn, TX, mesh8)  # donates its input state
     state = jax.tree.map(jnp.copy, trained8)
     expected = host(state)
-    ckpt = adaptjax.CheckpointManager(tmp_path)
+    ckpt = adaptjax.RunCheckpoints(tmp_path)
     ckpt.save(7, state, {"k": 1}, wait=False)
     state, _ = step(state, BATCH)  # donated while Orbax may still be writing
     assert ckpt.latest_step() == 7  # waits for the background write
@@ -223,7 +223,7 @@ def test_async_save_lets_the_state_be_donated_at_once(tmp_path, mesh8, trained8)
 def test_the_first_step_after_a_restore_donates_the_restored_state(tmp_path, mesh8, trained8):
     # Verifying the restored checksums reads the buffers on the host; that read must
     # leave nothing behind that stops donation (np.asarray of a whole array does, jax 0.11).
-    with adaptjax.CheckpointManager(tmp_path) as ckpt:
+    with adaptjax.RunCheckpoints(tmp_path) as ckpt:
         ckpt.save(1, trained8, {})
         restored, _ = ckpt.restore(target_state=trained8, mesh=mesh8)
     adaptjax.data_parallel_step(loss_fn, TX, mesh8)(restored, BATCH)
@@ -231,7 +231,7 @@ def test_the_first_step_after_a_restore_donates_the_restored_state(tmp_path, mes
 
 
 def test_max_to_keep(tmp_path, trained8):
-    ckpt = adaptjax.CheckpointManager(tmp_path, max_to_keep=2)
+    ckpt = adaptjax.RunCheckpoints(tmp_path, max_to_keep=2)
     for s in (1, 2, 3, 4):
         ckpt.save(s, trained8, {"s": s})
     assert ckpt.all_steps() == [3, 4]
@@ -243,7 +243,7 @@ def test_max_to_keep(tmp_path, trained8):
 
 
 def test_model_mismatch_is_refused_before_any_array_is_read(tmp_path, mesh4, trained8):
-    ckpt = adaptjax.CheckpointManager(tmp_path / "run")
+    ckpt = adaptjax.RunCheckpoints(tmp_path / "run")
     ckpt.save(2, trained8, {"x": 1})
     before = snapshot(tmp_path)
     items_read = []
@@ -287,7 +287,7 @@ def test_directory_under_a_regular_file_is_refused_before_writing(tmp_path, trai
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
     before = snapshot(tmp_path)
-    ckpt = adaptjax.CheckpointManager(afile / "ckpt")  # construction writes nothing
+    ckpt = adaptjax.RunCheckpoints(afile / "ckpt")  # construction writes nothing
     with pytest.raises(ValueError) as e:
         ckpt.save(1, trained8, {})
     assert str(e.value) == (
@@ -309,7 +309,7 @@ def test_read_only_directory_is_refused_before_writing(tmp_path, trained8, monke
             monkeypatch.setattr(
                 os, "access", lambda p, mode: False if str(p) == str(ro) else real_access(p, mode)
             )
-        ckpt = adaptjax.CheckpointManager(ro / "ckpt")
+        ckpt = adaptjax.RunCheckpoints(ro / "ckpt")
         with pytest.raises(ValueError) as e:
             ckpt.save(1, trained8, {})
         assert str(e.value) == (
@@ -322,13 +322,13 @@ def test_read_only_directory_is_refused_before_writing(tmp_path, trained8, monke
 
 
 def test_half_written_checkpoint_is_ignored(tmp_path, mesh8, trained8):
-    ckpt = adaptjax.CheckpointManager(tmp_path)
+    ckpt = adaptjax.RunCheckpoints(tmp_path)
     ckpt.save(1, trained8, {"step": 1})
     # what a save interrupted before its final rename leaves behind (Orbax's temp naming)
     tmp = tmp_path / "2.orbax-checkpoint-tmp-1712345678901234"
     shutil.copytree(tmp_path / "1", tmp)
     (tmp / "commit_success.txt").unlink()
-    fresh = adaptjax.CheckpointManager(tmp_path)
+    fresh = adaptjax.RunCheckpoints(tmp_path)
     for manager in (ckpt, fresh):
         assert manager.latest_step() == 1 and manager.all_steps() == [1]
         state, meta = manager.restore(target_state=trained8, mesh=mesh8)
@@ -351,7 +351,7 @@ def test_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, mesh8,
         from test_checkpoint_restore import TX, params_like
 
         state = adaptjax.init_state(params_like(), TX, adaptjax.make_mesh(8))
-        ckpt = adaptjax.CheckpointManager(sys.argv[1])
+        ckpt = adaptjax.RunCheckpoints(sys.argv[1])
         ckpt.save(1, state, {{"step": 1}})
         async def die(self, *a, **k):
             os._exit(17)  # the process dies with all bytes written, before the commit
@@ -371,7 +371,7 @@ def test_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, mesh8,
     names = os.listdir(run_dir)
     assert "1" in names and "2" not in names
     assert any(n.startswith("2.orbax-checkpoint-tmp") for n in names), names
-    ckpt = adaptjax.CheckpointManager(run_dir)
+    ckpt = adaptjax.RunCheckpoints(run_dir)
     assert ckpt.latest_step() == 1
     target = adaptjax.init_state(params_like(), TX, mesh8)
     state, meta = ckpt.restore(target_state=target, mesh=mesh8)
@@ -382,7 +382,7 @@ def test_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, mesh8,
 
 
 def test_bad_save_arguments(tmp_path, trained8):
-    ckpt = adaptjax.CheckpointManager(tmp_path / "c")
+    ckpt = adaptjax.RunCheckpoints(tmp_path / "c")
     with pytest.raises(ValueError, match=r"^step must be a non-negative integer, got -1$"):
         ckpt.save(-1, trained8, {})
     with pytest.raises(ValueError, match=r"^state must be an adaptjax.TrainState \(from"):
@@ -402,15 +402,15 @@ def test_bad_save_arguments(tmp_path, trained8):
         ):
             ckpt.save(s, trained8, {})
     with pytest.raises(ValueError, match=r"^max_to_keep must be an integer >= 1 or None, got 0$"):
-        adaptjax.CheckpointManager(tmp_path, max_to_keep=0)
+        adaptjax.RunCheckpoints(tmp_path, max_to_keep=0)
     with pytest.raises(
-        ValueError, match=r"^CheckpointManager takes a local directory, got gs://b/run; mount"
+        ValueError, match=r"^RunCheckpoints takes a local directory, got gs://b/run; mount"
     ):
-        adaptjax.CheckpointManager("gs://b/run")
+        adaptjax.RunCheckpoints("gs://b/run")
 
 
 def test_bad_restore_arguments(tmp_path, mesh4, trained8):
-    ckpt = adaptjax.CheckpointManager(tmp_path / "empty")
+    ckpt = adaptjax.RunCheckpoints(tmp_path / "empty")
     target = adaptjax.init_state(params_like(), TX, mesh4)
     with pytest.raises(ValueError, match=r"^no complete checkpoint in .*empty; save one first"):
         ckpt.restore(target_state=target, mesh=mesh4)

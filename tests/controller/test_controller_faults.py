@@ -174,13 +174,13 @@ def test_sigkill_at_random_moments_then_sigint_and_sigterm_lose_nothing(tmp_path
             assert (
                 preempted
                 and preempted[-1]["step"]
-                in adaptjax.CheckpointManager(run_dir / "checkpoints").all_steps()
+                in adaptjax.RunCheckpoints(run_dir / "checkpoints").all_steps()
             )
         else:
             assert code != 0, j.output()  # KeyboardInterrupt propagates
         # Whatever was interrupted: only completed checkpoints are logged (older ones may be
         # gone by max_to_keep), and a clean exit finished and logged its in-flight checkpoint.
-        on_disk = set(adaptjax.CheckpointManager(run_dir / "checkpoints").all_steps())
+        on_disk = set(adaptjax.RunCheckpoints(run_dir / "checkpoints").all_steps())
         logged = {e["step"] for e in _rows(run_dir / "events.jsonl") if e["kind"] == "checkpoint"}
         assert {s for s in logged if not on_disk or s >= min(on_disk)} <= on_disk
         if sig != "SIGKILL":
@@ -358,7 +358,7 @@ def test_a_damaged_latest_checkpoint_is_skipped_for_the_newest_intact_one(
     assert [r["step"] for r in _rows(run_dir / "metrics.jsonl")] == list(range(1, 21))
     ctrl.run(30)  # the steps after 20 are recomputed and checkpoint 30 written again
     ctrl.close()
-    assert adaptjax.CheckpointManager(run_dir / "checkpoints").latest_step() == 30
+    assert adaptjax.RunCheckpoints(run_dir / "checkpoints").latest_step() == 30
     assert [r["step"] for r in _rows(run_dir / "metrics.jsonl")] == list(range(1, 31))
 
 
@@ -368,7 +368,7 @@ def test_changed_array_bytes_are_refused_by_checksum_with_a_one_line_error(three
     shutil.rmtree(ckpts / "30" / "state")
     shutil.copytree(ckpts / "20" / "state", ckpts / "30" / "state")
     ctrl = adaptjax.Controller(run_dir=three_checkpoints / "x", **job.job_kwargs(policies=[]))
-    with adaptjax.CheckpointManager(ckpts) as ckpt:
+    with adaptjax.RunCheckpoints(ckpts) as ckpt:
         with pytest.raises(adaptjax.CorruptCheckpointError) as e:
             ckpt.restore(30, target_state=ctrl.state, mesh=adaptjax.make_mesh(8))
     msg = _one_line(e)

@@ -397,7 +397,7 @@ def test_run_dir_outputs(tmp_path):
     kinds = {json.loads(x)["kind"] for x in open(tmp_path / "events.jsonl")}
     assert {"compile", "decision", "checkpoint"} <= kinds
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
-    assert adaptjax.CheckpointManager(tmp_path / "checkpoints").latest_step() == 12
+    assert adaptjax.RunCheckpoints(tmp_path / "checkpoints").latest_step() == 12
 
 
 def test_bad_optimizer_name_is_not_silently_accepted():
