@@ -4,10 +4,12 @@ As a script: ``python tests/controller_job.py RUN_DIR STEPS [--kill-in-save S]``
 the job, resuming from ``RUN_DIR``'s checkpoints when it has any, and on completion
 writes the final parameters to ``RUN_DIR/final_params.npz``. It prints one line per
 step (``STEP <step> <devices>``) and ``RESCALE <from> <to>`` as a policy decides a
-rescale, flushed, so a test can kill it from outside at a chosen moment.
-``--step-sleep S`` slows each step down. ``--kill-in-save S`` ends the process
-inside the write of the checkpoint of step S, after every byte is written but
-before Orbax's commit (the rename).
+rescale, flushed. ``--hold step=N`` (the first step >= N) or ``--hold devices=K``
+(the first step on K devices) stops the job in ``on_step`` there until the test
+has signalled it (``--gate DIR``, the handshake of ``tests/_handshake.py``), so
+a test can kill it from outside at a chosen moment without racing it.
+``--kill-in-save S`` ends the process inside the write of the checkpoint of
+step S, after every byte is written but before Orbax's commit (the rename).
 """
 
 import os
@@ -17,7 +19,7 @@ if __name__ == "__main__":
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 import argparse  # noqa: E402
-import time  # noqa: E402
+import sys  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -26,6 +28,9 @@ import optax  # noqa: E402
 
 import adaptjax  # noqa: E402
 from adaptjax import policies as ajp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _handshake import hold  # noqa: E402
 
 D = 8
 
@@ -126,12 +131,19 @@ def main():
     parser.add_argument("run_dir")
     parser.add_argument("steps", type=int)
     parser.add_argument("--kill-in-save", type=int, default=None, help="checkpoint step")
-    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds after each step")
+    parser.add_argument("--hold", default=None, help="step=N or devices=K: where to stop")
+    parser.add_argument("--gate", default=None, help="the handshake directory of --hold")
     args = parser.parse_args()
+    kind, value = args.hold.split("=") if args.hold else (None, 0)
+    held = []
 
     def on_step(ctrl):
         print(f"STEP {ctrl.step} {ctrl.config.devices}", flush=True)
-        time.sleep(args.step_sleep)
+        here = {"step": ctrl.step >= int(value), "devices": ctrl.config.devices == int(value)}
+        if kind and not held and here[kind]:
+            held.append(ctrl.step)
+            released = hold(args.gate, f"step {ctrl.step} devices {ctrl.config.devices}")
+            print(f"RELEASED {released}", flush=True)
 
     if args.kill_in_save is not None:
         from orbax.checkpoint._src.path import atomicity

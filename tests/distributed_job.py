@@ -9,7 +9,9 @@ writes the final parameters (and the optimizer state's leaves) to
 compiled, to ``RUN_DIR/all_reduces.json``. ``--kill RANK:STEP`` makes that
 rank SIGKILL itself after that step, once per run directory (a marker file
 remembers it), once the newest periodic checkpoint before it is complete on
-disk. Every process appends the sample indices it fed at each step to
+disk. ``--hold STEP --gate DIR`` stops every process in ``on_step`` at that
+step until the test has signalled it (``tests/_handshake.py``; the gate's names
+are the ranks). Every process appends the sample indices it fed at each step to
 ``RUN_DIR/fed.jsonl``. Run without the launcher's environment it is one
 process on ``XLA_FLAGS``' devices (the reference run).
 """
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 
 import numpy as np
@@ -31,6 +34,9 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 from adaptjax import policies as ajp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _handshake import hold  # noqa: E402
 
 D = 8
 
@@ -66,6 +72,8 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rescale", nargs="*", default=[], help="STEP:DEVICES")
     parser.add_argument("--kill", default=None, help="RANK:STEP")
+    parser.add_argument("--hold", type=int, default=None, help="STEP: stop there (--gate)")
+    parser.add_argument("--gate", default=None, help="the handshake directory of --hold")
     parser.add_argument("--checkpoint-every", type=int, default=5)
     parser.add_argument("--count-all-reduces", action="store_true",
                         help="write RUN_DIR/all_reduces.json: the step's all-reduces")
@@ -105,12 +113,13 @@ def main():
     def on_step(ctrl):
         if jax.process_index() == 0:
             print(f"STEP {ctrl.step} {ctrl.config.devices} {time.time():.3f}", flush=True)
+        if ctrl.step == args.hold:
+            hold(args.gate, f"step {ctrl.step}", name=str(jax.process_index()))
         if ctrl.step == kill_step and jax.process_index() == kill_rank:
             if not os.path.exists(marker):
                 last = kill_step - kill_step % args.checkpoint_every
                 done = os.path.join(args.run_dir, "checkpoints", str(last))
-                deadline = time.time() + 60
-                while last and not os.path.isdir(done) and time.time() < deadline:
+                while last and not os.path.isdir(done):  # bounded by --hang-timeout
                     time.sleep(0.05)
                 open(marker, "w").close()
                 print(f"KILL {time.time():.3f}", flush=True)

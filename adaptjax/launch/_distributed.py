@@ -6,7 +6,9 @@ controller loop. This module holds what that needs and nothing else:
 * :func:`initialize_distributed` starts ``jax.distributed`` from the
   environment ``adaptjax launch`` sets (``ADAPTJAX_COORDINATOR_ADDRESS``,
   ``ADAPTJAX_NUM_PROCESSES``, ``ADAPTJAX_PROCESS_ID``), or lets JAX detect a
-  cluster (SLURM, Open MPI, Kubernetes, Cloud TPU) by itself.
+  cluster (SLURM, Open MPI, Kubernetes, Cloud TPU) by itself. Process 0's
+  coordinator listens on the coordinator's address only (or on
+  ``ADAPTJAX_COORDINATOR_BIND_ADDRESS``), never on every interface unasked.
 * :func:`mesh_devices` picks the devices of an ``n``-replica mesh: ``n / P``
   local devices from each of the ``P`` processes, in process order, so replica
   ``r`` holds rows ``r * b / n ...`` of the global batch and process ``p`` owns
@@ -30,6 +32,7 @@ import numpy as np
 from adaptjax.launch._launcher import (  # the launcher's side of the contract (imports no jax)
     ENV_CHECK_DECISIONS,
     ENV_COORDINATOR,
+    ENV_COORDINATOR_BIND,
     ENV_HEARTBEAT_DIR,
     ENV_MAX_PROCESSES,
     ENV_NUM_PROCESSES,
@@ -71,6 +74,38 @@ def _env_int(name: str, *, positive: bool = True) -> int:
     return value
 
 
+def _address(name: str) -> str:
+    """The ``HOST:PORT`` in environment variable ``name``; one line when it is not one."""
+    value = os.environ[name]
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{name}={value!r} is not HOST:PORT; set it to e.g. 127.0.0.1:1234")
+    return value
+
+
+def _launched_arguments() -> dict:
+    """``jax.distributed.initialize``'s arguments from ``adaptjax launch``'s environment.
+
+    The coordinator binds the address the processes connect to (loopback under
+    ``adaptjax launch``), not JAX's default of every interface;
+    ``ADAPTJAX_COORDINATOR_BIND_ADDRESS`` (``HOST:PORT``) names another, e.g. a
+    cluster's interface when the address processes connect to is not one of
+    this host's own (a name behind NAT), or ``0.0.0.0:PORT`` on purpose.
+    """
+    n = _env_int(ENV_NUM_PROCESSES)
+    rank = _env_int(ENV_PROCESS_ID, positive=False)
+    if rank >= n:
+        raise ValueError(f"{ENV_PROCESS_ID}={rank} but {ENV_NUM_PROCESSES}={n}; ids run 0..{n - 1}")
+    address = _address(ENV_COORDINATOR)
+    bind = _address(ENV_COORDINATOR_BIND) if os.environ.get(ENV_COORDINATOR_BIND) else address
+    return dict(
+        coordinator_address=address,
+        num_processes=n,
+        process_id=rank,
+        coordinator_bind_address=bind,
+    )
+
+
 def initialize_distributed(*, initialization_timeout: int = 120) -> tuple[int, int]:
     """Starts ``jax.distributed`` for this process; returns ``(process_index, process_count)``.
 
@@ -78,10 +113,15 @@ def initialize_distributed(*, initialization_timeout: int = 120) -> tuple[int, i
     (a second call does nothing).
     Under ``adaptjax launch`` it reads ``ADAPTJAX_COORDINATOR_ADDRESS``,
     ``ADAPTJAX_NUM_PROCESSES`` and ``ADAPTJAX_PROCESS_ID``; on CPU it selects
-    gloo collectives. Elsewhere it defers to ``jax.distributed.initialize()``'s
+    gloo collectives. Process 0's coordinator listens on
+    ``ADAPTJAX_COORDINATOR_ADDRESS`` itself (``127.0.0.1`` under the launcher:
+    nothing outside the machine can reach it), or on
+    ``ADAPTJAX_COORDINATOR_BIND_ADDRESS`` (``HOST:PORT``) when that is set.
+    Elsewhere it defers to ``jax.distributed.initialize()``'s
     own cluster detection when it sees a cluster's variables (SLURM, Open MPI,
-    Kubernetes JobSet, Cloud TPU, ``JAX_COORDINATOR_ADDRESS``), and otherwise
-    does nothing: the script runs as one process.
+    Kubernetes JobSet, Cloud TPU, ``JAX_COORDINATOR_ADDRESS``), passing
+    ``ADAPTJAX_COORDINATOR_BIND_ADDRESS`` on if set (JAX's default binds every
+    interface), and otherwise does nothing: the script runs as one process.
 
     Args:
       initialization_timeout: seconds to wait for every process to connect.
@@ -97,24 +137,15 @@ def initialize_distributed(*, initialization_timeout: int = 120) -> tuple[int, i
     if jax.distributed.is_initialized():  # a second call (or the user's own initialize)
         pass
     elif ENV_COORDINATOR in os.environ:
-        n = _env_int(ENV_NUM_PROCESSES)
-        rank = _env_int(ENV_PROCESS_ID, positive=False)
-        if rank >= n:
-            raise ValueError(
-                f"{ENV_PROCESS_ID}={rank} but {ENV_NUM_PROCESSES}={n}; ids run 0..{n - 1}"
-            )
-        if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" or "cpu" in os.environ.get(
-            "JAX_PLATFORMS", ""
-        ):
+        arguments = _launched_arguments()
+        if "cpu" in os.environ.get("JAX_PLATFORMS", "cpu"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=os.environ[ENV_COORDINATOR],
-            num_processes=n,
-            process_id=rank,
-            initialization_timeout=initialization_timeout,
-        )
+        jax.distributed.initialize(**arguments, initialization_timeout=initialization_timeout)
     elif any(v in os.environ for v in _CLUSTER_VARS):
-        jax.distributed.initialize(initialization_timeout=initialization_timeout)
+        bind = _address(ENV_COORDINATOR_BIND) if os.environ.get(ENV_COORDINATOR_BIND) else None
+        jax.distributed.initialize(
+            initialization_timeout=initialization_timeout, coordinator_bind_address=bind
+        )
     heartbeat()
     return jax.process_index(), jax.process_count()
 

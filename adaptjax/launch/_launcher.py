@@ -3,8 +3,9 @@
 ``adaptjax launch -n N [--devices-per-process K] [--max-restarts R] -- python train.py ARGS``
 
 * starts ``N`` copies of the command with ``jax.distributed``'s coordinator on
-  ``127.0.0.1`` at a free port; each learns its place from the environment
-  (``ADAPTJAX_COORDINATOR_ADDRESS``, ``ADAPTJAX_NUM_PROCESSES``,
+  ``127.0.0.1`` at a free port, listening there only (loopback: nothing
+  outside this machine can reach it); each learns its place from the
+  environment (``ADAPTJAX_COORDINATOR_ADDRESS``, ``ADAPTJAX_NUM_PROCESSES``,
   ``ADAPTJAX_PROCESS_ID``), which :func:`adaptjax.initialize_distributed` reads;
   ``--devices-per-process K`` gives each process ``K`` simulated CPU devices
   (``--xla_force_host_platform_device_count``);
@@ -17,7 +18,10 @@
   process count the run asks for and starts that many (not counted as a
   restart);
 * on SIGTERM/SIGINT forwards SIGTERM to every process (the controller
-  checkpoints and exits with ``EXIT_PREEMPTED``, 75) and exits with their code.
+  checkpoints and exits with ``EXIT_PREEMPTED``, 75) and exits with their code;
+* when the launcher itself dies, even by ``kill -9``, its processes die with it
+  within a moment (``adaptjax/launch/_reaper.py``), so none is left holding
+  the run directory and a new launch resumes from the latest checkpoint.
 
 Timeouts, so nothing hangs silently: a process that has not reached
 ``initialize_distributed`` within ``--start-timeout`` seconds, or that made no
@@ -28,6 +32,8 @@ and counts as a failure.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -45,6 +51,8 @@ import time
 EXIT_RESCALE = 76
 
 ENV_COORDINATOR = "ADAPTJAX_COORDINATOR_ADDRESS"
+#: ``HOST:PORT`` the coordinator (process 0) listens on; default: the coordinator's address.
+ENV_COORDINATOR_BIND = "ADAPTJAX_COORDINATOR_BIND_ADDRESS"
 ENV_NUM_PROCESSES = "ADAPTJAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "ADAPTJAX_PROCESS_ID"
 #: The most processes the launcher may start (so a policy may ask for more devices than exist now).
@@ -58,27 +66,33 @@ ENV_CHECK_DECISIONS = "ADAPTJAX_CHECK_DECISIONS"
 #: ``0`` on the first start; ``k > 0`` on the k-th restart or relaunch (the script resumes).
 ENV_ATTEMPT = "ADAPTJAX_ATTEMPT"
 
+#: The address the launcher's coordinator listens on and its processes connect to. Every
+#: process runs on this machine, so loopback is enough, and nothing else can reach it.
+COORDINATOR_HOST = "127.0.0.1"
 
 #: The launcher's exit code for bad arguments (nothing was started).
 EXIT_USAGE = 2
 _EXIT_PREEMPTED = 75  # adaptjax.EXIT_PREEMPTED, without importing the controller (and jax)
+_REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
 
 
 class LaunchError(ValueError):
     """A bad argument to ``adaptjax launch`` (one line, naming the fix)."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
+def free_port(host: str = COORDINATOR_HOST) -> int:
+    """A TCP port on ``host`` that nothing listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def _port_in_use(port: int) -> bool:
+def _port_in_use(host: str, port: int) -> bool:
+    """Whether the coordinator's own bind (``host:port``, address reuse on) would fail."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is free
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return True
     return False
@@ -109,8 +123,52 @@ def _xla_flags(existing: str, devices: int) -> str:
     return " ".join(flags)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """``launch``'s arguments (``max_processes`` resolved after the check)."""
+
+    processes: int
+    devices_per_process: int | None
+    max_restarts: int
+    max_processes: int | None
+    port: int | None
+    start_timeout: float
+    hang_timeout: float
+    backoff: float
+    check_decisions: bool
+
+
+def _check_options(command: list[str], o: _Options) -> None:
+    """One-line :class:`LaunchError` for each bad argument, before anything starts."""
+    for name, value, low in (
+        ("-n", o.processes, 1),
+        ("--devices-per-process", o.devices_per_process, 1),
+        ("--max-restarts", o.max_restarts, 0),
+        ("--max-processes", o.max_processes, 1),  # None: as many as -n
+    ):
+        if value is not None and (not isinstance(value, int) or value < low):
+            raise LaunchError(f"{name} must be an integer >= {low}, got {value!r}")
+    for name, value in (("--start-timeout", o.start_timeout), ("--hang-timeout", o.hang_timeout)):
+        if not value > 0:
+            raise LaunchError(f"{name} must be > 0 seconds, got {value!r}")
+    check_command(command)
+    if o.port is not None:
+        if not 0 < o.port < 65536:
+            raise LaunchError(f"--port must be in 1..65535, got {o.port}")
+        if _port_in_use(COORDINATOR_HOST, o.port):
+            raise LaunchError(
+                f"port {o.port} on {COORDINATOR_HOST} is in use; choose another --port or "
+                "leave it out (a free one is picked)"
+            )
+
+
 class _Attempt:
-    """One start of N processes: their output, liveness and how they ended."""
+    """One start of N processes: their output, liveness and how they ended.
+
+    The processes share one process group, led by the reaper (``_reaper.py``),
+    which kills the group when the launcher is gone: signalling the group
+    reaches every process and whatever it started.
+    """
 
     def __init__(self, command, n, *, env, port, workdir, out, err, lock):
         self.n = n
@@ -123,11 +181,26 @@ class _Attempt:
         self.procs: list[subprocess.Popen] = []
         self.readers: list[threading.Thread] = []
         self.started = time.monotonic()
+        # Its stdin's only write end stays here: end-of-file when this process is gone.
+        # Same session, new group (workers can join it; a terminal's Ctrl-C does not reach it).
+        self.reaper = subprocess.Popen(
+            [sys.executable, "-I", "-S", _REAPER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            process_group=0,
+        )
+        self.group = self.reaper.pid
+        with self.reaper.stdout:  # it ignores SIGTERM from here on: the group may be signalled
+            if self.reaper.stdout.read(1) != b"R":
+                self.kill_all()
+                raise RuntimeError(f"adaptjax launch's reaper did not start ({_REAPER})")
+        address = f"{COORDINATOR_HOST}:{port}"
         for rank in range(n):
             child = dict(env)
             child.update(
                 {
-                    ENV_COORDINATOR: f"127.0.0.1:{port}",
+                    ENV_COORDINATOR: address,
+                    ENV_COORDINATOR_BIND: address,  # an inherited value must not move it
                     ENV_NUM_PROCESSES: str(n),
                     ENV_PROCESS_ID: str(rank),
                     ENV_HEARTBEAT_DIR: self.heartbeats,
@@ -141,7 +214,7 @@ class _Attempt:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                start_new_session=True,  # its own process group: we can stop all it started
+                process_group=self.group,
             )
             self.procs.append(proc)
             t = threading.Thread(target=self._pump, args=(rank, proc), daemon=True)
@@ -161,17 +234,22 @@ class _Attempt:
             self.err.flush()
 
     def signal_all(self, sig) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
+        """Sends ``sig`` to every process and what it started (the reaper ignores SIGTERM).
+
+        Only until the reaper is reaped: until then its pid, the group's id, cannot
+        be reused, so no other process can get the signal.
+        """
+        if self.reaper.returncode is None:  # never poll() the reaper: that would reap it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.group, sig)
 
     def kill_all(self) -> None:
+        """Kills the group (the reaper too) and waits for every process and output reader."""
         self.signal_all(signal.SIGKILL)
-        for p in self.procs:
+        for p in (*self.procs, self.reaper):
             p.wait()
+        with contextlib.suppress(OSError):
+            self.reaper.stdin.close()
         for t in self.readers:
             t.join(timeout=2)
 
@@ -194,61 +272,155 @@ def _describe(rc: int) -> str:
     return f"exit code {rc}"
 
 
+def _ended(codes: list[int]) -> int:
+    """The attempt's code once every process ended: 0, EXIT_RESCALE, 75 or the first failure's."""
+    for agreed in (0, EXIT_RESCALE, _EXIT_PREEMPTED):
+        if all(c == agreed for c in codes):
+            return agreed
+    bad = next(c for c in codes if c != 0)
+    return bad if bad > 0 else 128 - bad
+
+
+def _stuck(attempt: _Attempt, codes, *, start_timeout, hang_timeout) -> int | None:
+    """The attempt's code when a process failed, never started or hung (said; all killed)."""
+    failed = [(r, c) for r, c in enumerate(codes) if c is not None and c not in (0, EXIT_RESCALE)]
+    beats = attempt.beats()
+    missing = [r for r in range(attempt.n) if r not in beats and codes[r] is None]
+    stale = [r for r, t in beats.items() if codes[r] is None and time.time() - t > hang_timeout]
+    code = 1
+    if failed:
+        rank, rc = failed[0]
+        attempt.say(f"process {rank} ended ({_describe(rc)}); stopping the others")
+        code = rc if rc > 0 else 128 - rc
+    elif missing and time.monotonic() - attempt.started > start_timeout:
+        attempt.say(
+            f"process(es) {missing} did not reach initialize_distributed within "
+            f"{start_timeout:.0f} s; stopping all"
+        )
+    elif not missing and stale:
+        attempt.say(
+            f"process {stale[0]} made no step for {hang_timeout:.0f} s (hung in a "
+            "collective?); stopping all"
+        )
+    else:
+        return None
+    attempt.kill_all()
+    return code
+
+
 def _run_attempt(attempt: _Attempt, *, start_timeout, hang_timeout, stop_event) -> int:
     """Watches one attempt until it ends; returns 0, EXIT_RESCALE, 75 or a failure code."""
-    forwarded = False
+    forwarded_at = None
     while True:
         time.sleep(0.1)
         codes = [p.poll() for p in attempt.procs]
-        if stop_event.is_set() and not forwarded:
+        if stop_event.is_set() and forwarded_at is None:
             attempt.say("forwarding SIGTERM to every process (they checkpoint and exit)")
             attempt.signal_all(signal.SIGTERM)
-            forwarded = True
             forwarded_at = time.monotonic()
         if all(c is not None for c in codes):
             attempt.kill_all()  # joins the output readers
-            if all(c == 0 for c in codes):
-                return 0
-            if all(c == EXIT_RESCALE for c in codes):
-                return EXIT_RESCALE
-            if all(c == _EXIT_PREEMPTED for c in codes):
-                return _EXIT_PREEMPTED
-            bad = next(c for c in codes if c != 0)
-            return bad if bad > 0 else 128 - bad
-        if forwarded:
+            return _ended(codes)
+        if forwarded_at is not None:
             if time.monotonic() - forwarded_at > hang_timeout:
                 attempt.say(f"processes did not exit {hang_timeout:.0f} s after SIGTERM; killing")
                 attempt.kill_all()
                 return _EXIT_PREEMPTED
-            continue
-        failed = [
-            (r, c) for r, c in enumerate(codes) if c is not None and c not in (0, EXIT_RESCALE)
-        ]
-        if failed:
-            rank, rc = failed[0]
-            attempt.say(f"process {rank} ended ({_describe(rc)}); stopping the others")
-            attempt.kill_all()
-            return rc if rc > 0 else 128 - rc
-        now = time.monotonic()
-        beats = attempt.beats()
-        missing = [r for r in range(attempt.n) if r not in beats and codes[r] is None]
-        if missing and now - attempt.started > start_timeout:
-            attempt.say(
-                f"process(es) {missing} did not reach initialize_distributed within "
-                f"{start_timeout:.0f} s; stopping all"
+        else:
+            code = _stuck(attempt, codes, start_timeout=start_timeout, hang_timeout=hang_timeout)
+            if code is not None:
+                return code
+
+
+def _attempt_env(o: _Options, n: int, attempt: int) -> dict[str, str]:
+    """The environment every process of the ``attempt``-th start gets (before its rank's)."""
+    env = dict(os.environ)
+    env[ENV_ATTEMPT] = str(attempt)
+    env[ENV_MAX_PROCESSES] = str(max(o.max_processes, n))
+    if o.check_decisions:
+        env[ENV_CHECK_DECISIONS] = "1"
+    if o.devices_per_process is not None:
+        env["XLA_FLAGS"] = _xla_flags(env.get("XLA_FLAGS", ""), o.devices_per_process)
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def _requested_processes(attempt: _Attempt, max_processes: int) -> int | None:
+    """The process count an EXIT_RESCALE asks for; None (said why) when it cannot be had."""
+    try:
+        with open(attempt.rescale_file) as f:
+            wanted = int(json.load(f)["processes"])
+    except (OSError, ValueError, KeyError) as e:
+        attempt.say(f"processes exited with EXIT_RESCALE but left no request ({e})")
+        return None
+    if wanted > max_processes:
+        attempt.say(
+            f"the run asks for {wanted} processes, above --max-processes {max_processes}; stopping"
+        )
+        return None
+    return wanted
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """An event set by SIGTERM/SIGINT while inside (main thread only; elsewhere never set)."""
+    stop = threading.Event()
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            handlers[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        yield stop
+    finally:
+        for sig, previous in handlers.items():
+            signal.signal(sig, previous)
+
+
+def _supervise(command, o: _Options, *, stop, workdir, out, err) -> int:
+    """Starts attempts until one finishes, a signal stops them or the restarts run out."""
+    lock = threading.Lock()
+    n, restarts, attempts = o.processes, 0, 0
+    while True:
+        attempt = _Attempt(
+            command,
+            n,
+            env=_attempt_env(o, n, attempts),
+            port=o.port if o.port is not None else free_port(),
+            workdir=tempfile.mkdtemp(dir=workdir),
+            out=out,
+            err=err,
+            lock=lock,
+        )
+        attempts += 1
+        attempt.say(f"started {n} process(es): {shlex.join(command)}")
+        try:
+            rc = _run_attempt(
+                attempt, start_timeout=o.start_timeout, hang_timeout=o.hang_timeout,
+                stop_event=stop,
             )
+        finally:
             attempt.kill_all()
-            return 1
-        if not missing:
-            wall = time.time()
-            stale = [r for r, t in beats.items() if codes[r] is None and wall - t > hang_timeout]
-            if stale:
-                attempt.say(
-                    f"process {stale[0]} made no step for {hang_timeout:.0f} s (hung in a "
-                    "collective?); stopping all"
-                )
-                attempt.kill_all()
-                return 1
+        if rc == 0:
+            attempt.say(f"all {n} process(es) finished")
+            return 0
+        if stop.is_set():
+            attempt.say(f"stopped by a signal (exit code {rc})")
+            return rc
+        if rc == EXIT_RESCALE:
+            wanted = _requested_processes(attempt, o.max_processes)
+            if wanted is None:
+                return EXIT_RESCALE
+            attempt.say(f"rescale: relaunching with {wanted} process(es) (was {n})")
+            n = wanted
+            continue
+        restarts += 1
+        if restarts > o.max_restarts:
+            attempt.say(f"giving up after {o.max_restarts} restart(s) (exit code {rc})")
+            return rc
+        wait = min(o.backoff * 2 ** (restarts - 1), 30.0)
+        attempt.say(f"restart {restarts}/{o.max_restarts} in {wait:.1f} s (resume)")
+        if stop.wait(wait):
+            return _EXIT_PREEMPTED
 
 
 def launch(
@@ -281,104 +453,32 @@ def launch(
       [0] hi
       0
     """
-    out = sys.stdout if out is None else out
-    err = sys.stderr if err is None else err
-    for name, value, low in (
-        ("-n", processes, 1),
-        ("--devices-per-process", devices_per_process, 1),
-        ("--max-restarts", max_restarts, 0),
-        ("--max-processes", max_processes, 1),
-    ):
-        if value is not None and (not isinstance(value, int) or value < low):
-            raise LaunchError(f"{name} must be an integer >= {low}, got {value!r}")
-    for name, value in (("--start-timeout", start_timeout), ("--hang-timeout", hang_timeout)):
-        if not value > 0:
-            raise LaunchError(f"{name} must be > 0 seconds, got {value!r}")
+    options = _Options(
+        processes=processes,
+        devices_per_process=devices_per_process,
+        max_restarts=max_restarts,
+        max_processes=max_processes,
+        port=port,
+        start_timeout=start_timeout,
+        hang_timeout=hang_timeout,
+        backoff=backoff,
+        check_decisions=check_decisions,
+    )
     command = list(command)
-    check_command(command)
-    if port is not None:
-        if not 0 < port < 65536:
-            raise LaunchError(f"--port must be in 1..65535, got {port}")
-        if _port_in_use(port):
-            raise LaunchError(
-                f"port {port} on 127.0.0.1 is in use; choose another --port or leave it out "
-                "(a free one is picked)"
-            )
-    max_processes = max(max_processes or processes, processes)
-    lock = threading.Lock()
-    stop_event = threading.Event()
-    handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            handlers[sig] = signal.signal(sig, lambda *_: stop_event.set())
+    _check_options(command, options)
+    options = dataclasses.replace(options, max_processes=max(max_processes or 0, processes))
     workdir = tempfile.mkdtemp(prefix="adaptjax-launch-")
-    n, restarts, attempts = processes, 0, 0
     try:
-        while True:
-            env = dict(os.environ)
-            env[ENV_ATTEMPT] = str(attempts)
-            attempts += 1
-            env[ENV_MAX_PROCESSES] = str(max(max_processes, n))
-            if check_decisions:
-                env[ENV_CHECK_DECISIONS] = "1"
-            if devices_per_process is not None:
-                env["XLA_FLAGS"] = _xla_flags(env.get("XLA_FLAGS", ""), devices_per_process)
-                env.setdefault("JAX_PLATFORMS", "cpu")
-            attempt_dir = tempfile.mkdtemp(dir=workdir)
-            attempt = _Attempt(
+        with _stop_on_signals() as stop:
+            return _supervise(
                 command,
-                n,
-                env=env,
-                port=port if port is not None else free_port(),
-                workdir=attempt_dir,
-                out=out,
-                err=err,
-                lock=lock,
+                options,
+                stop=stop,
+                workdir=workdir,
+                out=sys.stdout if out is None else out,
+                err=sys.stderr if err is None else err,
             )
-            attempt.say(f"started {n} process(es): {shlex.join(command)}")
-            try:
-                rc = _run_attempt(
-                    attempt,
-                    start_timeout=start_timeout,
-                    hang_timeout=hang_timeout,
-                    stop_event=stop_event,
-                )
-            finally:
-                attempt.kill_all()
-            if rc == 0:
-                attempt.say(f"all {n} process(es) finished")
-                return 0
-            if stop_event.is_set():
-                attempt.say(f"stopped by a signal (exit code {rc})")
-                return rc
-            if rc == EXIT_RESCALE:
-                try:
-                    with open(attempt.rescale_file) as f:
-                        request = json.load(f)
-                    wanted = int(request["processes"])
-                except (OSError, ValueError, KeyError) as e:
-                    attempt.say(f"processes exited with EXIT_RESCALE but left no request ({e})")
-                    return EXIT_RESCALE
-                if wanted > max_processes:
-                    attempt.say(
-                        f"the run asks for {wanted} processes, above --max-processes "
-                        f"{max_processes}; stopping"
-                    )
-                    return EXIT_RESCALE
-                attempt.say(f"rescale: relaunching with {wanted} process(es) (was {n})")
-                n = wanted
-                continue
-            restarts += 1
-            if restarts > max_restarts:
-                attempt.say(f"giving up after {max_restarts} restart(s) (exit code {rc})")
-                return rc
-            wait = min(backoff * 2 ** (restarts - 1), 30.0)
-            attempt.say(f"restart {restarts}/{max_restarts} in {wait:.1f} s (resume)")
-            if stop_event.wait(wait):
-                return _EXIT_PREEMPTED
     finally:
-        for sig, previous in handlers.items():
-            signal.signal(sig, previous)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -400,7 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices-per-process", type=int, default=None)
     parser.add_argument("--max-restarts", type=int, default=3)
     parser.add_argument("--max-processes", type=int, default=None)
-    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument(
+        "--port", type=int, default=None,
+        help=f"the coordinator's port on {COORDINATOR_HOST} (default: a free one)",
+    )
     parser.add_argument("--start-timeout", type=float, default=120.0)
     parser.add_argument("--hang-timeout", type=float, default=600.0)
     parser.add_argument("--backoff", type=float, default=1.0)

@@ -25,6 +25,7 @@ from adaptjax import policies as ajp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import controller_job as job  # noqa: E402
+from _handshake import Gate  # noqa: E402
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "controller_job.py")
 STEPS = 45
@@ -43,30 +44,61 @@ RUN_EVENTS = {
 
 
 class Job:
-    """The job as a subprocess whose stdout lines are read as they come."""
+    """The job as a subprocess: its stdout lines are read as they come (by a thread, so the
+    job never blocks on a full pipe), and its ``--hold`` handshake goes through ``gate``."""
 
-    def __init__(self, run_dir, steps=STEPS, *extra):
+    count = 0
+
+    def __init__(self, run_dir, steps=STEPS, *extra, hold=None):
+        Job.count += 1
+        self.gate = Gate(os.path.join(os.path.dirname(run_dir), f"gate-{Job.count}"))
+        held = ["--hold", hold, "--gate", self.gate.directory] if hold else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", JOB, str(run_dir), str(steps), *extra],
+            [sys.executable, "-u", JOB, str(run_dir), str(steps), *held, *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
         self.lines: list[str] = []
+        self._more = threading.Condition()
+        self._eof = False
+        threading.Thread(target=self._read, daemon=True).start()
         self._watchdog = threading.Timer(240, self.proc.kill)
         self._watchdog.start()
 
-    def wait_for(self, predicate) -> str | None:
-        """Reads lines until ``predicate(line)``; ``None`` when the process ended first."""
+    def _read(self):
         for line in self.proc.stdout:
-            self.lines.append(line)
-            if predicate(line.split()):
-                return line
-        return None
+            with self._more:
+                self.lines.append(line)
+                self._more.notify_all()
+        with self._more:
+            self._eof = True
+            self._more.notify_all()
+
+    def wait_for(self, predicate) -> str | None:
+        """Waits for a line with ``predicate(words)``; ``None`` when the process ended first."""
+        seen = 0
+        with self._more:
+            while True:
+                for line in self.lines[seen:]:
+                    if predicate(line.split()):
+                        return line
+                seen = len(self.lines)
+                if self._eof:
+                    return None
+                self._more.wait()
+
+    def wait_held(self) -> str:
+        """Waits until the job stops at its ``--hold``; returns where (``step S devices D``)."""
+        label, pid = self.gate.wait_at(alive=lambda: self.proc.poll() is None)
+        assert pid == self.proc.pid
+        return label
 
     def finish(self) -> int:
-        out, _ = self.proc.communicate()
-        self.lines.extend(out.splitlines(keepends=True))
+        self.proc.wait()
+        with self._more:
+            while not self._eof:
+                self._more.wait()
         self._watchdog.cancel()
         return self.proc.returncode
 
@@ -143,40 +175,45 @@ def test_sigkill_at_random_moments_then_sigint_and_sigterm_lose_nothing(tmp_path
     Ctrl-C and SIGTERM, each followed by a resume; the run ends as if never interrupted."""
     rng = random.Random(int(os.environ.get("ADAPTJAX_FAULT_SEED", "8")))
     run_dir = tmp_path / "run"
+    # (signal, where the job holds until signalled, seconds after its RESCALE line or None).
+    # With None the signal is sent once the job holds there; with seconds, at a random moment
+    # of the transition, and at the latest at the hold on the first step after it: never
+    # after the job could have gone on, let alone ended.
     trials = [
-        ("SIGKILL", "step", rng.randint(4, 9)),  # before the first checkpoint
-        ("SIGKILL", "rescale", rng.uniform(0.0, 0.3)),  # inside the 8 -> 4 transition
-        ("SIGKILL", "devices", 4),  # just after it: the checkpoint must say 4 devices
-        ("SIGINT", "step", rng.randint(24, 28)),  # an async checkpoint may be in flight
-        ("SIGKILL", "rescale", rng.uniform(0.0, 0.3)),  # inside the 4 -> 8 transition
-        ("SIGTERM", "step", 42),  # preemption: checkpoint now, exit 75
-        ("SIGKILL", "step", rng.randint(43, 44)),
+        ("SIGKILL", f"step={rng.randint(4, 9)}", None),  # before the first checkpoint
+        ("SIGKILL", "devices=4", rng.uniform(0.0, 0.3)),  # inside the 8 -> 4 transition
+        ("SIGKILL", "devices=4", None),  # just after it: the checkpoint must say 4 devices
+        ("SIGINT", f"step={rng.randint(24, 28)}", None),  # an async checkpoint may be in flight
+        ("SIGKILL", "devices=8", rng.uniform(0.0, 0.3)),  # inside the 4 -> 8 transition
+        ("SIGTERM", "step=42", None),  # preemption: checkpoint now, exit 75
+        ("SIGKILL", f"step={rng.randint(43, 44)}", None),
     ]
     landed = []
-    for sig, what, value in trials:
-        j = Job(run_dir)
-        if what == "step":
-            hit = j.wait_for(lambda w, v=value: w[:1] == ["STEP"] and int(w[1]) >= v)
-        elif what == "devices":
-            hit = j.wait_for(lambda w, v=value: w[:1] == ["STEP"] and int(w[2]) == v)
+    for sig, hold, after_rescale in trials:
+        j = Job(run_dir, hold=hold)
+        if after_rescale is None:
+            where = j.wait_held()
         else:
             hit = j.wait_for(lambda w: w[:1] == ["RESCALE"])
-            time.sleep(value)
-        assert hit is not None, f"{sig} {what} never came:\n{j.output()}"
+            assert hit is not None, f"{sig}: no rescale before {hold}:\n{j.output()}"
+            time.sleep(after_rescale)  # picks the moment; the hold is what makes it safe
+            where = f"{after_rescale:.2f} s after {hit.strip()}"
         j.proc.send_signal(getattr(signal, sig))
+        j.gate.go()  # only now may the job go on (SIGKILL: it is gone already)
         code = j.finish()
-        landed.append((sig, hit.strip()))
+        if after_rescale is not None:
+            where += f", at the hold ({j.gate.wait_at()[0]})" if j.gate.held() else ", before it"
+        landed.append((sig, where))
         if sig == "SIGKILL":
             assert code == -signal.SIGKILL, j.output()
-        elif sig == "SIGTERM":
+        else:  # the handler ran while the job held (hold returns on the handled signal)
+            assert j.gate.released() == sig, j.output()
+        if sig == "SIGTERM":
             assert code == adaptjax.EXIT_PREEMPTED == 75, j.output()
             preempted = [e for e in _rows(run_dir / "events.jsonl") if e["kind"] == "preempted"]
-            assert (
-                preempted
-                and preempted[-1]["step"]
-                in adaptjax.RunCheckpoints(run_dir / "checkpoints").all_steps()
-            )
-        else:
+            assert preempted and preempted[-1]["step"] == 42, preempted
+            assert 42 in adaptjax.RunCheckpoints(run_dir / "checkpoints").all_steps()
+        elif sig == "SIGINT":
             assert code != 0, j.output()  # KeyboardInterrupt propagates
         # Whatever was interrupted: only completed checkpoints are logged (older ones may be
         # gone by max_to_keep), and a clean exit finished and logged its in-flight checkpoint.
@@ -186,7 +223,7 @@ def test_sigkill_at_random_moments_then_sigint_and_sigterm_lose_nothing(tmp_path
         if sig != "SIGKILL":
             assert max(on_disk) in logged
             assert not [n for n in os.listdir(run_dir / "checkpoints") if "tmp" in n]
-    print(f"fault trials (signal, last line the job printed): {landed}")
+    print(f"fault trials (signal, where it landed): {landed}")
     assert sum(sig == "SIGKILL" for sig, _ in landed) >= 5
     j = Job(run_dir)
     assert j.finish() == 0, j.output()
@@ -210,12 +247,14 @@ def test_kill_inside_a_checkpoint_write_resumes_from_the_previous_one(tmp_path, 
 @pytest.mark.slow
 def test_a_second_process_on_the_run_dir_is_refused_and_the_first_is_unharmed(tmp_path, reference):
     run_dir = tmp_path / "run"
-    first = Job(run_dir, STEPS, "--step-sleep", "0.3")  # still training when the second starts
-    assert first.wait_for(lambda w: w[:1] == ["STEP"]) is not None, first.output()
+    first = Job(run_dir, hold="step=1")  # holds the run directory until the second is done
+    assert first.wait_held() == "step 1 devices 8"
     second = Job(run_dir)
     assert second.finish() != 0
     assert f"in use by another controller (pid {first.proc.pid})" in second.output()
+    first.gate.go()
     assert first.finish() == 0, first.output()
+    assert first.gate.released() == "go"
     assert_same_run(run_dir, reference)
 
 
@@ -502,3 +541,46 @@ def test_a_policy_that_needs_a_metric_never_produced_warns_at_construction(tmp_p
             run_dir=tmp_path / "b", **job.job_kwargs(policies=[switch], link_bandwidth=1e9)
         )
     ctrl.close()
+
+
+# --- the handshake the fault tests stand on (tests/_handshake.py) ------------------------
+
+
+def _signal_once_held(gate, sig):
+    def send():
+        gate.wait_at()
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=send, daemon=True).start()
+
+
+def test_hold_returns_only_after_the_signal_handler_ran(tmp_path):
+    from _handshake import hold
+
+    ran = []
+
+    def mine(*_):
+        ran.append("handler")
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        _signal_once_held(Gate(tmp_path), signal.SIGTERM)
+        assert hold(tmp_path, "step 3") == "SIGTERM"
+        assert ran == ["handler"]  # the handler in place before the hold, once
+        assert signal.getsignal(signal.SIGTERM) is mine  # ... and it is back in place
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert Gate(tmp_path).released() == "SIGTERM"
+
+
+def test_hold_raises_what_the_handler_raises_and_goes_on_at_go(tmp_path):
+    from _handshake import hold
+
+    _signal_once_held(Gate(tmp_path / "a"), signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        hold(tmp_path / "a", "step 1")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    gate = Gate(tmp_path / "b")
+    threading.Thread(target=lambda: gate.wait_at() and gate.go(), daemon=True).start()
+    assert hold(gate.directory, "step 2") == "go"
+    assert gate.wait_at() == ("step 2", os.getpid())
