@@ -60,30 +60,30 @@ assert jax.device_count() == DEVICES, "tests need 8 simulated CPU devices; jax w
 # (its docstring examples run in test_docstrings.py, and a faster test of the same
 # file stays in). The full suite runs them all.
 _LEFT_OUT_OF_THE_FAST_LOOP = {
-    "tests/test_controller_run.py::test_every_sample_seen_once_per_epoch_across_batch_and_mesh_changes",  # noqa: E501
-    "tests/test_controller_run.py::test_returning_to_a_seen_configuration_does_not_compile",
-    "tests/test_controller_run.py::test_rescale_8_4_8_matches_the_same_run_without_rescale",
-    "tests/test_controller_run.py::test_run_dir_outputs",
-    "tests/test_compression_error_feedback.py::test_ef21_invariant[powersgd]",
-    "tests/test_compression_error_feedback.py::test_ef21_invariant[onebit]",
-    "tests/test_compression_error_feedback.py::test_merge_replicas_keeps_the_error_feedback_debt[onebit]",  # noqa: E501
-    "tests/test_compression_error_feedback.py::test_ef14_telescoping_identity[terngrad+ef]",
-    "tests/test_compression_sync.py::test_noise_scale_with_a_codec_matches_the_analytic_value",
-    "tests/test_compression_sync.py::test_data_parallel_step_with_codec_state[onebit]",
-    "tests/test_compression_sync.py::test_optax_chain_form",
-    "tests/test_compression_wire.py::test_wire_bytes_match_formula_on_8_devices[terngrad]",
-    "tests/test_compression_wire.py::test_two_level_sends_bf16_on_the_fast_axis_and_bits_on_the_slow_one",  # noqa: E501
+    "tests/controller/test_controller_run.py::test_every_sample_seen_once_per_epoch_across_batch_and_mesh_changes",  # noqa: E501
+    "tests/controller/test_controller_run.py::test_returning_to_a_seen_configuration_does_not_compile",
+    "tests/controller/test_controller_run.py::test_rescale_8_4_8_matches_the_same_run_without_rescale",
+    "tests/controller/test_controller_run.py::test_run_dir_outputs",
+    "tests/compression/test_compression_error_feedback.py::test_ef21_invariant[powersgd]",
+    "tests/compression/test_compression_error_feedback.py::test_ef21_invariant[onebit]",
+    "tests/compression/test_compression_error_feedback.py::test_merge_replicas_keeps_the_error_feedback_debt[onebit]",  # noqa: E501
+    "tests/compression/test_compression_error_feedback.py::test_ef14_telescoping_identity[terngrad+ef]",
+    "tests/compression/test_compression_sync.py::test_noise_scale_with_a_codec_matches_the_analytic_value",
+    "tests/compression/test_compression_sync.py::test_data_parallel_step_with_codec_state[onebit]",
+    "tests/compression/test_compression_sync.py::test_optax_chain_form",
+    "tests/compression/test_compression_wire.py::test_wire_bytes_match_formula_on_8_devices[terngrad]",
+    "tests/compression/test_compression_wire.py::test_two_level_sends_bf16_on_the_fast_axis_and_bits_on_the_slow_one",  # noqa: E501
     "tests/test_noise_scale_analytic.py::test_preconditioned_noise_scale_is_right_from_the_first_steps_the_averages_cover[0.99-1000]",  # noqa: E501
     "tests/test_noise_scale_analytic.py::test_noise_dominated_readings_are_held_and_flagged_never_huge",  # noqa: E501
     "tests/test_noise_scale_analytic.py::test_snr_and_variance_against_direct_per_example_computation",  # noqa: E501
-    "tests/test_sync_switch.py::test_switch_strategies_and_rescale_under_them_lose_nothing",
+    "tests/sync/test_sync_switch.py::test_switch_strategies_and_rescale_under_them_lose_nothing",
     "tests/test_step_data_parallel.py::test_flax_nnx_model_matches_single_device",
     "tests/test_step_one_collective.py::test_monitors_with_a_codec_add_no_gradient_sized_collective",  # noqa: E501
-    "tests/test_network_transport.py::test_mean_plus_mean_residual_is_the_exact_mean[onebit-owner]",  # noqa: E501
-    "tests/test_controller_faults.py::test_one_decision_fires_once_even_when_it_rescales",
+    "tests/compression/test_network_transport.py::test_mean_plus_mean_residual_is_the_exact_mean[onebit-owner]",  # noqa: E501
+    "tests/controller/test_controller_faults.py::test_one_decision_fires_once_even_when_it_rescales",
     "tests/test_step_data_parallel.py::test_matches_single_device_full_batch[8-1]",
-    "tests/test_controller_run.py::test_rescale_to_a_count_that_does_not_divide_the_batch_rounds_and_logs",  # noqa: E501
-    "tests/test_compression_error_feedback.py::test_merge_replicas_keeps_the_error_feedback_debt[topk]",  # noqa: E501
+    "tests/controller/test_controller_run.py::test_rescale_to_a_count_that_does_not_divide_the_batch_rounds_and_logs",  # noqa: E501
+    "tests/compression/test_compression_error_feedback.py::test_merge_replicas_keeps_the_error_feedback_debt[topk]",  # noqa: E501
 }
 
 
@@ -94,6 +94,10 @@ def pytest_collection_modifyitems(config, items):
     files = {nodeid.split("::")[0] for nodeid in collected}
     stale = sorted(
         n for n in _LEFT_OUT_OF_THE_FAST_LOOP if n.split("::")[0] in files and n not in collected
+    )
+    # a moved or renamed file would silently put its slowest tests back in the fast loop
+    stale += sorted(
+        n for n in _LEFT_OUT_OF_THE_FAST_LOOP if not (config.rootpath / n.split("::")[0]).is_file()
     )
     if stale:
         raise pytest.UsageError(f"tests/conftest.py names tests that do not exist: {stale}")
