@@ -301,9 +301,9 @@ def _local_step(config: _StepConfig, state: TrainState, batch):
             # exact norm instead of reading (a chunk of) them again.
             extra["local_sqnorm"] = local_sq
     if in_sync:
-        synced = _sync_in_guard(config, state, grads, guard, global_params, extra)
+        synced = _sync_with_guard(config, state, grads, guard, global_params, extra)
     else:
-        synced = _sync_after_guard(config, state, grads, guard, loss)
+        synced = _sync_in_update(config, state, grads, guard, loss)
     updated = _apply_update(config, synced, state.model_state, global_params, model_state, extra)
     return _step_outputs(config, state, synced, updated, aux, in_sync)
 
@@ -368,7 +368,7 @@ def _accumulate_microbatch(config: _StepConfig, params, graphdef, carry, mb):
     return (g_acc, l_acc + loss, sq_acc + tree_sq_norm(g), a_acc, ms), None
 
 
-def _sync_in_guard(config: _StepConfig, state, grads, guard, global_params, extra) -> _Synced:
+def _sync_with_guard(config: _StepConfig, state, grads, guard, global_params, extra) -> _Synced:
     """The guard's scalars ride in the sync link's all-reduce (``adaptjax.chain``)."""
     tx = config.tx
     sync_state, rest_state = tx.split_state(state.opt_state)
@@ -384,8 +384,8 @@ def _sync_in_guard(config: _StepConfig, state, grads, guard, global_params, extr
     return _Synced(summed, complete, tx.rest, rest_state, sync_state, ok, loss)
 
 
-def _sync_after_guard(config: _StepConfig, state, grads, guard, loss) -> _Synced:
-    """Without a guarded chain ``tx`` runs whole in the update, its collectives with it."""
+def _sync_in_update(config: _StepConfig, state, grads, guard, loss) -> _Synced:
+    """``tx`` runs whole in the update, its collectives with it; the guard (if any) apart."""
     axis_name = config.axis_name
     if config.skip_nonfinite:
         # A collective of its own before the whole update (a barrier:
