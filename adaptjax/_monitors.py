@@ -218,6 +218,19 @@ class NoiseScaleState(NamedTuple):
         return self.values[6] > 0
 
 
+class _Samples(NamedTuple):
+    """One step's gradient samples, as :class:`GradientNoiseScale`'s estimators read them."""
+
+    local_g: Any  # this replica's gradient (preconditioned when asked)
+    s_bar: Any  # the mean over the samples of their squared norms
+    mean_sq: Any  # ‖Ḡ‖², the squared norm of their mean
+    n: int  # samples per step: replicas x micro-batches (replicas when preconditioned)
+    sample_b: Any  # examples per sample
+    ok: Any  # bool: this step can be measured (the preconditioner has warmed up)
+    nu: Any  # the preconditioner's second-moment EMA after this step (or ())
+    nu_count: Any  # gradients it has seen after this step
+
+
 class GradientNoiseScale:
     """The simple gradient noise scale ``B_simple = tr(Σ) / ‖G‖²``.
 
@@ -372,58 +385,70 @@ class GradientNoiseScale:
                 "GradientNoiseScale needs the per-replica batch size: pass "
                 "local_batch_size= to the monitor or to tx.update (data_parallel_step does)"
             )
+        samples = self._samples(stats, state, b)
+        g2, var, sample_ok, prev = self._estimates(samples, state)
+        new = self._fold(state, samples, g2, var, sample_ok, prev)
+        return new, self.metrics(new)
+
+    def _samples(self, stats: GradStats, state: NoiseScaleState, b) -> _Samples:
+        """This step's gradient samples (preconditioned when asked) and their norms."""
         n_rep, k = stats.n_replicas, stats.samples_per_replica
-        nu_count = state.nu_count
-        nu = state.nu
-        sample_ok = jnp.bool_(True)
-        if self.preconditioned:
-            # Preconditioned norms come from whole-replica gradients (n = replicas).
-            pre = self._precond(state)
-            mean_g = jax.tree.map(lambda x, p: x.astype(jnp.float32) / p, stats.mean_grads, pre)
-            local_g = jax.tree.map(lambda x, p: x.astype(jnp.float32) / p, stats.local_grads, pre)
-            s_bar = stats.summed["sq"] / n_rep
-            if stats.mean_sample is None:
-                mean_sq = tree_sq_norm(mean_g)
-            else:  # a codec: the exact mean at shared coordinates
-                mean_sq = sum(
-                    scale * jnp.sum(jnp.square(v / p.reshape(-1)[idx]))
-                    for (idx, v, scale), p in zip(
-                        stats.mean_sample, jax.tree.leaves(pre), strict=True
-                    )
-                )
-            n, sample_b = n_rep, b
-            sample_ok = state.nu_count >= self.precond_warmup
-            nu = jax.tree.map(
-                lambda v, g: self.b2 * v + (1 - self.b2) * jnp.square(g.astype(jnp.float32)),
-                state.nu,
-                stats.mean_grads,
+        nu_count, nu = state.nu_count, state.nu
+        if not self.preconditioned:
+            return _Samples(
+                local_g=stats.local_grads,
+                s_bar=stats.local_sq / (n_rep * k),
+                mean_sq=stats.mean_sq,
+                n=n_rep * k,
+                sample_b=b / k,
+                ok=jnp.bool_(True),
+                nu=nu,
+                nu_count=nu_count,
             )
-            nu_count = nu_count + 1
-        else:
-            mean_g, local_g = stats.mean_grads, stats.local_grads
-            s_bar = stats.local_sq / (n_rep * k)
-            mean_sq = stats.mean_sq
-            n, sample_b = n_rep * k, b / k
-        prev = state.prev_grads
+        # Preconditioned norms come from whole-replica gradients (n = replicas).
+        pre = self._precond(state)
+        mean_g = jax.tree.map(lambda x, p: x.astype(jnp.float32) / p, stats.mean_grads, pre)
+        local_g = jax.tree.map(lambda x, p: x.astype(jnp.float32) / p, stats.local_grads, pre)
+        s_bar = stats.summed["sq"] / n_rep
+        if stats.mean_sample is None:
+            mean_sq = tree_sq_norm(mean_g)
+        else:  # a codec: the exact mean at shared coordinates
+            mean_sq = sum(
+                scale * jnp.sum(jnp.square(v / p.reshape(-1)[idx]))
+                for (idx, v, scale), p in zip(stats.mean_sample, jax.tree.leaves(pre), strict=True)
+            )
+        sample_ok = state.nu_count >= self.precond_warmup
+        nu = jax.tree.map(
+            lambda v, g: self.b2 * v + (1 - self.b2) * jnp.square(g.astype(jnp.float32)),
+            nu,
+            stats.mean_grads,
+        )
+        return _Samples(local_g, s_bar, mean_sq, n_rep, b, sample_ok, nu, nu_count + 1)
+
+    def _estimates(self, samples: _Samples, state: NoiseScaleState):
+        """``(‖G‖² estimate, tr(Σ) estimate, measured, previous gradient to keep)``."""
+        n, s_bar, mean_sq, sample_b = samples.n, samples.s_bar, samples.mean_sq, samples.sample_b
         if n >= 2:
             g2 = (n * mean_sq - s_bar) / (n - 1)
             var = (s_bar - mean_sq) * n * sample_b / (n - 1)
-        elif self.differencing:
-            # One vector: two reductions and one buffer instead of two kernels and a
-            # buffer per leaf (a fixed ~1 ms of an H200 LM step at 64 windows).
-            g_now = jnp.concatenate(
-                [x.reshape(-1).astype(jnp.float32) for x in jax.tree.leaves(local_g)]
-            )
-            g2 = jnp.vdot(g_now, state.prev_grads)
-            var = jnp.sum(jnp.square(g_now - state.prev_grads)) * sample_b / 2.0
-            # The first step has no previous gradient yet.
-            sample_ok = sample_ok & (state.calls > 0)
-            prev = g_now
-        else:
+            return g2, var, samples.ok, state.prev_grads
+        if not self.differencing:
             raise ValueError(
                 "the noise scale needs two gradient samples per step: use >= 2 replicas, "
                 "microbatches >= 2, or GradientNoiseScale(differencing=True)"
             )
+        # One vector: two reductions and one buffer instead of two kernels and a
+        # buffer per leaf (a fixed ~1 ms of an H200 LM step at 64 windows).
+        g_now = jnp.concatenate(
+            [x.reshape(-1).astype(jnp.float32) for x in jax.tree.leaves(samples.local_g)]
+        )
+        g2 = jnp.vdot(g_now, state.prev_grads)
+        var = jnp.sum(jnp.square(g_now - state.prev_grads)) * sample_b / 2.0
+        # The first step has no previous gradient yet.
+        return g2, var, samples.ok & (state.calls > 0), g_now
+
+    def _fold(self, state: NoiseScaleState, samples: _Samples, g2, var, sample_ok, prev):
+        """The new state: the estimates in the EMAs, the reading held when it is valid."""
         d = self.decay
         count = jnp.where(sample_ok, state.count + 1, state.count)
         sqnorm_ema = jnp.where(sample_ok, _ema(state.sqnorm_ema, g2, d), state.sqnorm_ema)
@@ -444,19 +469,18 @@ class GradientNoiseScale:
             shrink = (1 - d) * (1 + dc) / jnp.maximum((1 + d) * (1 - dc), _TINY)
             enough = count >= 2  # one estimate says nothing about its spread
             valid = valid & enough & (jnp.square(g2_s) >= self.significance**2 * per_step * shrink)
-        new = NoiseScaleState.make(
+        return NoiseScaleState.make(
             count=count,
             calls=state.calls + 1,
             sqnorm_ema=sqnorm_ema,
             variance_ema=variance_ema,
             sqnorm_sq_ema=sq_sq_ema,
             prev_grads=prev,
-            nu=nu,
-            nu_count=nu_count,
+            nu=samples.nu,
+            nu_count=samples.nu_count,
             held=jnp.where(valid, fresh, state.held),
             valid=valid,
         )
-        return new, self.metrics(new)
 
     def metrics(self, state: NoiseScaleState) -> dict:
         """The reported values: the last valid reading and whether it is this step's."""

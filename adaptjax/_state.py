@@ -182,7 +182,7 @@ def split_model(model_or_params):
 
     RNG keys in ``model_state`` become :class:`RngKeyData`.
     """
-    from flax import nnx
+    from flax import nnx  # NNX models only: optax-only users never load flax (~1 s)
 
     if isinstance(model_or_params, nnx.Module):
         graphdef, params, rest = nnx.split(model_or_params, nnx.Param, ...)
@@ -194,7 +194,7 @@ def merge_model(graphdef, params, model_state):
     """Inverse of :func:`split_model`: the NNX module, or the params pytree."""
     if graphdef is None:
         return params
-    from flax import nnx
+    from flax import nnx  # NNX models only: optax-only users never load flax (~1 s)
 
     return nnx.merge(graphdef, params, data_to_keys(model_state))
 
@@ -228,7 +228,7 @@ def model_state_after(model, model_state):
     """
     if not jax.tree.leaves(model_state):
         return model_state
-    from flax import nnx
+    from flax import nnx  # NNX models only: optax-only users never load flax (~1 s)
 
     _, _, rest = nnx.split(model, nnx.Param, ...)
     return jax.tree.map(

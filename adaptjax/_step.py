@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -205,165 +206,11 @@ def data_parallel_step(
     microbatches = int(microbatches)
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-    k = microbatches
     if sync is not None:
         resolve_sync(sync).check(n)
-
-    def grad_of(params, model_state, graphdef, batch):
-        """Loss, aux, grads and the model state the forward pass left behind."""
-
-        def f(p):
-            model = merge_model(graphdef, p, fold_replica_into_keys(model_state, axis_name))
-            out = loss_fn(model, batch)
-            loss, aux = out if has_aux else (out, ())
-            return loss, (aux, model_state_after(model, model_state))
-
-        (loss, (aux, new_model_state)), grads = jax.value_and_grad(f, has_aux=True)(params)
-        return loss, aux, grads, new_model_state
-
-    def local_step(state: TrainState, batch):
-        state = dataclasses.replace(state, opt_state=to_local(state.opt_state))
-        global_params = state.params
-        has_local = find_model_sync(state.opt_state) is not None
-        # strategies with local models: each replica differentiates at its own model
-        params = local_params(global_params, state.opt_state)
-        b = jax.tree.leaves(batch)[0].shape[0]
-        if k == 1:
-            loss, aux, grads, model_state = grad_of(
-                params, state.model_state, state.graphdef, batch
-            )
-            micro_sq = None
-        else:
-            micro = jax.tree.map(lambda x: x.reshape(k, b // k, *x.shape[1:]), batch)
-
-            def body(carry, mb):
-                g_acc, l_acc, sq_acc, a_acc, ms = carry
-                loss, aux, g, ms = grad_of(params, ms, state.graphdef, mb)
-                g_acc = jax.tree.map(jnp.add, g_acc, g)
-                a_acc = jax.tree.map(jnp.add, a_acc, aux)
-                return (g_acc, l_acc + loss, sq_acc + tree_sq_norm(g), a_acc, ms), None
-
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            aux_shape = jax.eval_shape(
-                lambda mb: grad_of(params, state.model_state, state.graphdef, mb)[1],
-                jax.tree.map(lambda x: x[0], micro),
-            )
-            aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
-            init = (
-                zeros,
-                jnp.zeros((), jnp.float32),
-                jnp.zeros((), jnp.float32),
-                aux0,
-                state.model_state,
-            )
-            (g_sum, l_sum, micro_sq, a_sum, model_state), _ = jax.lax.scan(body, init, micro)
-            grads = jax.tree.map(lambda g: g / k, g_sum)
-            loss = l_sum / k
-            aux = jax.tree.map(lambda a: a / k, a_sum)
-        # replicated like the params: float variables (BatchNorm statistics) are
-        # averaged over replicas; counts and keys are the same on every replica
-        model_state = jax.tree.map(
-            lambda x: jax.lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-            model_state,
-        )
-        extra = {"local_params": params} if has_local else {}
-        extra.update(local_batch_size=b, microbatches=k, micro_sqnorm=micro_sq)
-        # With adaptjax.chain(sync_gradients(...), ...) the guard's scalars ride in
-        # the gradients' all-reduce and only what follows the sync is skipped.
-        in_sync = skip_nonfinite and guarded_sync(tx) and not has_local
-        if skip_nonfinite:
-            # Checked on the loss and the gradients, before the optimizer runs (as
-            # optax.apply_if_finite and PyTorch's GradScaler check gradients), from
-            # their sums over replicas, so every replica takes the same branch of
-            # the lax.cond below.
-            local_sq = tree_sq_norm(grads)
-            guard = jnp.stack([loss.astype(jnp.float32), local_sq])
-            if k == 1:
-                # The guard has read every gradient already: the monitors take its
-                # exact norm instead of reading (a chunk of) them again.
-                extra["local_sqnorm"] = local_sq
-        if in_sync:
-            sync_state, rest_state = tx.split_state(state.opt_state)
-            # The codec and the monitors run in the update branch below (`complete`),
-            # so a skipped step keeps the sync's old state too (monitor EMAs, codec
-            # residuals) and runs neither; a kept one writes it in place, the codec's
-            # mean fused into the optimizer's read of it.
-            summed, complete, sync_state, guard_sum = tx.sync.update_with_sums(
-                grads, sync_state, global_params, guard, deferred=True, **extra
-            )
-            ok = jnp.all(jnp.isfinite(guard_sum))
-            loss = guard_sum[0] / n
-            rest = tx.rest
-        else:
-            if skip_nonfinite:
-                # A collective of its own before the whole update (a barrier:
-                # 2-4% of a small LM's step on 8 simulated CPU devices).
-                mean_loss_sq = jax.lax.pmean(guard, axis_name)
-                ok = jnp.all(jnp.isfinite(mean_loss_sq))
-                loss = mean_loss_sq[0]
-            else:
-                ok = jnp.bool_(True)
-                loss = jax.lax.pmean(loss.astype(jnp.float32), axis_name)
-            summed, finish, rest, rest_state = grads, (lambda g: g), tx, state.opt_state
-            sync_state = ()
-
-        # In the fast path the mean is finished inside the branch, where XLA fuses
-        # it into the optimizer's read of it.
-        def update(summed, rest_state, params, model_state, sync_state):
-            if in_sync:
-                mean, sync_state = complete(summed)
-            else:
-                mean = finish(summed)
-            updates, rest_state = rest.update(mean, rest_state, params, **extra)
-            return optax.apply_updates(params, updates), rest_state, model_state, sync_state
-
-        def skip(summed, rest_state, params, model_state, sync_state):
-            return params, rest_state, state.model_state, sync_state
-
-        operands = (summed, rest_state, global_params, model_state, sync_state)
-        if skip_nonfinite:
-            # The update runs inside the taken branch (without adaptjax.chain its
-            # collectives too), so a skipped step reads nothing and the kept state
-            # passes through in place. Choosing afterwards instead (select(ok, new,
-            # old) per leaf) keeps the old optimizer state alive next to the new
-            # one: XLA then copies every moment buffer and recomputes the moments
-            # in the params update (+10-19% of a small LM's step against +1-2% for
-            # this cond).
-            with jax.named_scope(GUARD_SCOPE):
-                new_params, rest_state, model_state, sync_state = jax.lax.cond(
-                    ok, update, skip, *operands
-                )
-        else:
-            new_params, rest_state, model_state, sync_state = update(*operands)
-        opt_state = tx.join_state(sync_state, rest_state) if in_sync else rest_state
-        aux = jax.lax.pmean(aux, axis_name)
-        scalars = {"loss": loss, "nonfinite": (~ok).astype(jnp.float32)}
-        scalars.update(collect_metrics(opt_state))
-        # one vector: one output buffer per device instead of one per metric
-        metrics = Metrics.pack(scalars, {"aux": aux} if has_aux else None)
-        new_state = dataclasses.replace(
-            state,
-            step=state.step + 1,
-            params=new_params,
-            opt_state=to_global(opt_state),
-            nonfinite_count=state.nonfinite_count + (~ok).astype(jnp.int32),
-            model_state=model_state,
-        )
-        return new_state, metrics
-
-    def step(state: TrainState, batch):
-        specs = train_state_specs(state, axis_name)
-        fn = jax.shard_map(
-            local_step,
-            mesh=mesh,
-            in_specs=(specs, P(axis_name)),
-            out_specs=(specs, P()),
-            check_vma=False,
-        )
-        return fn(state, batch)
-
+    config = _StepConfig(loss_fn, tx, mesh, axis_name, n, microbatches, has_aux, skip_nonfinite)
     jitted = jax.jit(
-        step,
+        config.step,
         donate_argnums=(0,) if donate else (),
         compiler_options=step_compiler_options(mesh),
     )
@@ -371,7 +218,241 @@ def data_parallel_step(
         jitted,
         mesh=mesh,
         axis_name=axis_name,
-        microbatches=k,
+        microbatches=microbatches,
         n_replicas=n,
         sync=None if sync is None else resolve_sync(sync),
     )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _StepConfig:
+    """What :func:`data_parallel_step` was built with (checked there); see its arguments."""
+
+    loss_fn: Callable[..., Any]
+    tx: optax.GradientTransformation
+    mesh: Mesh
+    axis_name: str | tuple[str, ...]
+    n_replicas: int
+    microbatches: int
+    has_aux: bool
+    skip_nonfinite: bool
+
+    def step(self, state: TrainState, batch):
+        """The jitted function (``jit(step)`` in profiles and compile logs).
+
+        Runs :func:`_local_step` on every replica: the state's leaves split as
+        :func:`adaptjax.train_state_specs` says, the batch over the data axis.
+        """
+        specs = train_state_specs(state, self.axis_name)
+        fn = jax.shard_map(
+            functools.partial(_local_step, self),
+            mesh=self.mesh,
+            in_specs=(specs, P(self.axis_name)),
+            out_specs=(specs, P()),
+            check_vma=False,
+        )
+        return fn(state, batch)
+
+
+class _Synced(NamedTuple):
+    """A replica's gradients after the step's collective, and what the update still runs."""
+
+    summed: Any  # the sync link's sums (guarded chain), else this replica's gradients
+    complete: Callable | None  # summed -> (mean, sync state); None: tx runs whole on `summed`
+    rest: optax.GradientTransformation  # what runs in the update: the chain's rest, or tx
+    rest_state: Any  # its state
+    sync_state: Any  # the sync link's state before this step (guarded chain), else ()
+    ok: jax.Array  # every replica's loss and gradients are finite (or no guard)
+    loss: jax.Array  # the loss averaged over replicas, float32
+
+
+def _local_step(config: _StepConfig, state: TrainState, batch):
+    """One replica's step inside ``shard_map``: gradients, guard, sync, update, metrics."""
+    state = dataclasses.replace(state, opt_state=to_local(state.opt_state))
+    global_params = state.params
+    has_local = find_model_sync(state.opt_state) is not None
+    # strategies with local models: each replica differentiates at its own model
+    params = local_params(global_params, state.opt_state)
+    b = jax.tree.leaves(batch)[0].shape[0]
+    loss, aux, grads, model_state, micro_sq = _replica_grads(config, state, params, batch)
+    # replicated like the params: float variables (BatchNorm statistics) are
+    # averaged over replicas; counts and keys are the same on every replica
+    model_state = jax.tree.map(
+        lambda x: (
+            jax.lax.pmean(x, config.axis_name) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        ),
+        model_state,
+    )
+    extra = {"local_params": params} if has_local else {}
+    extra.update(local_batch_size=b, microbatches=config.microbatches, micro_sqnorm=micro_sq)
+    # With adaptjax.chain(sync_gradients(...), ...) the guard's scalars ride in
+    # the gradients' all-reduce and only what follows the sync is skipped.
+    in_sync = config.skip_nonfinite and guarded_sync(config.tx) and not has_local
+    guard = None
+    if config.skip_nonfinite:
+        # Checked on the loss and the gradients, before the optimizer runs (as
+        # optax.apply_if_finite and PyTorch's GradScaler check gradients), from
+        # their sums over replicas, so every replica takes the same branch of
+        # the lax.cond in _apply_update.
+        local_sq = tree_sq_norm(grads)
+        guard = jnp.stack([loss.astype(jnp.float32), local_sq])
+        if config.microbatches == 1:
+            # The guard has read every gradient already: the monitors take its
+            # exact norm instead of reading (a chunk of) them again.
+            extra["local_sqnorm"] = local_sq
+    if in_sync:
+        synced = _sync_with_guard(config, state, grads, guard, global_params, extra)
+    else:
+        synced = _sync_in_update(config, state, grads, guard, loss)
+    updated = _apply_update(config, synced, state.model_state, global_params, model_state, extra)
+    return _step_outputs(config, state, synced, updated, aux, in_sync)
+
+
+def _grad_of(config: _StepConfig, params, model_state, graphdef, batch):
+    """Loss, aux, grads and the model state the forward pass left behind."""
+    f = functools.partial(_loss_and_model_state, config, model_state, graphdef, batch)
+    (loss, (aux, new_model_state)), grads = jax.value_and_grad(f, has_aux=True)(params)
+    return loss, aux, grads, new_model_state
+
+
+def _loss_and_model_state(config: _StepConfig, model_state, graphdef, batch, params):
+    """``(loss, (aux, model state after))`` of ``loss_fn`` at ``params``: what is differentiated."""
+    model = merge_model(graphdef, params, fold_replica_into_keys(model_state, config.axis_name))
+    out = config.loss_fn(model, batch)
+    loss, aux = out if config.has_aux else (out, ())
+    return loss, (aux, model_state_after(model, model_state))
+
+
+def _replica_grads(config: _StepConfig, state: TrainState, params, batch):
+    """``(loss, aux, grads, model state, Σ_j ‖g_j‖²)`` of this replica's batch.
+
+    With micro-batches, ``lax.scan`` accumulates them: the loss, aux and
+    gradients are their means, the last item the sum of their squared norms
+    (``None`` with one micro-batch).
+    """
+    k = config.microbatches
+    if k == 1:
+        loss, aux, grads, model_state = _grad_of(
+            config, params, state.model_state, state.graphdef, batch
+        )
+        return loss, aux, grads, model_state, None
+    b = jax.tree.leaves(batch)[0].shape[0]
+    micro = jax.tree.map(lambda x: x.reshape(k, b // k, *x.shape[1:]), batch)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    aux_shape = jax.eval_shape(
+        lambda mb: _grad_of(config, params, state.model_state, state.graphdef, mb)[1],
+        jax.tree.map(lambda x: x[0], micro),
+    )
+    aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
+    init = (
+        zeros,
+        jnp.zeros((), jnp.float32),
+        jnp.zeros((), jnp.float32),
+        aux0,
+        state.model_state,
+    )
+    body = functools.partial(_accumulate_microbatch, config, params, state.graphdef)
+    (g_sum, l_sum, micro_sq, a_sum, model_state), _ = jax.lax.scan(body, init, micro)
+    grads = jax.tree.map(lambda g: g / k, g_sum)
+    loss = l_sum / k
+    aux = jax.tree.map(lambda a: a / k, a_sum)
+    return loss, aux, grads, model_state, micro_sq
+
+
+def _accumulate_microbatch(config: _StepConfig, params, graphdef, carry, mb):
+    """The ``lax.scan`` body of :func:`_replica_grads`: adds one micro-batch's gradient."""
+    g_acc, l_acc, sq_acc, a_acc, ms = carry
+    loss, aux, g, ms = _grad_of(config, params, ms, graphdef, mb)
+    g_acc = jax.tree.map(jnp.add, g_acc, g)
+    a_acc = jax.tree.map(jnp.add, a_acc, aux)
+    return (g_acc, l_acc + loss, sq_acc + tree_sq_norm(g), a_acc, ms), None
+
+
+def _sync_with_guard(config: _StepConfig, state, grads, guard, global_params, extra) -> _Synced:
+    """The guard's scalars ride in the sync link's all-reduce (``adaptjax.chain``)."""
+    tx = config.tx
+    sync_state, rest_state = tx.split_state(state.opt_state)
+    # The codec and the monitors run in the update branch (`complete`), so a
+    # skipped step keeps the sync's old state too (monitor EMAs, codec
+    # residuals) and runs neither; a kept one writes it in place, the codec's
+    # mean fused into the optimizer's read of it.
+    summed, complete, sync_state, guard_sum = tx.sync.update_with_sums(
+        grads, sync_state, global_params, guard, deferred=True, **extra
+    )
+    ok = jnp.all(jnp.isfinite(guard_sum))
+    loss = guard_sum[0] / config.n_replicas
+    return _Synced(summed, complete, tx.rest, rest_state, sync_state, ok, loss)
+
+
+def _sync_in_update(config: _StepConfig, state, grads, guard, loss) -> _Synced:
+    """``tx`` runs whole in the update, its collectives with it; the guard (if any) apart."""
+    axis_name = config.axis_name
+    if config.skip_nonfinite:
+        # A collective of its own before the whole update (a barrier:
+        # 2-4% of a small LM's step on 8 simulated CPU devices).
+        mean_loss_sq = jax.lax.pmean(guard, axis_name)
+        ok = jnp.all(jnp.isfinite(mean_loss_sq))
+        loss = mean_loss_sq[0]
+    else:
+        ok = jnp.bool_(True)
+        loss = jax.lax.pmean(loss.astype(jnp.float32), axis_name)
+    return _Synced(grads, None, config.tx, state.opt_state, (), ok, loss)
+
+
+def _apply_update(
+    config: _StepConfig, synced: _Synced, old_model_state, params, model_state, extra
+):
+    """``(params, rest state, model state, sync state)`` after the update, or as they were."""
+    update = functools.partial(_update_branch, synced.complete, synced.rest, extra)
+    operands = (synced.summed, synced.rest_state, params, model_state, synced.sync_state)
+    if not config.skip_nonfinite:
+        return update(*operands)
+    # The update runs inside the taken branch (without adaptjax.chain its
+    # collectives too), so a skipped step reads nothing and the kept state
+    # passes through in place. Choosing afterwards instead (select(ok, new,
+    # old) per leaf) keeps the old optimizer state alive next to the new
+    # one: XLA then copies every moment buffer and recomputes the moments
+    # in the params update (+10-19% of a small LM's step against +1-2% for
+    # this cond).
+    skip = functools.partial(_skip_branch, old_model_state)
+    with jax.named_scope(GUARD_SCOPE):
+        return jax.lax.cond(synced.ok, update, skip, *operands)
+
+
+def _update_branch(complete, rest, extra, summed, rest_state, params, model_state, sync_state):
+    """The update: the mean (the sync link's ``complete``), ``rest``, the new params.
+
+    In the guarded chain the mean is finished here, where XLA fuses it into
+    the optimizer's read of it.
+    """
+    if complete is not None:
+        mean, sync_state = complete(summed)
+    else:
+        mean = summed
+    updates, rest_state = rest.update(mean, rest_state, params, **extra)
+    return optax.apply_updates(params, updates), rest_state, model_state, sync_state
+
+
+def _skip_branch(old_model_state, summed, rest_state, params, model_state, sync_state):
+    """A skipped step: everything as it was before the step."""
+    return params, rest_state, old_model_state, sync_state
+
+
+def _step_outputs(config: _StepConfig, state, synced: _Synced, updated, aux, in_sync: bool):
+    """``(new state, metrics)`` of the step from the updated parts."""
+    new_params, rest_state, model_state, sync_state = updated
+    opt_state = config.tx.join_state(sync_state, rest_state) if in_sync else rest_state
+    aux = jax.lax.pmean(aux, config.axis_name)
+    scalars = {"loss": synced.loss, "nonfinite": (~synced.ok).astype(jnp.float32)}
+    scalars.update(collect_metrics(opt_state))
+    # one vector: one output buffer per device instead of one per metric
+    metrics = Metrics.pack(scalars, {"aux": aux} if config.has_aux else None)
+    new_state = dataclasses.replace(
+        state,
+        step=state.step + 1,
+        params=new_params,
+        opt_state=to_global(opt_state),
+        nonfinite_count=state.nonfinite_count + (~synced.ok).astype(jnp.int32),
+        model_state=model_state,
+    )
+    return new_state, metrics

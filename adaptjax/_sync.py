@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -282,6 +284,38 @@ def sync_gradients(
       >>> jax.jit(f)(jnp.arange(4.0)).tolist()   # each replica holds one value
       [1.5]
     """
+    config = _sync_config(
+        axis_name, wire_dtype, codec, monitors, monitor_every, norm_chunks, codec_sample, dense_lane
+    )
+    update_with_sums = functools.partial(_update_with_sums, config)
+    return SyncGradients(
+        functools.partial(_init, config),
+        functools.partial(_update, update_with_sums),
+        update_with_sums,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _SyncConfig:
+    """What :func:`sync_gradients` was built with, checked (see its arguments)."""
+
+    axis_name: str | tuple[str, ...]
+    wire_dtype: Any  # None or a jnp floating type
+    codec: Any  # None or a GradientCodec
+    monitors: tuple
+    monitor_every: int
+    norm_chunks: int
+    codec_sample: float
+    dense_lane: str
+    # monitor i -> monitor j whose state and metrics it reads (GradientSNR next to a
+    # GradientNoiseScale); such a monitor has no state of its own
+    shared: Mapping[int, int]
+
+
+def _sync_config(
+    axis_name, wire_dtype, codec, monitors, monitor_every, norm_chunks, codec_sample, dense_lane
+) -> _SyncConfig:
+    """Checks :func:`sync_gradients`'s arguments (one-line errors) into a :class:`_SyncConfig`."""
     wdt = _wire_dtype(wire_dtype)
     monitors = tuple(monitors)
     if codec is not None and not isinstance(codec, GradientCodec):
@@ -306,172 +340,238 @@ def sync_gradients(
     names = [n for m in monitors for n in m.metric_names()]
     if len(set(names)) != len(names):
         raise ValueError(f"two monitors report the same metric name: {sorted(names)}")
+    return _SyncConfig(
+        axis_name, wdt, codec, monitors, monitor_every, norm_chunks, codec_sample, dense_lane,
+        _shared_monitors(monitors),
+    )
 
-    # A monitor that keeps the same EMAs as another (GradientSNR next to a
-    # GradientNoiseScale) has no state of its own and reads the other's metrics.
-    shared = {}
+
+def _shared_monitors(monitors: tuple) -> dict[int, int]:
+    """``{i: j}`` for each monitor ``i`` that keeps the same EMAs as monitor ``j``."""
+    shared: dict[int, int] = {}
     for i, m in enumerate(monitors):
         shares = getattr(m, "shares_state_with", None)
         for j, other in enumerate(monitors):
             if shares is not None and j != i and j not in shared and shares(other):
                 shared[i] = j
                 break
+    return shared
 
-    def init_fn(params):
-        return SyncState(
-            count=jnp.zeros((), jnp.int32),
-            codec_state=codec.init(params) if codec is not None else (),
-            monitor_states=tuple(
-                () if i in shared else m.init(params) for i, m in enumerate(monitors)
-            ),
-            metrics=Metrics.pack({k: 0.0 for m in monitors for k in m.metric_names()}),
+
+def _init(config: _SyncConfig, params) -> SyncState:
+    """The ``init`` of :func:`sync_gradients`."""
+    codec, monitors = config.codec, config.monitors
+    return SyncState(
+        count=jnp.zeros((), jnp.int32),
+        codec_state=codec.init(params) if codec is not None else (),
+        monitor_states=tuple(
+            () if i in config.shared else m.init(params) for i, m in enumerate(monitors)
+        ),
+        metrics=Metrics.pack({k: 0.0 for m in monitors for k in m.metric_names()}),
+    )
+
+
+def _update(update_with_sums, updates, state, params=None, **extra):
+    """The ``update`` of :func:`sync_gradients`: its ``update_with_sums``, finished."""
+    out, finish, state, _ = update_with_sums(updates, state, params, **extra)
+    return finish(out), state
+
+
+class _Inputs(NamedTuple):
+    """One update's inputs, as the monitors and the codec read them."""
+
+    updates: Any  # this replica's gradients
+    state: SyncState  # the state before this update
+    params: Any
+    n: int  # replicas on the axis
+    k: int  # micro-batches (``microbatches=``)
+    micro_sq: Any  # ``micro_sqnorm=``: Σ_j ‖g_j‖² over this replica's micro-batches, or None
+    local_sq: Any  # ``local_sqnorm=``: this replica's exact ‖g‖², or None
+    local_batch_size: Any  # ``local_batch_size=``, or None
+    measure_now: Any  # bool scalar: the monitors measure at this update
+
+
+class _Exchanged(NamedTuple):
+    """What one update's collectives return."""
+
+    out: Any  # dense: the gradients summed over replicas; with a codec: this replica's own
+    scalars: dict  # the monitors' scalars, summed over replicas
+    extra: Any  # the caller's ``extra_sums``, summed over replicas
+    mean_sample: tuple | None = None  # with a codec and monitors: see GradStats.mean_sample
+    sampled_mean_sq: Any = None  # with a codec and monitors: ‖Ḡ‖² estimated from mean_sample
+
+
+def _update_with_sums(
+    config: _SyncConfig, updates, state, params=None, extra_sums=None, *, deferred=False, **extra
+):
+    """``update_with_sums`` of :class:`SyncGradients` (see there for what it returns)."""
+    check_float_tree(updates)
+    _check_per_replica(updates, config.axis_name)
+    k = int(extra.get("microbatches", 1) or 1)
+    inputs = _Inputs(
+        updates, state, params, axis_size(config.axis_name), k,
+        micro_sq=extra.get("micro_sqnorm"),
+        local_sq=extra.get("local_sqnorm"),
+        local_batch_size=extra.get("local_batch_size"),
+        measure_now=state.count % config.monitor_every == 0,
+    )
+    scalars = _monitor_scalars(config, inputs)
+    if config.codec is None:
+        sums = _dense_exchange(config, inputs, scalars, extra_sums)
+    else:
+        sums = _codec_exchange(config, inputs, scalars, extra_sums)
+    complete = functools.partial(_complete, config, inputs, sums)
+    if deferred:
+        return sums.out, complete, state, sums.extra
+    mean, new_state = complete(sums.out)
+    if config.codec is None:  # the mean is finished where the caller reads it
+        return sums.out, functools.partial(_dense_mean, updates, inputs.n), new_state, sums.extra
+    return mean, _identity, new_state, sums.extra
+
+
+def _identity(x):
+    return x
+
+
+def _local_scalars(config: _SyncConfig, inputs: _Inputs) -> dict:
+    """This replica's ‖g‖² and every monitor's local scalars, keyed for the all-reduce."""
+    out = {}
+    if inputs.micro_sq is not None and inputs.k > 1:
+        out[_LOCAL_SQ] = jnp.asarray(inputs.micro_sq, jnp.float32)
+    elif inputs.local_sq is not None:
+        out[_LOCAL_SQ] = jnp.asarray(inputs.local_sq, jnp.float32)
+    else:
+        out[_LOCAL_SQ] = tree_sq_norm_sampled(
+            inputs.updates, inputs.state.count, config.norm_chunks
         )
+    for i, (m, s) in enumerate(zip(config.monitors, inputs.state.monitor_states, strict=True)):
+        if i in config.shared:
+            continue
+        for key, v in m.local_scalars(inputs.updates, s).items():
+            out[f"{i}/{key}"] = jnp.asarray(v, jnp.float32)
+    return out
 
-    def update_with_sums(updates, state, params=None, extra_sums=None, *, deferred=False, **extra):
-        check_float_tree(updates)
-        _check_per_replica(updates, axis_name)
-        n = axis_size(axis_name)
-        k = int(extra.get("microbatches", 1) or 1)
-        micro_sq = extra.get("micro_sqnorm")
-        local_sq = extra.get("local_sqnorm")
-        measure_now = state.count % monitor_every == 0
 
-        def local_scalars():
-            out = {}
-            if micro_sq is not None and k > 1:
-                out[_LOCAL_SQ] = jnp.asarray(micro_sq, jnp.float32)
-            elif local_sq is not None:
-                out[_LOCAL_SQ] = jnp.asarray(local_sq, jnp.float32)
-            else:
-                out[_LOCAL_SQ] = tree_sq_norm_sampled(updates, state.count, norm_chunks)
-            for i, (m, s) in enumerate(zip(monitors, state.monitor_states, strict=True)):
-                if i in shared:
-                    continue
-                for key, v in m.local_scalars(updates, s).items():
-                    out[f"{i}/{key}"] = jnp.asarray(v, jnp.float32)
-            return out
+def _monitor_scalars(config: _SyncConfig, inputs: _Inputs) -> dict:
+    """:func:`_local_scalars` on a measuring update, zeros between (``monitor_every``)."""
+    if not config.monitors:
+        return {}
+    local_scalars = functools.partial(_local_scalars, config, inputs)
+    if config.monitor_every == 1:
+        return local_scalars()
+    shapes = jax.eval_shape(local_scalars)
+    zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.lax.cond(inputs.measure_now, local_scalars, zeros)
 
-        if monitors:
-            if monitor_every == 1:
-                scalars = local_scalars()
-            else:
-                shapes = jax.eval_shape(local_scalars)
-                zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-                scalars = jax.lax.cond(measure_now, local_scalars, zeros)
-        else:
-            scalars = {}
 
-        samples, sampled_mean_sq = None, None
-        if codec is None:
-            wire = updates if wdt is None else jax.tree.map(lambda g: g.astype(wdt), updates)
-            if dense_lane == "all-reduce":
-                summed, (summed_scalars, summed_extra) = _psum_leaves(
-                    (wire, (scalars, extra_sums)), axis_name
-                )
-            else:
-                summed = _reduce_scatter_gather(wire, axis_name, n)
-                summed_scalars, summed_extra = _psum_leaves((scalars, extra_sums), axis_name)
-            out = summed
-        else:
-            if monitors:
-                coords = _sample_coordinates(updates, state.count, codec_sample)
-                # Every leaf's sample in one vector: one operand of the all-reduce and
-                # one weighted sum of squares (not a reduction per leaf); a leaf taken
-                # whole goes as it is, not through a gather.
-                local = jnp.concatenate([
-                    (x.reshape(-1) if scale == 1.0 else x.reshape(-1)[idx]).astype(jnp.float32)
-                    for x, (idx, scale) in zip(jax.tree.leaves(updates), coords, strict=True)
-                ])
-                summed_scalars, summed_local, summed_extra = jax.lax.psum(
-                    (scalars, local, extra_sums), axis_name
-                )
-                mean_local = summed_local / n
-                ends = np.cumsum([idx.shape[0] for idx, _ in coords])
-                samples = tuple(
-                    (idx, mean_local[end - idx.shape[0] : end], scale)
-                    for (idx, scale), end in zip(coords, ends, strict=True)
-                )
-                weights = jnp.concatenate(
-                    [jnp.full(idx.shape, scale, jnp.float32) for idx, scale in coords]
-                )
-                sampled_mean_sq = jnp.sum(weights * jnp.square(mean_local))
-            else:
-                summed_scalars = {}
-                summed_extra = jax.lax.psum(extra_sums, axis_name)
-            out = updates  # the codec runs in `complete`
+def _dense_exchange(config: _SyncConfig, inputs: _Inputs, scalars, extra_sums) -> _Exchanged:
+    """The gradients, the monitors' scalars and the caller's sums, summed over replicas."""
+    updates, axis_name = inputs.updates, config.axis_name
+    wdt = config.wire_dtype
+    wire = updates if wdt is None else jax.tree.map(lambda g: g.astype(wdt), updates)
+    if config.dense_lane == "all-reduce":
+        summed, (summed_scalars, summed_extra) = _psum_leaves(
+            (wire, (scalars, extra_sums)), axis_name
+        )
+    else:
+        summed = _reduce_scatter_gather(wire, axis_name, inputs.n)
+        summed_scalars, summed_extra = _psum_leaves((scalars, extra_sums), axis_name)
+    return _Exchanged(summed, summed_scalars, summed_extra)
 
-        def measure(monitor_states, mean):
-            stats = GradStats(
-                local_grads=updates,
-                mean_grads=mean,
-                local_sq=summed_scalars[_LOCAL_SQ],
-                # Without a codec ‖Ḡ‖² comes from the sums (`out`), scaled: read where
-                # the all-reduce left them, the division by n stays fused into the
-                # optimizer's one read of the mean.
-                mean_sq=(
-                    tree_sq_norm_sampled(out, state.count, norm_chunks) / n**2
-                    if samples is None
-                    else sampled_mean_sq
-                ),
-                n_replicas=n,
-                samples_per_replica=k if (micro_sq is not None and k > 1) else 1,
-                local_batch_size=extra.get("local_batch_size"),
-                summed={},
-                mean_sample=samples,
-            )
-            new_states, values = list(monitor_states), {}
-            for i, (m, s) in enumerate(zip(monitors, monitor_states, strict=True)):
-                if i in shared:
-                    continue
-                own = {
-                    key.split("/", 1)[1]: v
-                    for key, v in summed_scalars.items()
-                    if key.startswith(f"{i}/")
-                }
-                new_states[i], values[i] = m.update(stats._replace(summed=own), s, params=params)
-            for i, j in shared.items():
-                values[i] = monitors[i].from_shared(values[j], stats)
-            metrics = {k: v for i in range(len(monitors)) for k, v in values[i].items()}
-            # in the state's order: the cond's two branches must agree on the structure
-            return tuple(new_states), Metrics.pack({k: metrics[k] for k in state.metrics})
 
-        def dense_mean(summed):
-            return jax.tree.map(lambda s, g: (s / n).astype(g.dtype), summed, updates)
+def _codec_exchange(config: _SyncConfig, inputs: _Inputs, scalars, extra_sums) -> _Exchanged:
+    """With a codec: the monitors' scalars and exact sample, and the caller's sums, summed.
 
-        def complete(out):
-            """``(mean, new state)`` from ``out``: the codec (if any), then the monitors."""
-            if codec is None:
-                mean = dense_mean(out)  # traced into the monitors only if one reads it
-                codec_state = ()
-            else:
-                mean, codec_state = codec.sync(
-                    out, state.codec_state, axis_name=axis_name, step=state.count
-                )
-            if not monitors:
-                return mean, SyncState(state.count + 1, codec_state, (), state.metrics)
-            if monitor_every == 1:
-                monitor_states, metrics = measure(state.monitor_states, mean)
-            else:
-                monitor_states, metrics = jax.lax.cond(
-                    measure_now,
-                    lambda s: measure(s, mean),
-                    lambda s: (s, state.metrics),
-                    state.monitor_states,
-                )
-            return mean, SyncState(state.count + 1, codec_state, monitor_states, metrics)
+    The gradients themselves are left to the codec, which runs in :func:`_complete`.
+    """
+    updates, n = inputs.updates, inputs.n
+    if not config.monitors:
+        return _Exchanged(updates, {}, jax.lax.psum(extra_sums, config.axis_name))
+    coords = _sample_coordinates(updates, inputs.state.count, config.codec_sample)
+    # Every leaf's sample in one vector: one operand of the all-reduce and
+    # one weighted sum of squares (not a reduction per leaf); a leaf taken
+    # whole goes as it is, not through a gather.
+    local = jnp.concatenate([
+        (x.reshape(-1) if scale == 1.0 else x.reshape(-1)[idx]).astype(jnp.float32)
+        for x, (idx, scale) in zip(jax.tree.leaves(updates), coords, strict=True)
+    ])
+    summed_scalars, summed_local, summed_extra = jax.lax.psum(
+        (scalars, local, extra_sums), config.axis_name
+    )
+    mean_local = summed_local / n
+    ends = np.cumsum([idx.shape[0] for idx, _ in coords])
+    samples = tuple(
+        (idx, mean_local[end - idx.shape[0] : end], scale)
+        for (idx, scale), end in zip(coords, ends, strict=True)
+    )
+    weights = jnp.concatenate([jnp.full(idx.shape, scale, jnp.float32) for idx, scale in coords])
+    sampled_mean_sq = jnp.sum(weights * jnp.square(mean_local))
+    return _Exchanged(updates, summed_scalars, summed_extra, samples, sampled_mean_sq)
 
-        if deferred:
-            return out, complete, state, summed_extra
-        mean, new_state = complete(out)
-        if codec is None:  # the mean is finished where the caller reads it
-            return out, dense_mean, new_state, summed_extra
-        return mean, lambda mean: mean, new_state, summed_extra
 
-    def update_fn(updates, state, params=None, **extra):
-        out, finish, state, _ = update_with_sums(updates, state, params, **extra)
-        return finish(out), state
+def _dense_mean(updates, n: int, summed):
+    """The mean from the dense sums, in the gradients' dtypes."""
+    return jax.tree.map(lambda s, g: (s / n).astype(g.dtype), summed, updates)
 
-    return SyncGradients(init_fn, update_fn, update_with_sums)
+
+def _complete(config: _SyncConfig, inputs: _Inputs, sums: _Exchanged, out):
+    """``(mean, new state)`` from ``out``: the codec (if any), then the monitors."""
+    state = inputs.state
+    if config.codec is None:
+        mean = _dense_mean(inputs.updates, inputs.n, out)  # traced only if a monitor reads it
+        codec_state = ()
+    else:
+        mean, codec_state = config.codec.sync(
+            out, state.codec_state, axis_name=config.axis_name, step=state.count
+        )
+    if not config.monitors:
+        return mean, SyncState(state.count + 1, codec_state, (), state.metrics)
+    if config.monitor_every == 1:
+        monitor_states, metrics = _measure(config, inputs, sums, state.monitor_states, mean)
+    else:
+        monitor_states, metrics = jax.lax.cond(
+            inputs.measure_now,
+            lambda s: _measure(config, inputs, sums, s, mean),
+            lambda s: (s, state.metrics),
+            state.monitor_states,
+        )
+    return mean, SyncState(state.count + 1, codec_state, monitor_states, metrics)
+
+
+def _measure(config: _SyncConfig, inputs: _Inputs, sums: _Exchanged, monitor_states, mean):
+    """Every monitor's update: ``(new monitor states, metrics)``."""
+    n, monitors, shared = inputs.n, config.monitors, config.shared
+    stats = GradStats(
+        local_grads=inputs.updates,
+        mean_grads=mean,
+        local_sq=sums.scalars[_LOCAL_SQ],
+        # Without a codec ‖Ḡ‖² comes from the sums (`out`), scaled: read where
+        # the all-reduce left them, the division by n stays fused into the
+        # optimizer's one read of the mean.
+        mean_sq=(
+            tree_sq_norm_sampled(sums.out, inputs.state.count, config.norm_chunks) / n**2
+            if sums.mean_sample is None
+            else sums.sampled_mean_sq
+        ),
+        n_replicas=n,
+        samples_per_replica=inputs.k if (inputs.micro_sq is not None and inputs.k > 1) else 1,
+        local_batch_size=inputs.local_batch_size,
+        summed={},
+        mean_sample=sums.mean_sample,
+    )
+    new_states, values = list(monitor_states), {}
+    for i, (m, s) in enumerate(zip(monitors, monitor_states, strict=True)):
+        if i in shared:
+            continue
+        own = {
+            key.split("/", 1)[1]: v for key, v in sums.scalars.items() if key.startswith(f"{i}/")
+        }
+        new_states[i], values[i] = m.update(stats._replace(summed=own), s, params=inputs.params)
+    for i, j in shared.items():
+        values[i] = monitors[i].from_shared(values[j], stats)
+    metrics = {k: v for i in range(len(monitors)) for k, v in values[i].items()}
+    # in the state's order: the cond's two branches must agree on the structure
+    return tuple(new_states), Metrics.pack({k: metrics[k] for k in inputs.state.metrics})
 
 
 def noise_scale(

@@ -682,19 +682,13 @@ def _resolve_widening(
     for c in compiled:
         c.program_dtypes = [None] * len(c.operands)  # type: ignore[list-item]
     program = program or []
+    # one entry per operand of the program's collectives:
+    # [kind, group size, dtype, elements, matched yet, index of its collective]
     pool = [
         [c.kind, c.group_size, op.dtype, op.elements, False, i]
         for i, c in enumerate(program)
         for op in c.operands
     ]
-
-    def take(kind, n, elements, accept) -> str | None:
-        for p in pool:
-            if not p[4] and p[0] == kind and p[1] == n and p[3] == elements and accept(p[2]):
-                p[4] = True
-                return p[2]
-        return None
-
     # 1. Same dtype, operand by operand (also matches operands XLA combined into a tuple).
     # 2. A narrower dtype of the same kind, group size and element count: widened.
     for exact in (True, False):
@@ -707,33 +701,54 @@ def _resolve_widening(
                     if exact
                     else (lambda d, op=op: _narrower(d, op.dtype))
                 )
-                c.program_dtypes[k] = take(c.kind, c.group_size, op.elements, ok)
+                c.program_dtypes[k] = _take(pool, c.kind, c.group_size, op.elements, ok)
     # 3. An instruction XLA split into a tuple (e.g. all-to-all on CPU): match the sum.
     for c in compiled:
-        left = [k for k, d in enumerate(c.program_dtypes) if d is None]
-        if not left or len({c.operands[k].dtype for k in left}) != 1:
-            continue
-        dtype = c.operands[left[0]].dtype
-        total = sum(c.operands[k].elements for k in left)
-        for i, p in enumerate(program):
-            mine = [q for q in pool if q[5] == i]
-            if (
-                mine
-                and p.kind == c.kind
-                and p.group_size == c.group_size
-                and not any(q[4] for q in mine)
-                and len({q[2] for q in mine}) == 1
-                and sum(q[3] for q in mine) == total
-                and (mine[0][2] == dtype or _narrower(mine[0][2], dtype))
-            ):
-                for q in mine:
-                    q[4] = True
-                for k in left:
-                    c.program_dtypes[k] = mine[0][2]
-                break
-    # 4. Not in the program text (inserted by the SPMD partitioner): trust XLA's own
-    #    marker, a reduction computation renamed "*_promoted", and read the source dtype
-    #    from the convert that feeds the collective.
+        _match_split(c, program, pool)
+    # 4. Not in the program text (inserted by the SPMD partitioner): XLA's own marker.
+    _match_promoted(compiled, instrs)
+
+
+def _take(pool: list[list], kind, n, elements, accept) -> str | None:
+    """The dtype of the first unmatched program operand that fits (marked matched)."""
+    for p in pool:
+        if not p[4] and p[0] == kind and p[1] == n and p[3] == elements and accept(p[2]):
+            p[4] = True
+            return p[2]
+    return None
+
+
+def _match_split(c: _Coll, program: list[_Coll], pool: list[list]) -> None:
+    """Matches ``c``'s unmatched operands, together, to one program collective's sum."""
+    left = [k for k, d in enumerate(c.program_dtypes) if d is None]
+    if not left or len({c.operands[k].dtype for k in left}) != 1:
+        return
+    dtype = c.operands[left[0]].dtype
+    total = sum(c.operands[k].elements for k in left)
+    for i, p in enumerate(program):
+        mine = [q for q in pool if q[5] == i]
+        if (
+            mine
+            and p.kind == c.kind
+            and p.group_size == c.group_size
+            and not any(q[4] for q in mine)
+            and len({q[2] for q in mine}) == 1
+            and sum(q[3] for q in mine) == total
+            and (mine[0][2] == dtype or _narrower(mine[0][2], dtype))
+        ):
+            for q in mine:
+                q[4] = True
+            for k in left:
+                c.program_dtypes[k] = mine[0][2]
+            return
+
+
+def _match_promoted(compiled: list[_Coll], instrs: list[_Instr]) -> None:
+    """The operands still unmatched: widened where XLA says so, else as compiled.
+
+    Trusts XLA's own marker, a reduction computation renamed ``*_promoted``,
+    and reads the source dtype from the convert that feeds the collective.
+    """
     table = {(i.computation, i.name): i for i in instrs}
     by_name = {i.name: i for i in instrs}
     for c in compiled:
@@ -887,7 +902,7 @@ def wire_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> WireReport:
       >>> wire_bytes(jax.jit(lambda x: 2 * x), jnp.ones(3)).total
       0.0
     """
-    import jax
+    import jax  # here only: the cost model reads WireReport and Collective without jax
 
     if isinstance(fn, jax.stages.Compiled):
         if args or kwargs:

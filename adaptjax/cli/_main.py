@@ -17,8 +17,10 @@ import os
 import sys
 
 import adaptjax  # lazy: loads no jax
+from adaptjax.cli import _plan as _plan  # standard library only (the cost model when planning)
 from adaptjax.cli import _report as _report  # standard library only (matplotlib when drawing)
 from adaptjax.controller._run_log import event_latencies, read_jsonl_rows  # standard library only
+from adaptjax.launch._launcher import main as launch_main  # standard library only
 
 
 def _check_run_dir(run_dir: str) -> None:
@@ -107,17 +109,7 @@ def summary(run_dir: str) -> str:
 def plot(run_dir: str, keys: list[str] | None = None) -> str:
     """Plots metrics over steps into ``run_dir/metrics.png``; returns the path."""
     _check_run_dir(run_dir)
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit(
-            'adaptjax plot needs matplotlib: pip install "adaptjax[examples]" '
-            "(or pip install matplotlib)"
-        ) from None
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _report.pyplot("plot")
     metrics = read_jsonl_rows(os.path.join(run_dir, "metrics.jsonl"))
     keys = keys or [
         "loss", "eval_loss", "noise_scale", "batch_size", "learning_rate", "devices",
@@ -181,14 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", help="the run directory")
     p.add_argument("--keys", nargs="*", default=None, help="metrics to plot (default: a few)")
     _report.add_parser(sub)
-    from adaptjax.cli._plan import add_parser as add_plan_parser
-
-    add_plan_parser(sub)
+    _plan.add_parser(sub)
     sub.add_parser("launch", help="run a script as N processes (see launch -h)", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:
-        from adaptjax.launch._launcher import main as launch_main
-
         return launch_main(argv[1:])
     script_args: list[str] = []
     if argv[:1] == ["plan"] and "--" in argv:  # plan SCRIPT [options] -- SCRIPT_ARGS
@@ -196,9 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, script_args = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
     if args.command == "plan":
-        from adaptjax.cli._plan import run as plan_run
-
-        return plan_run(args, script_args)
+        return _plan.run(args, script_args)
     if args.command == "summary":
         print(summary(args.run_dir))
     elif args.command == "report":

@@ -21,7 +21,6 @@ DIR`` keeps it).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -82,66 +81,10 @@ def plan(run_dir: str, *, devices: int | None = None, bandwidth: float | None = 
         )
     if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
         raise SystemExit(f"adaptjax plan: {run_dir} is not a run directory (no metrics.jsonl)")
-    from adaptjax.costs._model import CannotPredict
-    from adaptjax.costs._planner import Planner
-    from adaptjax.costs._simulate import Cluster, wire_for
-    from adaptjax.policies import statistical_efficiency
+    # the cost model imports jax (through RunConfig): kept out of the command's other subcommands
+    from adaptjax.cli._plan_table import ranked_table
 
-    try:
-        planner = Planner.load(run_dir)
-    except ValueError as e:
-        raise SystemExit(f"adaptjax plan: {e}") from None
-    model = planner.model
-    seen = list(planner._times)
-    if not seen:
-        raise SystemExit(f"adaptjax plan: {run_dir}/costs.json holds no measured step")
-    if devices is not None or bandwidth is not None:
-        model = Cluster(devices=devices, bandwidth=bandwidth, latency=latency).apply(model)
-    top_devices = devices or max(c.devices for c in seen)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    phi = next((r["noise_scale"] for r in reversed(rows)
-                if isinstance(r.get("noise_scale"), int | float)), None)
-    base = seen[0].batch_size
-    batches = sorted({c.batch_size for c in seen})
-    micros = sorted({c.microbatches for c in seen})
-    codecs = list(dict.fromkeys(c.codec for c in seen))
-    # A codec's key is its repr; its name reads better where it is unambiguous.
-    names = {k: k.split("(", 1)[0].lstrip("_").lower() for k in codecs if k is not None}
-    label = {k: (v if list(names.values()).count(v) == 1 else k) for k, v in names.items()}
-    out, unknown = [], []
-    for n in range(1, top_devices + 1):
-        for b in batches:
-            for k in micros:
-                if b % (n * k) or b < n:
-                    continue
-                for codec in codecs:
-                    config = seen[0].replace(devices=n, batch_size=b, microbatches=k, codec=codec)
-                    try:
-                        wire = planner._wires.get(config) or wire_for(planner.model, config)
-                        p = model.predict(config, wire)
-                    except CannotPredict as e:
-                        unknown.append(str(e))
-                        continue
-                    eff = 1.0 if phi is None else statistical_efficiency(phi, b, base)
-                    out.append((b / p.step_time * eff, config, p))
-    out.sort(key=lambda r: -r[0])
-    what = (f"noise scale {phi:.4g}" if phi is not None
-            else "no noise scale recorded: goodput = throughput")
-    head = (f"configurations ranked by predicted goodput ({what}; base batch {base}; "
-            f"{len(seen)} measured)")
-    head += "; meas ms: measured, - : predicted only"
-    lines = [head, f"{'#':>3s} {'dev':>3s} {'batch':>5s} {'mb':>2s} {'step ms':>9s} "
-             f"{'meas ms':>9s} {'bytes/dev':>11s} {'samples/s':>10s} {'goodput':>9s}  codec"]
-    for i, (g, c, p) in enumerate(out[:top], 1):
-        measured = planner._times.get(c)
-        meas = "-" if measured is None else f"{measured * 1e3:.2f}"
-        lines.append(f"{i:3d} {c.devices:3d} {c.batch_size:5d} {c.microbatches:2d} "
-                     f"{p.step_time * 1e3:9.2f} {meas:>9s} {p.bytes:11.0f} "
-                     f"{c.batch_size / p.step_time:10.1f} {g:9.1f}  {label.get(c.codec, 'none')}")
-    if unknown:
-        lines.append(f"{len(unknown)} configuration(s) not predicted, e.g.: {unknown[0]}")
-    return "\n".join(lines)
+    return ranked_table(run_dir, devices=devices, bandwidth=bandwidth, latency=latency, top=top)
 
 
 def probe_script(script: str, script_args: list[str] = (), *, steps: int = DEFAULT_STEPS,

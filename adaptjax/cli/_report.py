@@ -308,100 +308,36 @@ def _title(run_dir: str, metrics: list[dict], events: list[dict]) -> str:
     return "adaptjax run " + ", ".join(parts)
 
 
-def render(run_dir: str, out: str | None = None) -> str:
-    """Draws ``report.png`` (or ``out``) for ``run_dir``; returns its path."""
+def pyplot(command: str):
+    """``matplotlib.pyplot`` on the Agg backend, or a one-line exit naming the extra."""
     try:
-        import matplotlib
+        import matplotlib  # an optional dependency (the "examples" extra)
     except ImportError:
         raise SystemExit(
-            'adaptjax report needs matplotlib: pip install "adaptjax[examples]" '
+            f'adaptjax {command} needs matplotlib: pip install "adaptjax[examples]" '
             "(or pip install matplotlib)"
         ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def render(run_dir: str, out: str | None = None) -> str:
+    """Draws ``report.png`` (or ``out``) for ``run_dir``; returns its path."""
+    plt = pyplot("report")
     metrics, events = load_run(run_dir)
     fig, axes = plt.subplots(
         6, 1, figsize=(11, 13), sharex=True,
         gridspec_kw={"height_ratios": [2.2, 1.6, 1.1, 1.2, 1.1, 1.3]},
     )
     ax_loss, ax_batch, ax_lr, ax_band, ax_bytes, ax_time = axes
-
-    s, v = _series(metrics, "loss")
-    ax_loss.plot(s, v, lw=0.7, color="tab:blue", alpha=0.6, label="train loss")
-    if len(v) > 10:
-        k = max(len(v) // 30, 2)
-        smooth = [sum(v[max(0, i - k):i + 1]) / len(v[max(0, i - k):i + 1]) for i in range(len(v))]
-        ax_loss.plot(s, smooth, lw=1.5, color="tab:blue", label=f"train loss ({k + 1}-step mean)")
-    s, v = _series(metrics, "eval_loss")
-    if s:
-        ax_loss.plot(s, v, "o-", color="tab:orange", ms=4, label="validation loss")
-    for key in sorted({k for r in metrics for k in r if k.startswith("eval_")} - {"eval_loss"}):
-        if key in ("eval_bpb",):
-            continue
-        s, v = _series(metrics, key)
-        if s:
-            twin = ax_loss.twinx()
-            twin.plot(s, v, "s-", color="tab:green", ms=3, label=key)
-            twin.set_ylabel(key)
-            break
-    ax_loss.set_ylabel("loss")
-    ax_loss.legend(loc="center right", fontsize=7)
-
-    s, v = _series(metrics, "batch_size")
-    ax_batch.step(s, v, where="post", color="tab:red", lw=1.5, label="batch size")
-    s, v = noise_scale_series(metrics)
-    if any(math.isfinite(x) for x in v):
-        ax_batch.plot(s, v, lw=0.8, color="tab:gray", alpha=0.9,
-                      label="measured noise scale (AdaptiveBatchSize's input; gaps: "
-                            "invalid or zero)")
-    ax_batch.set_yscale("log")
-    from matplotlib.ticker import LogLocator, ScalarFormatter
-
-    ax_batch.yaxis.set_major_locator(LogLocator(base=2))
-    ax_batch.yaxis.set_major_formatter(ScalarFormatter())
-    ax_batch.yaxis.set_minor_formatter(plt.NullFormatter())
-    ax_batch.set_ylabel("samples (log)")
-    ax_batch.legend(loc="best", fontsize=7)
-
-    s, v = _series(metrics, "learning_rate")
-    if s:
-        ax_lr.step(s, v, where="post", color="tab:purple", lw=1.3)
-    else:
-        ax_lr.text(0.5, 0.5, "learning rate not logged", transform=ax_lr.transAxes,
-                   ha="center", fontsize=8)
-    ax_lr.set_ylabel("learning rate")
-
+    _draw_loss(ax_loss, metrics)
+    _draw_batch(ax_batch, metrics, plt)
+    _draw_learning_rate(ax_lr, metrics)
     draw_codec_band(ax_band, metrics, events)
-
-    s, v = _series(metrics, "wire_bytes")
-    if s:
-        ax_bytes.step(s, [x / 1e6 for x in v], where="post", color="tab:cyan", lw=1.3)
-        ax_bytes.set_ylabel("MB sent /\ndevice / step")
-    else:
-        s, v = _series(metrics, "comm_time")
-        ax_bytes.step(s, v, where="post", color="tab:cyan", lw=1.3)
-        ax_bytes.set_ylabel("modelled comm s")
-        if not s:
-            ax_bytes.text(0.5, 0.5, "no link modelled (link_bandwidth=None)",
-                          transform=ax_bytes.transAxes, ha="center", fontsize=8)
-    ax_bytes.set_ylim(bottom=0)
-
-    s, v = _series(metrics, "step_time")
-    ax_time.plot(s, v, lw=1.0, color="tab:olive", label="step time (median of last 32)")
-    compiles = [(e["step"], e.get("latency_s", 0.0)) for e in events if e.get("kind") == "compile"]
-    if compiles:
-        top = max(v) if v else 1.0
-        ax_time.plot([c[0] for c in compiles], [top * 1.05] * len(compiles), "v", color="black",
-                     ms=5, label="compile (seconds)")
-        for step, sec in compiles:
-            ax_time.annotate(f"{sec:.1f}s", (step, top * 1.05), xytext=(2, 3),
-                             textcoords="offset points", fontsize=6)
-        ax_time.set_ylim(0, top * 1.25)
-    ax_time.set_ylabel("seconds")
-    ax_time.set_xlabel("step")
-    ax_time.legend(loc="upper right", fontsize=7)
-
+    _draw_wire(ax_bytes, metrics)
+    _draw_step_time(ax_time, metrics, events)
     for ax in axes:
         ax.grid(alpha=0.25)
     draw_events(axes, events, label_ax=ax_loss)
@@ -411,6 +347,93 @@ def render(run_dir: str, out: str | None = None) -> str:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _draw_loss(ax, metrics: list[dict]) -> None:
+    """Train loss (and its running mean), validation loss, one more eval metric on a twin."""
+    s, v = _series(metrics, "loss")
+    ax.plot(s, v, lw=0.7, color="tab:blue", alpha=0.6, label="train loss")
+    if len(v) > 10:
+        k = max(len(v) // 30, 2)
+        smooth = [sum(v[max(0, i - k):i + 1]) / len(v[max(0, i - k):i + 1]) for i in range(len(v))]
+        ax.plot(s, smooth, lw=1.5, color="tab:blue", label=f"train loss ({k + 1}-step mean)")
+    s, v = _series(metrics, "eval_loss")
+    if s:
+        ax.plot(s, v, "o-", color="tab:orange", ms=4, label="validation loss")
+    for key in sorted({k for r in metrics for k in r if k.startswith("eval_")} - {"eval_loss"}):
+        if key in ("eval_bpb",):
+            continue
+        s, v = _series(metrics, key)
+        if s:
+            twin = ax.twinx()
+            twin.plot(s, v, "s-", color="tab:green", ms=3, label=key)
+            twin.set_ylabel(key)
+            break
+    ax.set_ylabel("loss")
+    ax.legend(loc="center right", fontsize=7)
+
+
+def _draw_batch(ax, metrics: list[dict], plt) -> None:
+    """The batch size against the measured noise scale, on a log2 axis."""
+    from matplotlib.ticker import LogLocator, ScalarFormatter  # optional, as in pyplot()
+
+    s, v = _series(metrics, "batch_size")
+    ax.step(s, v, where="post", color="tab:red", lw=1.5, label="batch size")
+    s, v = noise_scale_series(metrics)
+    if any(math.isfinite(x) for x in v):
+        ax.plot(s, v, lw=0.8, color="tab:gray", alpha=0.9,
+                label="measured noise scale (AdaptiveBatchSize's input; gaps: "
+                      "invalid or zero)")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=2))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(plt.NullFormatter())
+    ax.set_ylabel("samples (log)")
+    ax.legend(loc="best", fontsize=7)
+
+
+def _draw_learning_rate(ax, metrics: list[dict]) -> None:
+    s, v = _series(metrics, "learning_rate")
+    if s:
+        ax.step(s, v, where="post", color="tab:purple", lw=1.3)
+    else:
+        ax.text(0.5, 0.5, "learning rate not logged", transform=ax.transAxes,
+                ha="center", fontsize=8)
+    ax.set_ylabel("learning rate")
+
+
+def _draw_wire(ax, metrics: list[dict]) -> None:
+    """Measured bytes per device and step, else the modelled communication time."""
+    s, v = _series(metrics, "wire_bytes")
+    if s:
+        ax.step(s, [x / 1e6 for x in v], where="post", color="tab:cyan", lw=1.3)
+        ax.set_ylabel("MB sent /\ndevice / step")
+    else:
+        s, v = _series(metrics, "comm_time")
+        ax.step(s, v, where="post", color="tab:cyan", lw=1.3)
+        ax.set_ylabel("modelled comm s")
+        if not s:
+            ax.text(0.5, 0.5, "no link modelled (link_bandwidth=None)",
+                    transform=ax.transAxes, ha="center", fontsize=8)
+    ax.set_ylim(bottom=0)
+
+
+def _draw_step_time(ax, metrics: list[dict], events: list[dict]) -> None:
+    """Step time, with each compile marked above it and labelled with its seconds."""
+    s, v = _series(metrics, "step_time")
+    ax.plot(s, v, lw=1.0, color="tab:olive", label="step time (median of last 32)")
+    compiles = [(e["step"], e.get("latency_s", 0.0)) for e in events if e.get("kind") == "compile"]
+    if compiles:
+        top = max(v) if v else 1.0
+        ax.plot([c[0] for c in compiles], [top * 1.05] * len(compiles), "v", color="black",
+                ms=5, label="compile (seconds)")
+        for step, sec in compiles:
+            ax.annotate(f"{sec:.1f}s", (step, top * 1.05), xytext=(2, 3),
+                        textcoords="offset points", fontsize=6)
+        ax.set_ylim(0, top * 1.25)
+    ax.set_ylabel("seconds")
+    ax.set_xlabel("step")
+    ax.legend(loc="upper right", fontsize=7)
 
 
 def summary_markdown(run_dir: str) -> str:

@@ -15,6 +15,12 @@ import statistics
 import time
 from collections.abc import Sequence
 
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from adaptjax._wire import wire_bytes
 from adaptjax.costs._links import LinkModel, fit_alpha_beta, fit_operand_alpha
 
 DEFAULT_KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter")
@@ -23,8 +29,6 @@ TUPLE_OPERANDS = 8  # operands of the timed tuple all-reduce (alpha_operand)
 
 
 def _program(kind: str, axis: str):
-    import jax
-
     if kind == "all-reduce":
         return lambda x: jax.lax.psum(x, axis)
     if kind == "all-gather":
@@ -37,8 +41,6 @@ def _program(kind: str, axis: str):
 
 
 def _median_seconds(fn, x, repeats: int) -> float:
-    import jax
-
     jax.block_until_ready(fn(x))  # compile and warm up
     times = []
     for _ in range(repeats):
@@ -53,8 +55,6 @@ def _groups(devices: int) -> list[int]:
 
     A group of two would leave the other processes out of the program.
     """
-    import jax
-
     return sorted({2, devices}) if jax.process_count() == 1 else [devices]
 
 
@@ -63,11 +63,6 @@ def _ones(n: int, elems: int):
 
     Built shard by shard: under jax.distributed each process gives its own.
     """
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     mesh = Mesh(np.array(jax.devices()[:n]), ("calib",))
     x = jax.make_array_from_callback(
         (n * elems,), NamedSharding(mesh, P("calib")),
@@ -89,11 +84,6 @@ def time_collectives(
     Returns:
       ``(kind, group size, bytes each device sent, seconds)`` per timing.
     """
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    from adaptjax._wire import wire_bytes
-
     if devices < 2:
         raise ValueError(
             f"calibrate_links needs >= 2 devices to time a collective, got {devices}; "
@@ -136,11 +126,6 @@ def time_tuple_all_reduce(
     Returns:
       ``(group size, operands, bytes each device sent, seconds)`` per group.
     """
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    from adaptjax._wire import wire_bytes
-
     out = []
     for n in _groups(devices):
         mesh, x = _ones(n, max(size // 4, 1))
@@ -193,8 +178,6 @@ def calibrate_links(
       >>> links["all-reduce"].beta >= 0
       True
     """
-    import jax
-
     n = len(jax.devices()) if devices is None else int(devices)
     rows = time_collectives(n, kinds, sizes, repeats)
     links = {}

@@ -38,7 +38,7 @@ def _features(devices: int, per_device_batch: float, microbatches: int) -> list[
 
 def nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares ``argmin_x>=0 |a x - y|`` (scipy's Lawson–Hanson)."""
-    from scipy.optimize import nnls as _nnls
+    from scipy.optimize import nnls as _nnls  # (comes with jax) only when a model is fitted
 
     scale = np.where(np.abs(a).max(axis=0) > 0, np.abs(a).max(axis=0), 1.0)
     x, _ = _nnls(a / scale, y)

@@ -37,8 +37,11 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from adaptjax._wire import Collective, WireReport
+import jax
+
+from adaptjax._wire import Collective, WireReport, wire_bytes
 from adaptjax.controller._run_config import RunConfig, codec_key
+from adaptjax.costs._calibrate import DEFAULT_KINDS, calibrate_links
 from adaptjax.costs._links import LinkModel
 from adaptjax.costs._model import (
     CannotPredict,
@@ -124,8 +127,6 @@ class Planner:
         predicts fastest (attach before the run starts: a step already built
         keeps its options), logging each choice as a ``schedule`` event.
         """
-        from adaptjax._wire import wire_bytes
-
         steps, data = controller.steps, controller.data
 
         def wire_of(config):
@@ -208,10 +209,6 @@ class Planner:
         times); with fewer than two devices there is nothing to time and the
         links are empty.
         """
-        import jax
-
-        from adaptjax.costs._calibrate import DEFAULT_KINDS, calibrate_links
-
         n = min(int(devices), len(jax.devices()))
         kinds = DEFAULT_KINDS if kinds is None else tuple(kinds)
         self.links = calibrate_links(n, kinds=kinds) if n >= 2 and kinds else {}

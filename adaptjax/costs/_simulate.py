@@ -35,10 +35,13 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from adaptjax import policies as ajp
 from adaptjax._walk import find_held
 from adaptjax.controller._run_config import RunConfig, codec_key
 from adaptjax.controller._run_log import event_latencies
+from adaptjax.controller._transition import one_gradient_sample, plan_transition
 from adaptjax.costs._links import LinkModel
 from adaptjax.costs._model import CannotPredict, StepTimeModel, config_key, rescale_report
 
@@ -234,114 +237,175 @@ def simulate(
     metrics, events = read_run(run_dir)
     if not metrics:
         raise ValueError(f"{run_dir} has no recorded steps; run it first")
+    run = _recorded(metrics, events, max_devices, step_time)
+    last = max(run.by_step) if steps is None else int(steps)
+    replay = _start(run, policies, hyperparams, step_time)
+    policy = ajp.any_of(*policies)
+    for s in range(1, last + 1):
+        if _carry_out_due(run, replay, s):
+            break
+        row = _replay_step(run, replay, s, step_time)
+        if s % policy_every == 0 and s in run.by_step:
+            _decide(run, replay, policy, s, row)
+    replay.events.append(SimEvent(s, replay.seconds, "end", _label(replay.config)))
+    return Simulation(
+        tuple(replay.events), tuple(replay.decisions), replay.seconds, s, replay.config,
+        replay.diverged,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recorded:
+    """What a replay reads from the recorded run; the same for the whole replay."""
+
+    metrics: list[dict]
+    by_step: dict[int, dict]
+    first: RunConfig  # the run's first configuration
+    cap: int  # the most replicas policies may ask for
+    min_samples: int  # gradient samples per step the run's noise scale needed
+    compile_cost: float  # seconds a configuration first met costs: the median compile
+    compile_metric: float  # what the controller told policies a compile costs
+    rescale_cost: float  # seconds a change of device count costs: the median rescale
+
+
+def _recorded(metrics, events, max_devices, step_time) -> _Recorded:
+    """The recorded run's configuration, device cap, sample needs and median latencies."""
     by_step = {int(r["step"]): r for r in metrics}
-    last = max(by_step) if steps is None else int(steps)
     config = _first_config(events, metrics)
     cap = max_devices or max(
         [int(r.get("devices", config.devices)) for r in metrics] + [config.devices]
     )
-    from adaptjax.controller._transition import one_gradient_sample, plan_transition
-
     # The Controller's default noise scale needs two gradient samples per step,
     # unless the run started on one device without micro-batches (it differences).
     measured = any("noise_scale" in r for r in metrics)
     differencing = one_gradient_sample(config.devices, config.microbatches)
-    min_samples = 2 if measured and not differencing else 1
-    codecs: dict = {None: None}
-    _find_codecs(list(policies), codecs)
-    codec_obj = codecs.get(config.codec, config.codec)
-    hyper = {k: _f32(v) for k, v in (hyperparams or {}).items()}
     compile_s = event_latencies(events, "compile")
     rescale_s = event_latencies(events, "rescale")
     compile_cost = statistics.median(compile_s) if compile_s else 0.0
     # what the controller tells policies a compile costs: its compiles less those whose
     # program was compiled ahead (the controller's compile_seconds at the run's end)
     waits = event_latencies([e for e in events if not e.get("compiled_ahead")], "compile")
-    compile_metric = statistics.median(waits) if waits else compile_cost
-    # The run's age: the recorded one while the replay follows the run, then the replay's
-    # clock from the last recorded age on. age_mark = (recorded train_seconds, replay
-    # seconds then); the controller's age counts the first compile, which the replay's
-    # clock counts only with step_time=.
-    age_mark = (compile_cost if step_time is None else 0.0, 0.0)
-    rescale_cost = statistics.median(rescale_s) if rescale_s else 0.0
-    policy = ajp.any_of(*policies)
+    return _Recorded(
+        metrics, by_step, config, cap,
+        min_samples=2 if measured and not differencing else 1,
+        compile_cost=compile_cost,
+        compile_metric=statistics.median(waits) if waits else compile_cost,
+        rescale_cost=statistics.median(rescale_s) if rescale_s else 0.0,
+    )
 
-    seconds, samples = 0.0, 0
-    seen = {config}
-    out: list[SimEvent] = [SimEvent(0, 0.0, "compile", _label(config))]
-    seconds += compile_cost if step_time is not None else 0.0
-    decisions: list[tuple[int, tuple[str, ...]]] = []
-    pending: list[tuple[int, list]] = []  # (step at which to apply, actions)
-    config_at: dict[int, RunConfig] = {}
-    diverged = None
+
+@dataclasses.dataclass
+class _Replay:
+    """The replay's running state; only the three functions below change it."""
+
+    config: RunConfig
+    codec: Any  # the codec object policies see in their Context
+    hyper: dict[str, float]
+    # The run's age: the recorded one while the replay follows the run, then the
+    # replay's clock from the last recorded age on. age_mark = (recorded train_seconds,
+    # replay seconds then); the controller's age counts the first compile, which the
+    # replay's clock counts only with step_time=.
+    age_mark: tuple[float, float]
+    seconds: float
+    events: list[SimEvent]
+    seen: set = dataclasses.field(default_factory=set)
+    samples: int = 0
+    decisions: list[tuple[int, tuple[str, ...]]] = dataclasses.field(default_factory=list)
+    pending: list[tuple[int, list]] = dataclasses.field(default_factory=list)  # (due step, actions)
+    diverged: int | None = None
+
+
+def _start(run: _Recorded, policies, hyperparams, step_time) -> _Replay:
+    """The replay at step 0: the run's first configuration, compiled."""
+    config = run.first
+    codecs: dict = {None: None}
+    _find_codecs(list(policies), codecs)
+    return _Replay(
+        config=config,
+        codec=codecs.get(config.codec, config.codec),
+        hyper={k: _f32(v) for k, v in (hyperparams or {}).items()},
+        age_mark=(run.compile_cost if step_time is None else 0.0, 0.0),
+        seconds=run.compile_cost if step_time is not None else 0.0,
+        events=[SimEvent(0, 0.0, "compile", _label(config))],
+        seen={config},
+    )
+
+
+def _carry_out_due(run: _Recorded, replay: _Replay, s: int) -> bool:
+    """Carries out the decisions due at step ``s`` as the controller would; True on a stop."""
     stop = False
-    for s in range(1, last + 1):
-        for due, actions in [p for p in pending if p[0] == s]:
-            pending.remove((due, actions))
-            plan = plan_transition(actions, config, max_devices=cap, min_samples=min_samples)
-            hyper.update({k: _f32(v) for k, v in plan.hyperparams.items()})
-            if plan.codec_changed:
-                codec_obj = plan.codec
-            new = plan.config
-            if new.devices != config.devices:
-                seconds += rescale_cost
-                out.append(SimEvent(s - 1, seconds, "rescale",
-                                    f"{config.devices} -> {new.devices} devices"))
-            config = new
-            if config not in seen:
-                seen.add(config)
-                seconds += compile_cost
-                out.append(SimEvent(s - 1, seconds, "compile", _label(config)))
-            if plan.stop is not None:
-                out.append(SimEvent(s - 1, seconds, "stop", plan.stop))
-                stop = True
-        if stop:
-            break
-        config_at[s] = config
-        row = dict(by_step.get(s, {}))
-        recorded = (row.get("devices"), row.get("batch_size"))
-        follows = recorded == (None, None) or recorded == (float(config.devices),
-                                                          float(config.batch_size))
-        if diverged is None and not follows:
-            diverged = s
-        if step_time is None and follows and "step_time" in row:
-            t = float(row["step_time"])
-        elif step_time is None:
-            t = _recorded_time(metrics, config)
-        else:
-            t = float(step_time(config))
-        if step_time is not None or not follows:
-            row = {k: v for k, v in row.items() if k not in TIME_KEYS}
-            row.update(step_time=t, throughput=config.batch_size / t,
-                       devices=float(config.devices), batch_size=float(config.batch_size))
-            row.update(compile_seconds=compile_metric,
-                       train_seconds=age_mark[0] + seconds + t - age_mark[1])
-        elif "train_seconds" in row:
-            age_mark = (float(row["train_seconds"]), seconds + t)
-        seconds += t
-        samples += config.batch_size
-        if s % policy_every == 0 and s in by_step:
-            ctx = ajp.Context(
-                step=s, batch_size=config.batch_size, microbatches=config.microbatches,
-                devices=config.devices, max_devices=cap, hyperparams=hyper, codec=codec_obj,
-                samples_seen=samples + config.batch_size,  # the next step is dispatched first
-            )
-            metrics_in = {k: float(v) for k, v in row.items()
-                          if k != "step" and isinstance(v, int | float)}
-            actions = ajp.validate_actions(policy.decide(metrics_in, ctx), source=policy)
-            if actions:
-                decisions.append((s, tuple(repr(a) for a in actions)))
-                out.append(SimEvent(s, seconds, "decision",
-                                    ", ".join(repr(a) for a in actions)))
-                pending.append((s + 2, list(actions)))
-    out.append(SimEvent(s, seconds, "end", _label(config)))
-    return Simulation(tuple(out), tuple(decisions), seconds, s, config, diverged)
+    for due, actions in [p for p in replay.pending if p[0] == s]:
+        replay.pending.remove((due, actions))
+        config = replay.config
+        plan = plan_transition(actions, config, max_devices=run.cap, min_samples=run.min_samples)
+        replay.hyper.update({k: _f32(v) for k, v in plan.hyperparams.items()})
+        if plan.codec_changed:
+            replay.codec = plan.codec
+        new = plan.config
+        if new.devices != config.devices:
+            replay.seconds += run.rescale_cost
+            replay.events.append(SimEvent(s - 1, replay.seconds, "rescale",
+                                          f"{config.devices} -> {new.devices} devices"))
+        replay.config = new
+        if new not in replay.seen:
+            replay.seen.add(new)
+            replay.seconds += run.compile_cost
+            replay.events.append(SimEvent(s - 1, replay.seconds, "compile", _label(new)))
+        if plan.stop is not None:
+            replay.events.append(SimEvent(s - 1, replay.seconds, "stop", plan.stop))
+            stop = True
+    return stop
+
+
+def _replay_step(run: _Recorded, replay: _Replay, s: int, step_time) -> dict:
+    """Step ``s`` in the replay's configuration: its time counted; returns its metrics row."""
+    config = replay.config
+    row = dict(run.by_step.get(s, {}))
+    recorded = (row.get("devices"), row.get("batch_size"))
+    follows = recorded == (None, None) or recorded == (float(config.devices),
+                                                      float(config.batch_size))
+    if replay.diverged is None and not follows:
+        replay.diverged = s
+    if step_time is None and follows and "step_time" in row:
+        t = float(row["step_time"])
+    elif step_time is None:
+        t = _recorded_time(run.metrics, config)
+    else:
+        t = float(step_time(config))
+    if step_time is not None or not follows:
+        row = {k: v for k, v in row.items() if k not in TIME_KEYS}
+        row.update(step_time=t, throughput=config.batch_size / t,
+                   devices=float(config.devices), batch_size=float(config.batch_size))
+        age = replay.age_mark[0] + replay.seconds + t - replay.age_mark[1]
+        row.update(compile_seconds=run.compile_metric, train_seconds=age)
+    elif "train_seconds" in row:
+        replay.age_mark = (float(row["train_seconds"]), replay.seconds + t)
+    replay.seconds += t
+    replay.samples += config.batch_size
+    return row
+
+
+def _decide(run: _Recorded, replay: _Replay, policy, s: int, row: dict) -> None:
+    """Asks the policies at step ``s`` (on ``row``); their actions are due two steps later."""
+    config = replay.config
+    ctx = ajp.Context(
+        step=s, batch_size=config.batch_size, microbatches=config.microbatches,
+        devices=config.devices, max_devices=run.cap, hyperparams=replay.hyper,
+        codec=replay.codec,
+        samples_seen=replay.samples + config.batch_size,  # the next step is dispatched first
+    )
+    metrics_in = {k: float(v) for k, v in row.items()
+                  if k != "step" and isinstance(v, int | float)}
+    actions = ajp.validate_actions(policy.decide(metrics_in, ctx), source=policy)
+    if actions:
+        replay.decisions.append((s, tuple(repr(a) for a in actions)))
+        replay.events.append(SimEvent(s, replay.seconds, "decision",
+                                      ", ".join(repr(a) for a in actions)))
+        replay.pending.append((s + 2, list(actions)))
 
 
 def _f32(value: float) -> float:
     """``value`` as the controller's state holds a hyperparameter (float32)."""
-    import numpy as np
-
     return float(np.float32(value))
 
 
