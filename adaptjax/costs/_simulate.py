@@ -234,6 +234,10 @@ def simulate(
       >>> round(sim.seconds, 2), sim.config.devices
       (5.9, 4)
     """
+    if steps is not None and (isinstance(steps, bool) or int(steps) != steps or steps < 1):
+        raise ValueError(
+            f"steps must be an integer >= 1 (or None: every recorded step), got {steps!r}"
+        )
     metrics, events = read_run(run_dir)
     if not metrics:
         raise ValueError(f"{run_dir} has no recorded steps; run it first")

@@ -99,6 +99,9 @@ def test_bad_inputs_name_the_fix(tmp_path):
         simulate(str(tmp_path), [])
     with pytest.raises(ValueError, match="devices must be an int >= 1"):
         Cluster(devices=0)
+    for steps in (0, -3, 2.5):  # 0 once ended in an UnboundLocalError
+        with pytest.raises(ValueError, match=r"^steps must be an integer >= 1 \(or None"):
+            simulate(str(tmp_path), [], steps=steps)
 
 
 def _write_rows(run_dir, rows):
