@@ -144,6 +144,19 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+def _varying(x) -> frozenset:
+    """The shard_map axes an array (or a ``ShapeDtypeStruct``) varies over; empty outside."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; earlier: vma
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _varying_as(x, like):
+    """``x`` marked varying over the axes ``like`` varies over and ``x`` does not."""
+    missing = tuple(sorted(_varying(like) - _varying(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def dynamic_loss_scale(
     inner: optax.GradientTransformation,
     *,
@@ -225,8 +238,12 @@ def dynamic_loss_scale(
         def run(grads, inner_state):
             return inner.update(grads, inner_state, params, **extra)
 
+        # Under shard_map(check_vma=True) both branches must vary over the same axes.
+        ran = jax.eval_shape(run, grads, state.inner_state)
+
         def skip(grads, inner_state):
-            return jax.tree.map(jnp.zeros_like, grads), inner_state
+            zeros = jax.tree.map(lambda s: _varying_as(jnp.zeros(s.shape, s.dtype), s), ran[0])
+            return zeros, jax.tree.map(_varying_as, inner_state, ran[1])
 
         new_updates, inner_state = jax.lax.cond(finite, run, skip, grads, state.inner_state)
         return new_updates, adjust(state._replace(inner_state=inner_state), finite)

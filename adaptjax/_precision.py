@@ -200,7 +200,8 @@ def _call_in(precision: Precision, loss_fn, model, batch):
         return loss_fn(precision.cast_to_compute(model), batch)
     from flax import nnx
 
-    params = nnx.state(model, nnx.Param)
+    # a copy of the values: nnx.state hands out the module's own Variable objects
+    params = jax.tree.map(lambda x: x, nnx.state(model, nnx.Param))
     nnx.update(model, precision.cast_to_compute(params))
     try:  # the module's other variables (statistics, RNG counts) change in place as usual
         return loss_fn(model, batch)
