@@ -105,15 +105,28 @@ class LossScaled(optax.GradientTransformationExtraArgs):
       (8.0, 2.0)
     """
 
-    def __new__(cls, init, update, inner, adjust):
+    def __new__(cls, init, update, inner, adjust, initial_scale):
         self = super().__new__(cls, init, update)
         self.inner = inner
         self._adjust = adjust
+        self.initial_scale = initial_scale
         return self
 
     def adjust(self, state: LossScaleState, finite) -> LossScaleState:
         """``state`` after a step whose gradients were ``finite`` (a bool scalar)."""
         return self._adjust(state, finite)
+
+    def wrap_state(self, inner_state) -> LossScaleState:
+        """This transformation's state around an existing ``inner`` state (a fresh scale).
+
+        For a run that moves to float16 mid-way: its optimizer state carries
+        on inside; ``state.inner_state`` is the way back.
+        """
+        return LossScaleState(
+            scale=jnp.asarray(self.initial_scale, jnp.float32),
+            good_steps=jnp.zeros((), jnp.int32),
+            inner_state=inner_state,
+        )
 
 
 def _check(initial_scale, period, factor, min_scale) -> tuple[float, int, float, float]:
@@ -210,11 +223,7 @@ def dynamic_loss_scale(
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
-        return LossScaleState(
-            scale=jnp.asarray(initial_scale, jnp.float32),
-            good_steps=jnp.zeros((), jnp.int32),
-            inner_state=inner.init(params),
-        )
+        return wrap(inner.init(params))
 
     def adjust(state: LossScaleState, finite) -> LossScaleState:
         finite = jnp.asarray(finite, jnp.bool_)
@@ -248,4 +257,6 @@ def dynamic_loss_scale(
         new_updates, inner_state = jax.lax.cond(finite, run, skip, grads, state.inner_state)
         return new_updates, adjust(state._replace(inner_state=inner_state), finite)
 
-    return LossScaled(init, update, inner, adjust)
+    transformation = LossScaled(init, update, inner, adjust, initial_scale)
+    wrap = transformation.wrap_state
+    return transformation

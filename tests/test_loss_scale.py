@@ -195,3 +195,14 @@ def test_current_loss_scale_refuses_two_scales():
     )
     with pytest.raises(ValueError, match="holds 2 loss scales"):
         adaptjax.current_loss_scale(tx.init({"w": jnp.ones(1)}))
+
+
+def test_wrap_state_carries_an_existing_optimizer_state_into_float16_and_back():
+    inner = optax.adam(0.1)
+    params = {"w": jnp.ones(2)}
+    _, inner_state = inner.update({"w": jnp.ones(2)}, inner.init(params), params)
+    tx = adaptjax.dynamic_loss_scale(inner, initial_scale=128.0)
+    wrapped = tx.wrap_state(inner_state)
+    assert jax.tree.structure(wrapped) == jax.tree.structure(tx.init(params))
+    assert float(wrapped.scale) == 128.0 and int(wrapped.good_steps) == 0
+    assert wrapped.inner_state is inner_state
