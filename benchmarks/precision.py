@@ -11,7 +11,8 @@ every round each runs a block of ``--block`` steps, in a fresh random order,
 so the machine's drift falls on both. Reported per precision: the median
 seconds per step (tokens per second), the mean training loss of the last 10
 steps and the validation loss (float32 evaluation of the final parameters).
-On CPU, bfloat16 matmuls are slower than float32 ones; the ratio is printed. On a GPU with bfloat16
+On CPU bfloat16 matmuls are slower than float32 ones: besides the LM's
+ratio, one ``--matmul``-sized square matmul is timed alone in each dtype. On a GPU with bfloat16
 tensor cores (``--size gpu``) bfloat16 should give >= 1.5x the tokens per
 second.
 
@@ -104,6 +105,19 @@ def lm_runs(args) -> dict:
     return out
 
 
+def matmul_seconds(n: int, dtype, repeats: int = 20) -> float:
+    """Median seconds of one ``n x n @ n x n`` matmul in ``dtype`` on the default device."""
+    a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def digits_run(steps: int, codec=None) -> tuple[float, int]:
     """``(test accuracy, bytes host -> device per step)`` of the digits MLP."""
     from digits import MLP, load
@@ -139,9 +153,11 @@ def main():
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--val-windows", type=int, default=256)
     parser.add_argument("--digits-steps", type=int, default=400)
+    parser.add_argument("--matmul", type=int, default=1024, help="size of the matmul timed alone")
     args = parser.parse_args()
     if args.quick:
         args.size, args.steps, args.digits_steps, args.val_windows = "tiny", 31, 150, 64
+        args.matmul = 512
 
     platform = jax.devices()[0].platform
     lm = lm_runs(args)
@@ -155,9 +171,12 @@ def main():
     speed = lm["bfloat16"]["tokens_per_s"] / lm["float32"]["tokens_per_s"]
     print(" adaptive: not measured: the controller does not carry out SetPrecision yet "
           "(PrecisionPolicy decides; the controller integration is still to come)")
-    note = (" (on CPU bfloat16 matmuls are slower than float32 ones)"
-            if platform == "cpu" else " (target on GPU: >= 1.5)")
-    print(f"bfloat16 tokens/s over float32: {speed:.3f}{note}")
+    target = " (target on a GPU: >= 1.5)" if platform == "gpu" else ""
+    print(f"bfloat16 tokens/s over float32: {speed:.3f}{target}")
+    m32, m16 = matmul_seconds(args.matmul, jnp.float32), matmul_seconds(args.matmul, jnp.bfloat16)
+    print(f"one {args.matmul}^3 matmul on one {platform} device: float32 {m32 * 1e3:.2f} ms, "
+          f"bfloat16 {m16 * 1e3:.2f} ms ({'slower' if m16 > m32 else 'faster'} in bfloat16: "
+          f"x{m32 / m16:.2f} the float32 speed)")
     gap = (lm["bfloat16"]["val_loss"] - lm["float32"]["val_loss"]) / lm["float32"]["val_loss"]
 
     acc32, bytes32 = digits_run(args.digits_steps)
