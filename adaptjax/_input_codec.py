@@ -180,4 +180,5 @@ def batch_bytes(batch: Any) -> int:
       >>> adaptjax.batch_bytes({"x": np.zeros((8, 64), np.int8), "y": np.zeros(8, np.int32)})
       544
     """
-    return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch)))
+    leaves = jax.tree.leaves(batch)
+    return int(sum(x.nbytes if hasattr(x, "nbytes") else np.asarray(x).nbytes for x in leaves))
