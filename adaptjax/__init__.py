@@ -31,6 +31,16 @@ _NAMES = {
     "codec_key": "adaptjax.controller._run_config",
     "RunDirectoryLocked": "adaptjax.controller._run_lock",
     "ArrayDataset": "adaptjax._data",
+    "FeatureCodec": "adaptjax._input_codec",
+    "InputCodec": "adaptjax._input_codec",
+    "batch_bytes": "adaptjax._input_codec",
+    "LossScaleState": "adaptjax._loss_scale",
+    "LossScaled": "adaptjax._loss_scale",
+    "current_loss_scale": "adaptjax._loss_scale",
+    "dynamic_loss_scale": "adaptjax._loss_scale",
+    "Precision": "adaptjax._precision",
+    "check_precision": "adaptjax._precision",
+    "with_precision": "adaptjax._precision",
     "IterableDataset": "adaptjax._data",
     "Metrics": "adaptjax._metric_vector",
     "UpdateNormState": "adaptjax._metrics",
@@ -99,6 +109,13 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax._chain import SyncChain, chain, named_chain
     from adaptjax._codec import GradientCodec
     from adaptjax._data import ArrayDataset, IterableDataset
+    from adaptjax._input_codec import FeatureCodec, InputCodec, batch_bytes
+    from adaptjax._loss_scale import (
+        LossScaled,
+        LossScaleState,
+        current_loss_scale,
+        dynamic_loss_scale,
+    )
     from adaptjax._mesh import make_mesh
     from adaptjax._metric_vector import Metrics
     from adaptjax._metrics import UpdateNormState, collect_metrics, read_metrics, update_norm
@@ -121,6 +138,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
         to_global,
         to_local,
     )
+    from adaptjax._precision import Precision, check_precision, with_precision
     from adaptjax._state import (
         TrainState,
         abstract_state,
@@ -165,6 +183,16 @@ __all__ = [
     "RunLog",
     "codec_key",
     "ArrayDataset",
+    "FeatureCodec",
+    "InputCodec",
+    "batch_bytes",
+    "LossScaleState",
+    "LossScaled",
+    "current_loss_scale",
+    "dynamic_loss_scale",
+    "Precision",
+    "check_precision",
+    "with_precision",
     "RunCheckpoints",
     "Collective",
     "DataParallelStep",

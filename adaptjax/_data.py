@@ -16,6 +16,9 @@ into a checkpoint's metadata next to the train state, and
   ``np.random.default_rng([seed, e]).permutation(n)`` (or ``0..n-1`` with
   ``shuffle=False``), so any position of the stream is a pure function of
   ``(seed, cursor)``; :meth:`ArrayDataset.batch_at` reads one without moving.
+  With ``features=adaptjax.InputCodec("int8")`` it keeps its float features
+  quantized (see :mod:`adaptjax._input_codec`): batches carry the codes and
+  :meth:`ArrayDataset.decode` turns them back into floats inside the step.
 * :class:`IterableDataset` adapts a user's own iterable (of examples or of
   batches) by counting the samples it consumed and, on resume, re-creating the
   iterable and skipping them. It is exact only if the iterable is
@@ -31,6 +34,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from adaptjax._input_codec import FeatureCodec, InputCodec
 
 _ARRAY_KIND = "ArrayDataset"
 _ITER_KIND = "IterableDataset"
@@ -79,11 +84,24 @@ class ArrayDataset:
     gives an array, several positional arrays give a tuple, a dict gives a
     dict. Batches are numpy arrays on the host.
 
+    With ``features``, float arrays are stored quantized (BiFeat): the
+    dataset keeps only their codes (int8 with a per-column scale and offset,
+    or bfloat16), batches carry the codes (a quarter or half of the bytes to
+    move to the devices: :attr:`bytes_per_sample`,
+    :func:`adaptjax.batch_bytes`), and :meth:`decode` — called inside the
+    compiled step, e.g. through ``adaptjax.with_precision(loss_fn, precision,
+    decode=ds.decode)`` — returns the floats. The stream, its position
+    (:meth:`state_dict`, whose fingerprint describes the arrays as given) and
+    :meth:`next_rows` are the same with or without a codec.
+
     Args:
       *arrays: one or more arrays with the same leading length ``n >= 1``, or
         a single dict of such arrays.
       seed: seeds the per-epoch permutations.
       shuffle: shuffle each epoch (else serve samples in index order).
+      features: an :class:`adaptjax.InputCodec` for every float array, or a
+        mapping from array names (dict keys; positions ``0, 1, ...`` for
+        positional arrays) to codecs; ``None`` stores the arrays as given.
 
     Example:
       >>> import numpy as np, adaptjax
@@ -100,7 +118,7 @@ class ArrayDataset:
       [2, 3]
     """
 
-    def __init__(self, *arrays, seed: int = 0, shuffle: bool = True):
+    def __init__(self, *arrays, seed: int = 0, shuffle: bool = True, features=None):
         if len(arrays) == 1 and isinstance(arrays[0], Mapping):
             names = [str(k) for k in arrays[0]]
             values = list(arrays[0].values())
@@ -126,7 +144,6 @@ class ArrayDataset:
         n = next(iter(lengths.values()))
         if n < 1:
             raise ValueError("ArrayDataset needs at least one sample; the arrays are empty")
-        self._arrays = arrs
         self._n = n
         self._seed = check_count(seed, "seed")
         self._shuffle = bool(shuffle)
@@ -135,6 +152,16 @@ class ArrayDataset:
             f"{name}={a.dtype}{list(a.shape)}" for name, a in zip(names, arrs, strict=True)
         )
         self._perm_cache: dict[int, np.ndarray] = {}
+        keys = self._keys if self._keys is not None else list(range(len(arrs)))
+        chosen = _chosen_codecs(features, keys, names, arrs)
+        self._codecs: list[FeatureCodec | None] = [
+            None if c is None else c.fit(a, name)
+            for c, a, name in zip(chosen, arrs, names, strict=True)
+        ]
+        # only the codes are kept: the float arrays are not held on the host
+        self._arrays = [
+            a if c is None else c.encode(a) for c, a in zip(self._codecs, arrs, strict=True)
+        ]
 
     # -- the stream ----------------------------------------------------------------
 
@@ -165,6 +192,63 @@ class ArrayDataset:
     def fingerprint(self) -> str:
         """Names, dtypes and shapes of the arrays (guards :meth:`load_state_dict`)."""
         return self._fingerprint
+
+    @property
+    def codecs(self) -> dict[Any, FeatureCodec]:
+        """The fitted codec of each quantized array, by name (dict key or position)."""
+        keys = self._keys if self._keys is not None else list(range(len(self._arrays)))
+        return {k: c for k, c in zip(keys, self._codecs, strict=True) if c is not None}
+
+    @property
+    def bytes_per_sample(self) -> int:
+        """Bytes one sample of a batch holds (codes for quantized arrays)."""
+        return int(sum(a.itemsize * int(np.prod(a.shape[1:])) for a in self._arrays))
+
+    def decode(self, batch, dtype=None):
+        """The batch with every quantized array decoded to floats (jit-friendly).
+
+        Call it inside the compiled step (the codes are what cross to the
+        devices); arrays without a codec pass through unchanged, so it is the
+        identity for a dataset without ``features``. It works on any number of
+        rows: a whole batch or one replica's shard of it.
+
+        Args:
+          batch: a batch of this dataset (its container shape).
+          dtype: the float dtype to decode to (default float32).
+
+        Returns:
+          The batch, same container shape.
+
+        Example:
+          >>> import numpy as np, adaptjax
+          >>> x = np.linspace(0, 1, 12, dtype=np.float32).reshape(6, 2)
+          >>> ds = adaptjax.ArrayDataset({"x": x, "y": np.arange(6)}, shuffle=False,
+          ...                            features=adaptjax.InputCodec("int8"))
+          >>> batch = ds.next_batch(4)
+          >>> batch["x"].dtype, adaptjax.batch_bytes(batch), ds.bytes_per_sample
+          (dtype('int8'), 40, 10)
+          >>> error = np.abs(np.asarray(ds.decode(batch)["x"]) - x[:4])
+          >>> bool(np.all(error <= ds.codecs["x"].max_error() + 1e-7))
+          True
+        """
+        if not any(c is not None for c in self._codecs):
+            return batch
+        out_dtype = np.float32 if dtype is None else dtype
+        if self._container == "single":
+            parts = [batch]
+        elif self._container == "tuple":
+            parts = list(batch)
+        else:
+            parts = [batch[k] for k in self._keys]
+        parts = [
+            p if c is None else c.decode(p, out_dtype)
+            for c, p in zip(self._codecs, parts, strict=True)
+        ]
+        if self._container == "single":
+            return parts[0]
+        if self._container == "tuple":
+            return tuple(parts)
+        return dict(zip(self._keys, parts, strict=True))
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The order in which epoch ``epoch`` visits the ``n`` sample indices."""
@@ -300,10 +384,44 @@ class ArrayDataset:
         self._cursor = cursor
 
     def __repr__(self) -> str:
+        codecs = self.codecs
+        coded = "" if not codecs else f", features={ {k: c.dtype for k, c in codecs.items()} }"
         return (
             f"ArrayDataset({self._fingerprint}, seed={self._seed}, shuffle={self._shuffle}, "
-            f"cursor={self._cursor})"
+            f"cursor={self._cursor}{coded})"
         )
+
+
+def _chosen_codecs(features, keys: list, names: list[str], arrays: list[np.ndarray]) -> list:
+    """The :class:`InputCodec` (or ``None``) of each array, from ``features=``."""
+    if features is None:
+        return [None] * len(arrays)
+    if isinstance(features, InputCodec):
+        floats = [np.issubdtype(a.dtype, np.floating) for a in arrays]
+        if not any(floats):
+            kinds = ", ".join(f"{n}={a.dtype}" for n, a in zip(names, arrays, strict=True))
+            raise ValueError(
+                f"features={features!r} found no float array to encode ({kinds}); an input "
+                "codec quantizes float features, not integer labels"
+            )
+        return [features if f else None for f in floats]
+    if not isinstance(features, Mapping):
+        raise ValueError(
+            f"features must be an adaptjax.InputCodec or a mapping from array names to codecs, "
+            f"got {type(features).__name__}"
+        )
+    chosen: list = [None] * len(arrays)
+    for key, codec in features.items():
+        if key not in keys:
+            raise ValueError(
+                f"features names {key!r}, which is not one of the dataset's arrays {keys}"
+            )
+        if not isinstance(codec, InputCodec):
+            raise ValueError(
+                f"features[{key!r}] must be an adaptjax.InputCodec, got {type(codec).__name__}"
+            )
+        chosen[keys.index(key)] = codec
+    return chosen
 
 
 def _leading(chunk) -> int:

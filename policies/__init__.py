@@ -37,6 +37,7 @@ _NAMES = {
     "SetBatchSize": "adaptjax.policies._actions",
     "SetCodec": "adaptjax.policies._actions",
     "SetHyperparams": "adaptjax.policies._actions",
+    "SetPrecision": "adaptjax.policies._actions",
     "SetSync": "adaptjax.policies._actions",
     "Stop": "adaptjax.policies._actions",
     "with_reason": "adaptjax.policies._actions",
@@ -57,6 +58,7 @@ _NAMES = {
     "Predictor": "adaptjax.policies._planner",
     "EarlyStop": "adaptjax.policies._plateau",
     "ReduceLROnPlateau": "adaptjax.policies._plateau",
+    "PrecisionPolicy": "adaptjax.policies._precision",
     "Policy": "adaptjax.policies._policy",
     "required_metrics": "adaptjax.policies._policy",
     "upcoming": "adaptjax.policies._policy",
@@ -77,6 +79,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
         SetBatchSize,
         SetCodec,
         SetHyperparams,
+        SetPrecision,
         SetSync,
         Stop,
         with_reason,
@@ -96,6 +99,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax.policies._planner import Candidate, Predictor
     from adaptjax.policies._plateau import EarlyStop, ReduceLROnPlateau
     from adaptjax.policies._policy import Policy, required_metrics, upcoming, validate_actions
+    from adaptjax.policies._precision import PrecisionPolicy
     from adaptjax.policies._schedule import Schedule
     from adaptjax.policies._switch_compression import SwitchCompression
     from adaptjax.policies._switch_sync import SwitchSync
@@ -111,6 +115,7 @@ __all__ = [
     "ElasticScale",
     "Predictor",
     "Policy",
+    "PrecisionPolicy",
     "ReduceLROnPlateau",
     "Rescale",
     "Rollback",
@@ -118,6 +123,7 @@ __all__ = [
     "SetBatchSize",
     "SetCodec",
     "SetHyperparams",
+    "SetPrecision",
     "SetSync",
     "Stop",
     "SwitchCompression",

@@ -20,6 +20,7 @@ action              what the controller does
 ``Rescale``         moves to a device count or a mesh shape (via a checkpoint)
 ``SetCodec``        switches gradient compression on (a codec) or off (None)
 ``SetSync``         switches the synchronisation strategy (S-SGD, DiLoCo, ...)
+``SetPrecision``    switches the compute precision (float32, bfloat16, ...)
 ``Checkpoint``      saves a checkpoint now
 ``Stop``            ends training
 ``Rollback``        restores the last checkpoint
@@ -190,6 +191,56 @@ class SetSync:
         check_str(self.reason, owner="SetSync", name="reason")
 
 
+#: The compute dtypes a precision may be named by (``adaptjax.Precision``'s choices).
+PRECISION_NAMES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class SetPrecision:
+    """Switch the precision the step computes in (float32 master weights stay).
+
+    The controller's compiled steps are keyed by it; the train state is the
+    same in every precision, so nothing is converted.
+
+    Not yet carried out by the controller: it is not among ``ACTION_TYPES``,
+    so :func:`validate_actions` (and the controller) still refuse it.
+
+    Args:
+      precision: an ``adaptjax.Precision`` the user built, held as an opaque
+        value and never inspected here, or a precision's key: a compute dtype
+        name (``"float32"``, ``"bfloat16"``, ``"float16"``), optionally
+        followed by ``",output=<dtype>"``.
+
+    Example:
+      >>> SetPrecision("bfloat16")
+      SetPrecision(precision='bfloat16')
+      >>> SetPrecision("int8")
+      Traceback (most recent call last):
+      ...
+      ValueError: SetPrecision: unknown precision 'int8'; use one of 'float32', 'bfloat16', 'float16' or an adaptjax.Precision
+    """  # noqa: E501
+
+    precision: object
+    reason: str = dataclasses.field(default="", compare=False, repr=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        owner = "SetPrecision"
+        check_str(self.reason, owner=owner, name="reason")
+        if self.precision is None:
+            raise ValueError(
+                f"{owner}: precision is None; give 'float32' (or another name) or an "
+                "adaptjax.Precision"
+            )
+        if isinstance(self.precision, str):
+            compute = self.precision.split(",")[0]
+            if compute not in PRECISION_NAMES:
+                allowed = ", ".join(repr(n) for n in PRECISION_NAMES)
+                raise ValueError(
+                    f"{owner}: unknown precision {short_repr(self.precision)}; use one of "
+                    f"{allowed} or an adaptjax.Precision"
+                )
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """Save a checkpoint now.
@@ -256,6 +307,7 @@ Action: TypeAlias = (
     SetHyperparams | SetBatchSize | Rescale | SetCodec | Checkpoint | Stop | Rollback | SetSync
 )
 
+
 def with_reason(action: Action, reason: str) -> Action:
     """A copy of ``action`` carrying ``reason`` (why it was proposed), for the run's log.
 
@@ -282,6 +334,19 @@ def opaque_key(obj: object) -> str | None:
     return f"{kind.__module__}.{kind.__qualname__}:{_ADDRESS.sub('', repr(obj))}"
 
 
+def precision_name(precision: object) -> str:
+    """A precision's key: the name itself, or an ``adaptjax.Precision``'s ``key``.
+
+    Example:
+      >>> precision_name("bfloat16")
+      'bfloat16'
+    """
+    if isinstance(precision, str):
+        return precision
+    key = getattr(precision, "key", None)
+    return key if isinstance(key, str) else opaque_key(precision)
+
+
 def action_signature(action: Action) -> list[Any]:
     """A JSON-serialisable description of an action's type and decision values.
 
@@ -305,4 +370,6 @@ def action_signature(action: Action) -> list[Any]:
     if isinstance(action, SetSync):
         strategy = action.strategy
         return ["SetSync", strategy if isinstance(strategy, str) else opaque_key(strategy)]
+    if isinstance(action, SetPrecision):
+        return ["SetPrecision", precision_name(action.precision)]
     return [type(action).__name__]

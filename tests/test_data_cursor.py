@@ -154,6 +154,40 @@ def test_loading_another_datasets_cursor():
     assert ds.cursor == 0
 
 
+def test_an_input_codec_changes_neither_the_stream_nor_its_position():
+    """Same samples in the same order, the same state_dict (a cursor saved with a codec
+    resumes without one and back), and next_rows reads each process's rows of it."""
+    plain = _dataset(seed=4)
+    coded = _dataset(seed=4, features=adaptjax.InputCodec("int8"))
+    for b in SIZES[:4]:
+        x_plain, y_plain = plain.next_batch(b)
+        x_coded, y_coded = coded.next_batch(b)
+        np.testing.assert_array_equal(y_coded, y_plain)
+        # x = sample id in [0, 99]: int8 steps of 99/255, the decode within half of one
+        decoded = np.asarray(coded.decode((x_coded, y_coded))[0])
+        assert np.all(np.abs(decoded - x_plain) <= 99 / 255 / 2 + 1e-5)
+    assert coded.state_dict() == plain.state_dict()
+    state = json.loads(json.dumps(coded.state_dict()))
+    resumed_plain = _dataset(seed=0)
+    resumed_plain.load_state_dict(state)
+    resumed_coded = _dataset(seed=0, features=adaptjax.InputCodec("bfloat16"))
+    resumed_coded.load_state_dict(plain.state_dict())
+    x_plain, y_plain = resumed_plain.next_batch(30)
+    x_coded, y_coded = resumed_coded.next_batch(30)
+    np.testing.assert_array_equal(y_coded, y_plain)
+    # x = sample id in every column, below 256: exact in bfloat16
+    np.testing.assert_array_equal(np.asarray(resumed_coded.decode((x_coded, y_coded))[0]), x_plain)
+    halves = []
+    for start, stop in ((0, 12), (12, 24)):  # two processes, one global batch of 24
+        ds = _dataset(seed=4, features=adaptjax.InputCodec("int8"))
+        ds.load_state_dict(state)
+        halves.append(ds.next_rows(24, start, stop))
+        assert ds.cursor == coded.cursor + 24
+    whole = coded.next_batch(24)
+    np.testing.assert_array_equal(np.concatenate([h[0] for h in halves]), whole[0])
+    np.testing.assert_array_equal(np.concatenate([h[1] for h in halves]), whole[1])
+
+
 def test_mismatched_array_lengths():
     with pytest.raises(
         ValueError,
