@@ -50,6 +50,7 @@ from adaptjax._data import check_count
 from adaptjax._mesh import check_mesh
 from adaptjax._per_replica import merge_replicas, state_partition_specs
 from adaptjax._state import TrainState, train_state_shardings, train_state_specs
+from adaptjax.controller._options import check_max_to_keep
 
 _FORMAT = "adaptjax-checkpoint/1"
 _FIX = "point run_dir elsewhere"
@@ -290,13 +291,7 @@ class RunCheckpoints:
     """
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3):
-        if max_to_keep is not None:
-            if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int | np.integer):
-                raise ValueError(
-                    f"max_to_keep must be an integer >= 1 or None, got {max_to_keep!r}"
-                )
-            if max_to_keep < 1:
-                raise ValueError(f"max_to_keep must be an integer >= 1 or None, got {max_to_keep}")
+        max_to_keep = check_max_to_keep(max_to_keep)
         directory = os.fspath(directory)
         if "://" in directory:
             raise ValueError(
