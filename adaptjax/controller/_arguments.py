@@ -63,6 +63,9 @@ class Checked:
     progress: bool
     tensorboard: bool
     plan: PlanRequest | None
+    # whether announced configurations are compiled in the background: asked for, on one
+    # process, with a dataset that gives a batch's shapes without reading it (batch_at)
+    compile_ahead: bool
 
 
 class NoPolicy(ajp.Policy):
@@ -109,7 +112,8 @@ def check_arguments(args: Mapping[str, Any]) -> Checked:
         hyperparams=hyperparams, policy=policy, monitors=monitors,
         sample_needs=monitor_sample_needs(monitors), checkpoint=checkpoint,
         evaluation=evaluation, compile=compile_, progress=progress, tensorboard=tensorboard,
-        plan=plan, **loop,
+        plan=plan, **loop, compile_ahead=compile_.precompile_upcoming
+        and jax.process_count() == 1 and hasattr(args["data"], "batch_at"),
     )
 
 
@@ -175,12 +179,13 @@ def check_loop_options(args: Mapping[str, Any]) -> dict:
                 link_bandwidth=bandwidth)
 
 
-# keyword arguments -> (the option object's argument, the option class, its fields' defaults)
+# (the option object's argument, its class, {keyword argument: (its field, its default)})
 _GROUPS = (
-    ("checkpoint_options", CheckpointOptions, {"checkpoint_every": None, "max_to_keep": 3}),
-    ("eval_options", EvalOptions, {"eval_fn": None, "eval_every": None}),
-    ("compile_options", CompileOptions,
-     {"compilation_cache_dir": "auto", "precompile_upcoming": True}),
+    ("checkpoint_options", CheckpointOptions,
+     {"checkpoint_every": ("every", None), "max_to_keep": ("max_to_keep", 3)}),
+    ("eval_options", EvalOptions, {"eval_fn": ("fn", None), "eval_every": ("every", None)}),
+    ("compile_options", CompileOptions, {"compilation_cache_dir": ("cache_dir", "auto"),
+                                         "precompile_upcoming": ("precompile_upcoming", True)}),
 )
 
 
@@ -200,11 +205,11 @@ def check_option_groups(args: Mapping[str, Any]):
             raise ValueError(
                 f"{name} must be an adaptjax.{cls.__name__}, got {type(given).__name__}"
             )
-        passed = [k for k, default in keywords.items() if args[k] != default]
+        passed = [(k, field) for k, (field, default) in keywords.items() if args[k] != default]
         if passed:
+            keyword, field = passed[0]
             raise ValueError(
-                f"{name} and {passed[0]}= were both passed; set {passed[0]} inside "
-                f"{cls.__name__}(...) instead"
+                f"{name} and {keyword}= were both passed; pass {cls.__name__}({field}=...) alone"
             )
         out.append(given)
     return tuple(out)

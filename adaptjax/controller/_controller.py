@@ -194,9 +194,7 @@ class Controller:
         self._hparams_of_step: dict[int, dict[str, float]] = {}
         self._stop_reason: str | None = None
         self._preemption = Preemption()
-        self._compiler = BackgroundCompiler(self.steps, enabled=(  # Policy.upcoming's configs
-            a.compile.precompile_upcoming and jax.process_count() == 1
-            and hasattr(data, "batch_at")))
+        self._compiler = BackgroundCompiler(self.steps, enabled=a.compile_ahead)  # upcoming's
         self._hints_waiting = False  # announced after a change: asked once its step compiled
         self._dir = RunDirectory(a.run_dir, max_to_keep=a.checkpoint.max_to_keep)
         try:
