@@ -22,11 +22,14 @@ _NAMES = {
     "CorruptCheckpointError": "adaptjax.controller._checkpoint",
     "GradientCodec": "adaptjax._codec",
     "Controller": "adaptjax.controller._controller",
-    "EXIT_PREEMPTED": "adaptjax.controller._controller",
+    "EXIT_PREEMPTED": "adaptjax.controller._preemption",
     "EXIT_RESCALE": "adaptjax.launch._distributed",
     "DecisionMismatch": "adaptjax.launch._distributed",
     "initialize_distributed": "adaptjax.launch._distributed",
     "NonFiniteTraining": "adaptjax.controller._controller",
+    "CheckpointOptions": "adaptjax.controller._options",
+    "CompileOptions": "adaptjax.controller._options",
+    "EvalOptions": "adaptjax.controller._options",
     "RunConfig": "adaptjax.controller._run_config",
     "codec_key": "adaptjax.controller._run_config",
     "RunDirectoryLocked": "adaptjax.controller._run_lock",
@@ -151,7 +154,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax._tree import tree_sq_norm, tree_sq_norm_sampled, tree_vdot
     from adaptjax._wire import Collective, WireReport, wire_bytes
     from adaptjax.controller._checkpoint import CorruptCheckpointError, RunCheckpoints
-    from adaptjax.controller._controller import EXIT_PREEMPTED, Controller, NonFiniteTraining
+    from adaptjax.controller._controller import Controller, NonFiniteTraining
+    from adaptjax.controller._options import CheckpointOptions, CompileOptions, EvalOptions
+    from adaptjax.controller._preemption import EXIT_PREEMPTED
     from adaptjax.controller._run_config import RunConfig, codec_key
     from adaptjax.controller._run_lock import RunDirectoryLocked
     from adaptjax.controller._run_log import RunLog
@@ -178,6 +183,9 @@ __all__ = [
     "DecisionMismatch",
     "initialize_distributed",
     "NonFiniteTraining",
+    "CheckpointOptions",
+    "CompileOptions",
+    "EvalOptions",
     "RunConfig",
     "RunDirectoryLocked",
     "RunLog",

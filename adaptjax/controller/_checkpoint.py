@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -50,6 +51,8 @@ from adaptjax._data import check_count
 from adaptjax._mesh import check_mesh
 from adaptjax._per_replica import merge_replicas, state_partition_specs
 from adaptjax._state import TrainState, train_state_shardings, train_state_specs
+from adaptjax.controller._options import check_max_to_keep
+from adaptjax.launch._distributed import broadcast_json
 
 _FORMAT = "adaptjax-checkpoint/1"
 _FIX = "point run_dir elsewhere"
@@ -115,8 +118,6 @@ def _host_value(x) -> np.ndarray:
 def _global_value(x):
     """``x``'s global value on this host; across processes every process must call it."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-        from jax.experimental import multihost_utils
-
         return multihost_utils.process_allgather(x, tiled=True)
     return x
 
@@ -290,13 +291,7 @@ class RunCheckpoints:
     """
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3):
-        if max_to_keep is not None:
-            if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int | np.integer):
-                raise ValueError(
-                    f"max_to_keep must be an integer >= 1 or None, got {max_to_keep!r}"
-                )
-            if max_to_keep < 1:
-                raise ValueError(f"max_to_keep must be an integer >= 1 or None, got {max_to_keep}")
+        max_to_keep = check_max_to_keep(max_to_keep)
         directory = os.fspath(directory)
         if "://" in directory:
             raise ValueError(
@@ -331,8 +326,6 @@ class RunCheckpoints:
         """
         self._manager.wait_until_finished()
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("adaptjax-checkpoint-settle")
         self._manager.reload()
 
@@ -359,8 +352,6 @@ class RunCheckpoints:
         if jax.process_count() > 1:
             # Process 0 committed every save and deletes old ones as soon as it has this list:
             # its list (read before any of that) is the one every process acts on.
-            from adaptjax.launch._distributed import broadcast_json
-
             steps = broadcast_json(steps)
         return steps
 
@@ -590,8 +581,6 @@ class RunCheckpoints:
             return
         # Across processes Orbax's delete needs identical cached listings and barrier counts on
         # every process; process 0 removes the directory, then everyone re-reads the listing.
-        from jax.experimental import multihost_utils
-
         if jax.process_index() == 0:
             shutil.rmtree(os.path.join(self._directory, str(step)), ignore_errors=True)
         multihost_utils.sync_global_devices("adaptjax-checkpoint-delete")

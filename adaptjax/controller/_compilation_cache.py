@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 
 def default_cache_dir() -> str:
@@ -39,8 +40,6 @@ def enable_compilation_cache(where: str | os.PathLike | None = "auto") -> str | 
         return jax.config.jax_compilation_cache_dir  # the user's own setting wins
     path = default_cache_dir() if where == "auto" else os.fspath(where)
     if path != jax.config.jax_compilation_cache_dir:
-        from jax.experimental.compilation_cache import compilation_cache
-
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
         # JAX decides once per process whether the cache is used, at the first compile;

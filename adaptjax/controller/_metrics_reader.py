@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -103,3 +103,28 @@ class MetricsReader:
         flat["batch_size"] = float(config.batch_size)
         flat["devices"] = float(config.devices)
         return Snapshot(step, config, flat)
+
+
+def add_host_metrics(metrics: dict[str, float], hyperparams: Mapping[str, float],
+                     link_bandwidth: float | None, clock: Mapping[str, float]) -> None:
+    """Adds to a snapshot's ``metrics`` what the host knows of its step (never overwriting).
+
+    The hyperparameters in force at its dispatch (e.g. ``learning_rate``, for
+    plots and TensorBoard), ``wire_bytes`` per device (from ``comm_time`` and
+    the link's bandwidth) and the run clock's ``compile_seconds`` and
+    ``train_seconds``: recorded with the row, so a replay
+    (:func:`adaptjax.costs.simulate`) sees them too.
+
+    Example:
+      >>> from adaptjax.controller._metrics_reader import add_host_metrics
+      >>> m = {"loss": 1.0, "comm_time": 0.5}
+      >>> add_host_metrics(m, {"learning_rate": 0.1}, 1e3, {"train_seconds": 2.0})
+      >>> m["wire_bytes"], m["learning_rate"], m["train_seconds"]
+      (500.0, 0.1, 2.0)
+    """
+    for key, value in hyperparams.items():
+        metrics.setdefault(key, value)
+    if link_bandwidth is not None and "comm_time" in metrics:
+        metrics.setdefault("wire_bytes", metrics["comm_time"] * float(link_bandwidth))
+    for key, value in clock.items():
+        metrics.setdefault(key, value)

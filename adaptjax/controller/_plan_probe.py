@@ -9,13 +9,16 @@ becomes a probe: a few timed steps at each configuration the cost model needs
 (the one the script's policies hold, else a new one calibrated on the devices
 there are), which saves ``costs.json``; then the process exits with status 0
 without the policies' further actions or the rest of the script.
+
+This module reads the request and lays out the visits; it imports no jax (the
+``adaptjax plan`` command imports it). The probe itself is
+:mod:`adaptjax.controller._probe`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -99,85 +102,20 @@ def probe_configs(config: RunConfig, codecs: Iterable[str | None],
     return list(dict.fromkeys(out))
 
 
-def find_planner(policies):
-    """The :class:`adaptjax.costs.Planner` the policies hold, or ``None``."""
-    from adaptjax._walk import find_held
-    from adaptjax.costs._planner import Planner
+def probe_visits(configs: list[RunConfig], steps: int) -> list[tuple[RunConfig, int]]:
+    """``(config, timed steps)`` of each visit: :data:`ROUNDS` rounds, forth, back, forth.
 
-    held = find_held(list(policies), lambda o: isinstance(o, Planner), max_depth=4)
-    return held[0] if held else None
+    A burst of load on a shared machine then lands on every configuration;
+    the ``steps`` timed steps of a configuration are shared among its visits.
 
-
-def probe(controller, request: PlanRequest, policies) -> str:
-    """Times ``controller`` at each probe configuration; returns the saved costs.json path.
-
-    The policies never decide. The configurations are visited in
-    :data:`ROUNDS` rounds (forth, back, forth: one rescale between rounds),
-    ``request.steps`` timed steps each in all, through the controller's own
-    dispatch and metrics reader (the first step of a visit, which may compile,
-    is not timed); the median of a configuration's step intervals is observed
-    into the planner, which is attached to ``controller`` (its ``run_dir`` is
-    the plan directory's). Links the planner has none of are calibrated
-    afterwards, for the collective kinds the probed steps use only.
+    Example:
+      >>> from adaptjax.controller._plan_probe import probe_visits
+      >>> probe_visits(["a", "b"], steps=4)
+      [('a', 2), ('b', 2), ('b', 1), ('a', 1), ('a', 1), ('b', 1)]
     """
-    from adaptjax import policies as ajp
-    from adaptjax.costs._links import message_steps
-    from adaptjax.costs._planner import FILENAME, Planner
-
-    ctrl = controller
-    if not hasattr(ctrl.data, "batch_at"):
-        raise ValueError(
-            "adaptjax plan reads each configuration's collectives from its compiled step and "
-            f"needs a dataset with batch_at; {type(ctrl.data).__name__} has none (use "
-            "adaptjax.ArrayDataset)"
-        )
-    planner = find_planner(policies) or Planner()
-    configs = probe_configs(ctrl.config, ctrl.steps.codecs, ctrl.max_devices)
-    configs = [c for c in configs if c.devices <= ctrl.max_devices]
-    calibrate = planner.links is None
-    planner.attach(ctrl, calibrate=False)  # time only the kinds the probed steps use, below
-    times: dict[RunConfig, float] = {}
-    rounds = min(ROUNDS, request.steps)
+    rounds = min(ROUNDS, steps)
+    out = []
     for r in range(rounds):
-        share = request.steps // rounds + (r < request.steps % rounds)
-        for config in configs if r % 2 == 0 else configs[::-1]:
-            _move_to(ctrl, config, ajp)
-            ctrl.reader.restart_clock()
-            for _ in range(share + 1):
-                ctrl._dispatch()
-                ctrl._record(lag=1)
-            ctrl._record(lag=0)
-            ctrl._to_decide.clear()  # a probe decides nothing
-            t = ctrl.latest_metrics.get("step_time")  # the median of every visit's intervals
-            if t is not None:
-                times[config] = float(t)
-    times = {c: times[c] for c in configs if c in times}  # the script's batch first
-    if calibrate:
-        kinds = sorted({c.kind for config in times for c in planner._wire(config).collectives
-                        if message_steps(c.kind, c.group_size) > 0})
-        planner.calibrate(ctrl.max_devices, kinds=kinds)
-    planner.run_dir = ctrl.run_dir
-    for config, t in times.items():
-        planner.observe(config, t)
-    path = os.path.join(ctrl.run_dir, FILENAME)
-    if not times:
-        planner.save(path)
-    print(f"adaptjax plan: timed {len(times)} configuration(s), {request.steps} steps each; "
-          f"wrote {path}", file=sys.stderr, flush=True)
-    return path
-
-
-def _move_to(ctrl, config: RunConfig, ajp) -> None:
-    """Moves ``ctrl`` to ``config`` by the controller's own transitions."""
-    now = ctrl.config
-    actions = []
-    if config.sync != now.sync:
-        actions.append(ajp.SetSync(ctrl.steps.strategies.get(config.sync)))
-    if config.codec != now.codec:
-        actions.append(ajp.SetCodec(ctrl.steps.codecs.get(config.codec)))
-    if config.devices != now.devices:
-        actions.append(ajp.Rescale(devices=config.devices))
-    if config.batch_size != now.batch_size or config.microbatches != now.microbatches:
-        actions.append(ajp.SetBatchSize(config.batch_size, config.microbatches))
-    if actions:
-        ctrl.apply(actions)
+        share = steps // rounds + (r < steps % rounds)
+        out += [(config, share) for config in (configs if r % 2 == 0 else configs[::-1])]
+    return out

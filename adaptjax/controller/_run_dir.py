@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -97,18 +98,33 @@ class RunDirectory:
     def latest_step(self) -> int | None:
         return self.checkpoints.latest_step()
 
-    def save(self, step: int, state, meta: Mapping[str, Any], on_complete: list[dict]) -> None:
+    def save(self, step: int, state, meta: Mapping[str, Any], on_complete: list[dict], *,
+             since: float | None = None) -> None:
         """Starts an asynchronous checkpoint of ``step``; ``on_complete`` events follow it.
 
         Every log row written so far is on disk before the checkpoint starts.
+        The events are copied here, travel inside the checkpoint as given (an
+        event without ``kind`` is a ``checkpoint`` event) and are logged once it
+        is complete, each with a ``latency_s`` unless it has one: for the
+        ``checkpoint`` event the seconds this call waited (the write goes on in
+        the background), for the others the seconds from ``since`` (a
+        ``time.perf_counter()`` reading: when their transition began) to the end
+        of this call.
         """
-        events = [{"kind": "checkpoint", **e} if "kind" not in e else e for e in on_complete]
+        events = [{"kind": "checkpoint", **e} if "kind" not in e else dict(e) for e in on_complete]
+        t0 = time.perf_counter()
         # An earlier save completes before this one starts: its events go first, so every
         # checkpoint on disk older than this one has its events in the log.
         self.confirm(block=True)
         self.log.sync()
         self.checkpoints.save(step, state, {**meta, "on_complete": events}, wait=False)
-        self._unconfirmed.append((step, events))
+        done = time.perf_counter()
+        logged = []
+        for e in events:
+            start = t0 if e["kind"] == "checkpoint" else since
+            timed = start is not None and "latency_s" not in e
+            logged.append({**e, "latency_s": done - start} if timed else e)
+        self._unconfirmed.append((step, logged))
 
     def confirm(self, *, block: bool) -> None:
         """Logs the events of saves that have completed (``block``: wait for them first)."""
@@ -194,8 +210,6 @@ class RunDirectory:
 
 def user_stacklevel() -> int:
     """The ``warnings.warn`` stacklevel of the first caller outside adaptjax (for the caller)."""
-    import sys
-
     level, frame = 1, sys._getframe(1)
     while frame is not None and frame.f_globals.get("__name__", "").startswith("adaptjax"):
         frame, level = frame.f_back, level + 1

@@ -54,7 +54,7 @@ class RunLock:
         Changes nothing on disk (no lock file is created), so a caller can ask
         before any other check and report the owner first.
         """
-        import fcntl
+        import fcntl  # POSIX only: imported where a lock is taken, not with adaptjax
 
         path = os.path.join(os.fspath(run_dir), ".adaptjax.lock")
         try:
@@ -73,7 +73,7 @@ class RunLock:
     def release(self) -> None:
         """Releases the lock (idempotent)."""
         if self._fd is not None:
-            import fcntl
+            import fcntl  # POSIX only (see check_free)
 
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
@@ -82,7 +82,7 @@ class RunLock:
 
 def _lock_or_raise(fd: int, path: str) -> None:
     """Takes ``flock(fd)`` exclusively or closes ``fd`` and raises naming the holder."""
-    import fcntl
+    import fcntl  # POSIX only (see RunLock.check_free)
 
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -52,6 +52,8 @@ class RunLog:
         self._events = open(os.path.join(self.run_dir, "events.jsonl"), "a", buffering=1)
         self._writer = None
         if tensorboard:
+            # deferred: tensorboardX takes a third of a second to import, and the read-only
+            # commands of the CLI import this module for read_jsonl_rows (standard library)
             from tensorboardX import SummaryWriter
 
             # purge_step: TensorBoard hides the points of steps a resumed run recomputes.

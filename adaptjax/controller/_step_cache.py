@@ -12,15 +12,19 @@ import jax
 import numpy as np
 import optax
 
+from adaptjax import policies as ajp
 from adaptjax._chain import named_chain
+from adaptjax._codec import GradientCodec
 from adaptjax._mesh import make_mesh
 from adaptjax._metrics import update_norm
 from adaptjax._state import abstract_state, init_state, shape_struct, split_model
 from adaptjax._step import DataParallelStep, data_parallel_step
 from adaptjax._sync import sync_gradients
+from adaptjax._walk import find_held
+from adaptjax._wire import wire_bytes
 from adaptjax.controller._run_config import RunConfig, codec_key
 from adaptjax.launch._distributed import mesh_devices
-from adaptjax.sync._registry import resolve_sync, sync_key
+from adaptjax.sync._registry import register_strategies, resolve_sync, sync_key
 from adaptjax.sync._ssgd import SSGD
 
 #: Names of the controller's chain; optimizer state is addressed by them, never by position.
@@ -226,8 +230,6 @@ class StepCache:
     def wire_total(self, config: RunConfig, data) -> float | None:
         """Bytes each device sends per step at ``config`` (from the HLO), cached."""
         if config not in self._wire:
-            from adaptjax._wire import wire_bytes
-
             total = None
             if hasattr(data, "batch_at"):
                 args = self.abstract_args(config, data)
@@ -235,3 +237,35 @@ class StepCache:
                 total = self.strategy(config.sync).amortised_bytes(report)
             self._wire[config] = total
         return self._wire[config]
+
+
+def register_held(steps: StepCache, codec, sync, policies) -> None:
+    """Registers the run's ``codec`` and ``sync`` and those ``policies`` hold, in ``steps``.
+
+    E.g. ``SwitchCompression.codec`` or ``SwitchSync``'s strategy: a checkpoint
+    names them by key, and a resume finds the objects here.
+    """
+    steps.add_codec(codec)
+    held = find_held(
+        list(policies),
+        lambda o: isinstance(o, ajp.SetCodec)
+        or (isinstance(o, GradientCodec) and not isinstance(o, type)),
+        max_depth=4,
+    )
+    for o in held:
+        obj = o.codec if isinstance(o, ajp.SetCodec) else o
+        if obj is not None:
+            steps.codecs[codec_key(obj)] = obj  # the policy's own object
+    steps.add_sync(sync)
+    register_strategies(list(policies), steps)
+
+
+def comm_seconds(steps: StepCache, data, bandwidth: float | None, config: RunConfig):
+    """Modelled seconds per step on a link of ``bandwidth`` bytes/s: HLO bytes per device / it.
+
+    ``None`` without a bandwidth or when the step's bytes cannot be read (no ``batch_at``).
+    """
+    if bandwidth is None:
+        return None
+    total = steps.wire_total(config, data)
+    return None if total is None else total / float(bandwidth)

@@ -84,60 +84,11 @@ def plan_transition(
     split back, unless an action set the micro-batches; fewer replicas than
     ``min_replicas``, or micro-batches set too few, raise.
     """
-    devices, batch, micro = config.devices, None, config.microbatches
-    micro_set = False
-    hyper: dict[str, float] = {}
-    codec, codec_changed = _KEEP, False
-    sync = _KEEP
-    rollback = stop = None
-    checkpoint = False
-    for action in ajp.validate_actions(list(actions)):
-        if isinstance(action, ajp.SetHyperparams):
-            hyper.update({k: float(v) for k, v in action.values.items()})
-        elif isinstance(action, ajp.SetBatchSize):
-            batch = int(action.batch_size)
-            if action.microbatches is not None:
-                micro, micro_set = int(action.microbatches), True
-        elif isinstance(action, ajp.Rescale):
-            devices = (
-                int(action.devices) if action.devices is not None else math.prod(action.mesh_shape)
-            )
-        elif isinstance(action, ajp.SetCodec):
-            codec = action.codec
-        elif isinstance(action, getattr(ajp, "SetSync", ())):
-            sync = resolve_sync(action.strategy)
-        elif isinstance(action, ajp.Checkpoint):
-            checkpoint = True
-        elif isinstance(action, ajp.Stop):
-            stop = action.reason or "stopped by a policy"
-        elif isinstance(action, ajp.Rollback):
-            rollback = action.reason or "rollback"
-    if devices > max_devices:
-        raise ValueError(
-            f"cannot rescale to {devices} devices: max_devices is {max_devices}; "
-            f"use devices <= {max_devices}"
-        )
-    if devices < min_replicas:
-        raise ValueError(
-            f"cannot rescale to {devices} device(s): the noise scale's preconditioned "
-            f"norms need {min_replicas} replicas; use GradientNoiseScale(differencing=True) "
-            "to measure on one device"
-        )
-    split = sample_split(min_samples, devices)
-    if devices * micro < min_samples:
-        if micro_set:
-            raise ValueError(
-                f"microbatches={micro} on {devices} device(s) gives the noise scale "
-                f"{devices * micro} gradient sample(s) per step; use microbatches >= "
-                f"{split} or GradientNoiseScale(differencing=True)"
-            )
-        micro = split
-    elif (
-        not micro_set
-        and config.devices < min_samples <= devices
-        and micro == sample_split(min_samples, config.devices)
-    ):
-        micro = 1  # the split was for the sample count alone
+    asked = _fold(actions, config)
+    devices = asked.devices
+    _check_devices(devices, max_devices, min_replicas)
+    micro = _microbatches(asked, config, min_samples)
+    hyper = asked.hyperparams
     if hyperparam_names is not None:
         unknown = sorted(set(hyper) - set(hyperparam_names))
         if unknown:
@@ -147,18 +98,10 @@ def plan_transition(
             )
     if "learning_rate" in hyper and not hyper["learning_rate"] > 0:
         raise ValueError(f"learning_rate must be > 0, got {hyper['learning_rate']}")
-    if codec is not _KEEP:
-        codec_changed = codec_key(codec) != config.codec
-    sync_changed = sync is not _KEEP and sync_key(sync) != config.sync
-    if sync is _KEEP:
-        known = strategies or {}
-        sync = resolve_sync(known.get(config.sync) if config.sync in known else None)
-        if config.sync is not None and config.sync not in known:
-            sync = None  # unknown here: its checks ran when it was chosen
-    has_codec = (codec is not None) if codec is not _KEEP else config.codec is not None
-    if sync is not None:
-        sync.check(devices, object() if has_codec else None)
-    wanted = config.batch_size if batch is None else batch
+    codec = asked.codec
+    codec_changed = codec is not _KEEP and codec_key(codec) != config.codec
+    sync, sync_changed = _sync(asked, config, devices, strategies)
+    wanted = config.batch_size if asked.batch is None else asked.batch
     rounded = round_batch(wanted, devices, micro)
     new = config.replace(
         devices=devices,
@@ -175,10 +118,104 @@ def plan_transition(
         codec_changed=codec_changed,
         sync=sync if sync_changed else None,
         sync_changed=sync_changed,
-        rollback=rollback,
-        checkpoint=checkpoint,
-        stop=stop,
+        rollback=asked.rollback,
+        checkpoint=asked.checkpoint,
+        stop=asked.stop,
     )
+
+
+@dataclasses.dataclass
+class _Asked:
+    """What a decision's actions ask for, before any check (``_KEEP``: not asked)."""
+
+    devices: int
+    microbatches: int
+    microbatches_set: bool = False
+    batch: int | None = None
+    hyperparams: dict = dataclasses.field(default_factory=dict)
+    codec: object = _KEEP
+    sync: object = _KEEP
+    rollback: str | None = None
+    checkpoint: bool = False
+    stop: str | None = None
+
+
+def _fold(actions: Sequence[ajp.Action], config: RunConfig) -> _Asked:
+    """Folds ``actions`` in order: the later one wins; hyperparameter updates merge."""
+    asked = _Asked(devices=config.devices, microbatches=config.microbatches)
+    for action in ajp.validate_actions(list(actions)):
+        if isinstance(action, ajp.SetHyperparams):
+            asked.hyperparams.update({k: float(v) for k, v in action.values.items()})
+        elif isinstance(action, ajp.SetBatchSize):
+            asked.batch = int(action.batch_size)
+            if action.microbatches is not None:
+                asked.microbatches, asked.microbatches_set = int(action.microbatches), True
+        elif isinstance(action, ajp.Rescale):
+            asked.devices = (
+                int(action.devices) if action.devices is not None else math.prod(action.mesh_shape)
+            )
+        elif isinstance(action, ajp.SetCodec):
+            asked.codec = action.codec
+        elif isinstance(action, getattr(ajp, "SetSync", ())):
+            asked.sync = resolve_sync(action.strategy)
+        elif isinstance(action, ajp.Checkpoint):
+            asked.checkpoint = True
+        elif isinstance(action, ajp.Stop):
+            asked.stop = action.reason or "stopped by a policy"
+        elif isinstance(action, ajp.Rollback):
+            asked.rollback = action.reason or "rollback"
+    return asked
+
+
+def _check_devices(devices: int, max_devices: int, min_replicas: int) -> None:
+    if devices > max_devices:
+        raise ValueError(
+            f"cannot rescale to {devices} devices: max_devices is {max_devices}; "
+            f"use devices <= {max_devices}"
+        )
+    if devices < min_replicas:
+        raise ValueError(
+            f"cannot rescale to {devices} device(s): the noise scale's preconditioned "
+            f"norms need {min_replicas} replicas; use GradientNoiseScale(differencing=True) "
+            "to measure on one device"
+        )
+
+
+def _microbatches(asked: _Asked, config: RunConfig, min_samples: int) -> int:
+    """The micro-batches that give the monitors ``min_samples`` gradient samples per step."""
+    devices, micro = asked.devices, asked.microbatches
+    split = sample_split(min_samples, devices)
+    if devices * micro < min_samples:
+        if asked.microbatches_set:
+            raise ValueError(
+                f"microbatches={micro} on {devices} device(s) gives the noise scale "
+                f"{devices * micro} gradient sample(s) per step; use microbatches >= "
+                f"{split} or GradientNoiseScale(differencing=True)"
+            )
+        return split
+    if (
+        not asked.microbatches_set
+        and config.devices < min_samples <= devices
+        and micro == sample_split(min_samples, config.devices)
+    ):
+        return 1  # the split was for the sample count alone
+    return micro
+
+
+def _sync(asked: _Asked, config: RunConfig, devices: int, strategies) -> tuple[object, bool]:
+    """``(strategy, changed)`` after the transition, checked on ``devices`` with its codec."""
+    sync = asked.sync
+    changed = sync is not _KEEP and sync_key(sync) != config.sync
+    if sync is _KEEP:
+        known = strategies or {}
+        sync = resolve_sync(known.get(config.sync) if config.sync in known else None)
+        if config.sync is not None and config.sync not in known:
+            sync = None  # unknown here: its checks ran when it was chosen
+    codec = asked.codec
+    has_codec = (codec is not None) if codec is not _KEEP else config.codec is not None
+    if sync is not None:
+        sync.check(devices, object() if has_codec else None)
+    return sync, changed
 
 
 def monitor_sample_needs(monitors) -> tuple[int, int]:

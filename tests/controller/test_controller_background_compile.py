@@ -109,14 +109,14 @@ def test_the_background_compiler_runs_at_the_lowest_cpu_priority():
     import os
     import threading
 
-    from adaptjax.controller._controller import _lower_thread_priority
+    from adaptjax.controller._background import lower_thread_priority
 
     if not hasattr(os, "getpriority"):
         pytest.skip("no per-thread priorities here")
     seen = {}
 
     def worker():
-        _lower_thread_priority()
+        lower_thread_priority()
         seen["worker"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     thread = threading.Thread(target=worker)

@@ -1,0 +1,345 @@
+"""A controller's arguments, every one checked before anything touches the disk.
+
+:func:`check_arguments` takes what was passed to :class:`adaptjax.Controller`
+and returns it checked (:class:`Checked`), or raises the first problem as a
+one-line ``ValueError`` naming the fix, in the order the arguments are read:
+the configuration, the devices, the options, the hyperparameters, the data,
+the run directory, the monitors. It writes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from adaptjax import policies as ajp
+from adaptjax._data import check_count
+from adaptjax._mesh import make_mesh
+from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
+from adaptjax.controller._options import (
+    CheckpointOptions,
+    CompileOptions,
+    EvalOptions,
+    check_cache_dir,
+    check_eval,
+    check_max_to_keep,
+    every_or_none,
+)
+from adaptjax.controller._plan_probe import PlanRequest, plan_request
+from adaptjax.controller._run_config import RunConfig, codec_key
+from adaptjax.controller._run_dir import CHECKPOINTS, check_writable_dir, user_stacklevel
+from adaptjax.controller._run_lock import RunLock
+from adaptjax.controller._transition import monitor_sample_needs, one_gradient_sample, sample_split
+from adaptjax.launch._distributed import can_give, is_primary, max_processes
+from adaptjax.sync._registry import resolve_sync, sync_key
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A controller's arguments after :func:`check_arguments`."""
+
+    run_dir: str
+    resume: bool
+    config: RunConfig
+    max_devices: int
+    hyperparams: dict
+    policy: ajp.Policy
+    monitors: tuple
+    sample_needs: tuple[int, int]  # (min_samples, min_replicas): monitor_sample_needs
+    policy_every: int
+    max_nonfinite_steps: int | None
+    link_bandwidth: float | None
+    checkpoint: CheckpointOptions
+    evaluation: EvalOptions
+    compile: CompileOptions
+    progress: bool
+    tensorboard: bool
+    plan: PlanRequest | None
+    # whether announced configurations are compiled in the background: asked for, on one
+    # process, with a dataset that gives a batch's shapes without reading it (batch_at)
+    compile_ahead: bool
+
+
+class NoPolicy(ajp.Policy):
+    """What runs when no policy is given: decides nothing."""
+
+    def decide(self, metrics, ctx):
+        return []
+
+
+def check_arguments(args: Mapping[str, Any]) -> Checked:
+    """Checks :class:`adaptjax.Controller`'s keyword arguments (``args``, by name).
+
+    Under ``adaptjax plan`` (:func:`plan_request`) the run directory is the
+    plan's, the run starts fresh, shows no progress bar, writes no TensorBoard,
+    evaluates nothing and checkpoints only when a probe needs it.
+    """
+    plan = plan_request()
+    run_dir, resume = os.fspath(args["run_dir"]), args["resume"]
+    progress, tensorboard = args["progress"], args["tensorboard"]
+    if plan is not None:  # write only into the plan directory, start fresh
+        run_dir, resume, tensorboard, progress = plan.run_dir, False, False, False
+    devices, codec, sync = args["devices"], args["codec"], args["sync"]
+    resolve_sync(sync).check(devices, codec)
+    batch_size, microbatches = args["batch_size"], args["microbatches"]
+    if microbatches is None:
+        one_even = devices == 1 and isinstance(batch_size, int) and batch_size % 2 == 0
+        microbatches = 2 if one_even else 1
+    config = RunConfig(devices, batch_size, microbatches, codec_key(codec), sync_key(sync))
+    max_devices = check_devices(config, args["max_devices"], resume)
+    loop = check_loop_options(args)
+    checkpoint, evaluation, compile_ = check_option_groups(args)
+    hyperparams = check_hyperparams(args["optimizer"], args["hyperparams"])
+    check_data(args["data"])
+    check_run_dir(run_dir, resume)
+    policies = list(args["policies"])
+    policy = ajp.any_of(*policies) if policies else NoPolicy()
+    monitors = check_monitors(args["monitors"], devices, microbatches, resume)
+    warn_unproducible_metrics(policy, monitors, loop["link_bandwidth"], evaluation.fn)
+    if plan is not None:  # a probe times steps: no evaluation, no periodic checkpoint
+        checkpoint = dataclasses.replace(checkpoint, every=None)
+        evaluation = EvalOptions()
+    return Checked(
+        run_dir=run_dir, resume=resume, config=config, max_devices=max_devices,
+        hyperparams=hyperparams, policy=policy, monitors=monitors,
+        sample_needs=monitor_sample_needs(monitors), checkpoint=checkpoint,
+        evaluation=evaluation, compile=compile_, progress=progress, tensorboard=tensorboard,
+        plan=plan, **loop, compile_ahead=compile_.precompile_upcoming
+        and jax.process_count() == 1 and hasattr(args["data"], "batch_at"),
+    )
+
+
+def resume_arguments(run_dir, kwargs: dict) -> dict:
+    """:meth:`adaptjax.Controller.resume`'s arguments: one ``run_dir``, and ``resume=True``."""
+    if run_dir is None and "run_dir" not in kwargs:
+        raise ValueError("Controller.resume needs run_dir")
+    kwargs.setdefault("run_dir", run_dir)
+    if run_dir is not None and os.fspath(kwargs["run_dir"]) != os.fspath(run_dir):
+        raise ValueError(
+            f"Controller.resume got two run_dirs ({run_dir} and {kwargs['run_dir']}); pass one"
+        )
+    return {**kwargs, "resume": True}
+
+
+def check_devices(config: RunConfig, max_devices: int | None, resume: bool) -> int:
+    """The most replicas a policy may ask for (default: every device the job may have)."""
+    # Under a launcher that may start more processes, a policy may ask for their devices.
+    available = max(len(jax.devices()), jax.local_device_count() * max_processes())
+    limit = available if max_devices is None else check_count(max_devices, "max_devices",
+                                                              positive=True)
+    if limit > available:
+        raise ValueError(
+            f"max_devices={limit} but only {available} devices exist; "
+            f"use max_devices <= {available}"
+        )
+    if limit < config.devices:
+        raise ValueError(
+            f"max_devices={limit} is below devices={config.devices}; "
+            f"use max_devices >= {config.devices}"
+        )
+    # On resume the checkpoint's configuration decides (a relaunch may have fewer devices).
+    if jax.process_count() == 1 and not resume:
+        make_mesh(config.devices)  # more devices than exist -> one-line error
+    elif not resume and not can_give(config.devices):
+        raise ValueError(
+            f"devices={config.devices} cannot be spread evenly over "
+            f"{jax.process_count()} processes of {jax.local_device_count()} devices; use a "
+            f"multiple of {jax.process_count()} up to {len(jax.devices())}"
+        )
+    return limit
+
+
+def check_loop_options(args: Mapping[str, Any]) -> dict:
+    """``policy_every``, ``max_nonfinite_steps`` and ``link_bandwidth``, checked.
+
+    The interval checks of ``checkpoint_every`` and ``eval_every`` run between
+    the first two, as they always have (the first bad argument is the one named).
+    """
+    policy_every = check_count(args["policy_every"], "policy_every", positive=True)
+    every_or_none(args["checkpoint_every"], "checkpoint_every")
+    every_or_none(args["eval_every"], "eval_every")
+    max_nonfinite = every_or_none(args["max_nonfinite_steps"], "max_nonfinite_steps")
+    check_eval(args["eval_fn"], args["eval_every"], "eval_fn", "eval_every")
+    bandwidth = args["link_bandwidth"]
+    if bandwidth is not None and not (
+        isinstance(bandwidth, int | float) and math.isfinite(bandwidth) and bandwidth > 0
+    ):
+        raise ValueError(
+            f"link_bandwidth must be a positive number of bytes/s, got {bandwidth!r}"
+        )
+    return dict(policy_every=policy_every, max_nonfinite_steps=max_nonfinite,
+                link_bandwidth=bandwidth)
+
+
+# (the option object's argument, its class, {keyword argument: (its field, its default)})
+_GROUPS = (
+    ("checkpoint_options", CheckpointOptions,
+     {"checkpoint_every": ("every", None), "max_to_keep": ("max_to_keep", 3)}),
+    ("eval_options", EvalOptions, {"eval_fn": ("fn", None), "eval_every": ("every", None)}),
+    ("compile_options", CompileOptions, {"compilation_cache_dir": ("cache_dir", "auto"),
+                                         "precompile_upcoming": ("precompile_upcoming", True)}),
+)
+
+
+def check_option_groups(args: Mapping[str, Any]):
+    """``(CheckpointOptions, EvalOptions, CompileOptions)`` from the option objects or keywords.
+
+    An option object replaces its keywords; passing both (a keyword away from
+    its default) is refused.
+    """
+    out = []
+    for name, cls, keywords in _GROUPS:
+        given = args.get(name)
+        if given is None:
+            out.append(_from_keywords(cls, args))
+            continue
+        if not isinstance(given, cls):
+            raise ValueError(
+                f"{name} must be an adaptjax.{cls.__name__}, got {type(given).__name__}"
+            )
+        passed = [(k, field) for k, (field, default) in keywords.items() if args[k] != default]
+        if passed:
+            keyword, field = passed[0]
+            raise ValueError(
+                f"{name} and {keyword}= were both passed; pass {cls.__name__}({field}=...) alone"
+            )
+        out.append(given)
+    return tuple(out)
+
+
+def _from_keywords(cls, args: Mapping[str, Any]):
+    """The option object the keyword arguments describe (checked under their own names)."""
+    if cls is CheckpointOptions:
+        return CheckpointOptions(
+            every=every_or_none(args["checkpoint_every"], "checkpoint_every"),
+            max_to_keep=check_max_to_keep(args["max_to_keep"]),
+        )
+    if cls is EvalOptions:
+        return EvalOptions(fn=args["eval_fn"], every=args["eval_every"])
+    return CompileOptions(
+        cache_dir=check_cache_dir(args["compilation_cache_dir"], "compilation_cache_dir"),
+        precompile_upcoming=args["precompile_upcoming"],
+    )
+
+
+def check_hyperparams(optimizer, hyperparams) -> dict:
+    """Checks ``hyperparams`` against ``optimizer``'s signature and values; returns a dict."""
+    if not isinstance(hyperparams, Mapping):
+        raise ValueError(
+            f"hyperparams must be a dict of the optimizer's arguments, got "
+            f"{type(hyperparams).__name__}"
+        )
+    name = getattr(optimizer, "__qualname__", repr(optimizer))
+    try:
+        params = inspect.signature(optimizer).parameters
+    except (TypeError, ValueError):
+        params = None
+    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        names = [
+            k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
+        for key in hyperparams:
+            if key not in names:
+                raise ValueError(
+                    f"hyperparams has {key!r}, which {name} does not take; its arguments are "
+                    f"{', '.join(names)}"
+                )
+        for k, p in params.items():
+            if p.default is p.empty and p.kind is not p.VAR_POSITIONAL and k not in hyperparams:
+                raise ValueError(f"hyperparams needs {k!r}: {name} has no default for it")
+    for key, value in hyperparams.items():
+        if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+            continue
+        if not math.isfinite(float(value)):
+            raise ValueError(f"hyperparams[{key!r}] must be finite, got {value}")
+        if key == "learning_rate" and not float(value) > 0:
+            raise ValueError(f"learning_rate must be > 0, got {value}")
+    return dict(hyperparams)
+
+
+def check_data(data) -> None:
+    """The dataset has what the controller calls (and a checkpoint saves)."""
+    for attr in ("next_batch", "state_dict", "load_state_dict"):
+        if not hasattr(data, attr):
+            raise ValueError(
+                f"data has no {attr}(); wrap arrays in adaptjax.ArrayDataset or an "
+                "iterable in adaptjax.IterableDataset"
+            )
+
+
+def check_run_dir(run_dir: str, resume: bool) -> None:
+    """Writable, not owned by a live controller, and with checkpoints iff resuming."""
+    check_writable_dir(run_dir)
+    if is_primary():
+        RunLock.check_free(run_dir)  # a live owner is the first thing to report
+    ckpt_dir = os.path.join(run_dir, CHECKPOINTS)
+    has_checkpoints = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+    if not resume and has_checkpoints:
+        raise ValueError(
+            f"run_dir {run_dir} already holds checkpoints; use Controller.resume(...) "
+            "to continue that run or choose a new run_dir"
+        )
+    if resume and not has_checkpoints:
+        raise ValueError(f"no complete checkpoint in {ckpt_dir} to resume from")
+
+
+def check_monitors(monitors, devices: int, microbatches: int, resume: bool) -> tuple:
+    """The monitors (default: noise scale, SNR, gradient norm), able to measure here."""
+    if monitors is None:
+        # One gradient sample per step (one device, no micro-batches): the noise
+        # scale then comes from consecutive steps' gradients.
+        one = one_gradient_sample(devices, microbatches)
+        monitors = (
+            GradientNoiseScale(differencing=one), GradientSNR(differencing=one), GradientNorm(),
+        )
+    monitors = tuple(monitors)
+    min_samples, min_replicas = monitor_sample_needs(monitors)
+    if not resume and devices < min_replicas:
+        raise ValueError(
+            f"GradientNoiseScale(preconditioned=True) needs {min_replicas} replicas per "
+            f"step and devices={devices}; use GradientNoiseScale(differencing=True) on "
+            "one device"
+        )
+    if not resume and devices * microbatches < min_samples:
+        raise ValueError(
+            f"the noise scale needs {min_samples} gradient samples per step and "
+            f"devices={devices} x microbatches={microbatches} gives "
+            f"{devices * microbatches}; use microbatches={sample_split(min_samples, devices)} "
+            "or GradientNoiseScale(differencing=True)"
+        )
+    return monitors
+
+
+def warn_unproducible_metrics(policy, monitors, link_bandwidth, eval_fn) -> None:
+    """Warns once per metric a policy needs that this controller never produces."""
+    produced_by = {
+        "comm_share": link_bandwidth is not None,
+        "comm_time": link_bandwidth is not None,
+    }
+    builtin = (GradientNoiseScale, GradientSNR, GradientNorm)
+    if all(isinstance(m, builtin) for m in monitors):  # a user's monitor may produce any
+        for key, cls in (("noise_scale", GradientNoiseScale), ("grad_snr", GradientSNR)):
+            produced_by[key] = any(isinstance(m, cls) for m in monitors)
+    for metric in sorted(ajp.required_metrics(policy)):
+        if metric.startswith("eval_") and eval_fn is None:
+            reason = "no eval_fn was given"
+        elif produced_by.get(metric, True):
+            continue
+        elif metric.startswith("comm_"):
+            reason = "it needs link_bandwidth= (bytes/s of the link)"
+        else:
+            reason = "no monitor produces it"
+        warnings.warn(
+            f"a policy needs the metric {metric!r}, which this controller never produces "
+            f"({reason}); that policy cannot act",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )

@@ -1,0 +1,147 @@
+"""Compiling announced configurations in a background thread, off the training's path."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+
+from adaptjax import policies as ajp
+from adaptjax.controller._run_config import RunConfig
+from adaptjax.controller._step_cache import StepCache
+
+#: The actions whose configuration a background compile can prepare.
+_COMPILABLE = (ajp.SetBatchSize, ajp.Rescale, ajp.SetCodec)
+
+
+def lower_thread_priority() -> None:
+    """Lowest CPU priority for the calling thread (Linux: per thread); elsewhere nothing.
+
+    The background compiler then takes only the cycles the training steps leave.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed
+        pass
+
+
+def announced_configs(
+    hints: Sequence[ajp.Action],
+    steps: StepCache,
+    plan: Callable[[list[ajp.Action]], RunConfig],
+) -> list[RunConfig]:
+    """The configurations ``hints`` (``Policy.upcoming``) lead to, by ``plan``; each once.
+
+    Only batch, device and codec changes name a configuration to compile; a
+    hint the controller would refuse is left out (the action itself says why,
+    when it comes).
+    """
+    out: list[RunConfig] = []
+    for action in hints:
+        if not isinstance(action, _COMPILABLE):
+            continue
+        try:
+            if isinstance(action, ajp.SetCodec):
+                steps.add_codec(action.codec)
+            config = plan([action])
+        except Exception:  # a hint never stops training
+            continue
+        if config not in out:
+            out.append(config)
+    return out
+
+
+class BackgroundCompiler:
+    """One low-priority thread that compiles configurations before their steps run.
+
+    :meth:`submit` queues a configuration (its arguments' shapes are read on
+    the caller's thread: the thread touches neither the model nor the
+    dataset); :meth:`wait_for` (before a step is dispatched) waits for that
+    step's compile rather than compiling it twice; :meth:`finished` hands back,
+    once each, the ``background_compile`` events of compiles that ended.
+    :attr:`compiled_ahead` holds the configurations compiled before their first
+    step (here or by :meth:`adaptjax.Controller.precompile`), whose first
+    step's wait says nothing of what a compile costs.
+
+    Args:
+      steps: the controller's :class:`StepCache`.
+      enabled: whether the controller asks for background compiles at all
+        (``precompile_upcoming``, one process, a dataset with ``batch_at``).
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, adaptjax
+      >>> from adaptjax.controller._background import BackgroundCompiler
+      >>> from adaptjax.controller._step_cache import StepCache
+      >>> steps = StepCache(model={"w": jnp.zeros(2)}, optimizer=optax.sgd,
+      ...                   loss_fn=lambda p, b: jnp.sum(b["x"] @ p["w"]),
+      ...                   hyperparams={"learning_rate": 0.1})
+      >>> data = adaptjax.ArrayDataset({"x": np.ones((8, 2), np.float32)})
+      >>> compiler = BackgroundCompiler(steps)
+      >>> compiler.submit([adaptjax.RunConfig(2, 4)], data)
+      >>> compiler.wait_for(adaptjax.RunConfig(2, 4))
+      >>> [e["kind"] for e in compiler.finished()], compiler.finished()
+      (['background_compile'], [])
+      >>> compiler.shutdown()
+    """
+
+    def __init__(self, steps: StepCache, *, enabled: bool = True):
+        self.steps, self.enabled = steps, bool(enabled)
+        self.compiled_ahead: set[RunConfig] = set()
+        # None: finished and its event handed back
+        self._futures: dict[RunConfig, concurrent.futures.Future | None] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def submit(self, configs: Iterable[RunConfig], data) -> None:
+        """Compiles each of ``configs`` not compiled or submitted yet, in the thread."""
+        for config in configs:
+            if config in self._futures or self.steps.has_run(config):
+                continue
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="adaptjax-compile",
+                    initializer=lower_thread_priority,
+                )
+            try:
+                args = self.steps.abstract_args(config, data)
+            except Exception as error:  # a hint never stops training; the action would say why
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                future.set_exception(error)
+            else:
+                future = self._pool.submit(self.steps.compile, config, args=args)
+            self._futures[config] = future
+
+    def wait_for(self, config: RunConfig) -> None:
+        """Before ``config``'s step runs: waits for its compile if one is under way."""
+        pending = self._futures.get(config)
+        if pending is None:
+            return
+        if not pending.done():
+            concurrent.futures.wait([pending])
+        if not pending.cancelled() and pending.exception() is None:
+            self.compiled_ahead.add(config)
+
+    def finished(self) -> list[dict]:
+        """``background_compile`` events (without their step) of compiles that ended, once each."""
+        events = []
+        for config, future in self._futures.items():
+            if future is None or not future.done():
+                continue
+            self._futures[config] = None
+            if future.cancelled():
+                continue
+            event = {"kind": "background_compile", "config": dataclasses.asdict(config)}
+            error = future.exception()
+            if error is not None:
+                event["error"] = f"{type(error).__name__}: {error}".splitlines()[0]
+            else:
+                event["latency_s"] = future.result()
+                self.compiled_ahead.add(config)
+            events.append(event)
+        return events
+
+    def shutdown(self) -> None:
+        """A compile under way finishes; queued ones are dropped."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

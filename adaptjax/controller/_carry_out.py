@@ -1,0 +1,165 @@
+"""Carrying out a transition: ``(state, config, transition) -> (state, config, events)``.
+
+:func:`carry_out` changes nothing but the state and configuration it returns
+(and the step cache's registry of codecs and strategies): it records no
+metrics, writes no checkpoint and logs no event. The controller's loop
+assigns what it returns, logs its events and, when the configuration moved
+to another mesh, writes the checkpoint that records the move
+(:attr:`Carried.transition`). :func:`roll_back` is the one transition that
+reads the disk: it returns the latest checkpoint's state and configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from adaptjax._per_replica import merge_replicas
+from adaptjax._state import train_state_shardings
+from adaptjax.controller._checkpoint import RunCheckpoints
+from adaptjax.controller._persistence import config_from
+from adaptjax.controller._rebuild import rebuild_state
+from adaptjax.controller._run_config import RunConfig
+from adaptjax.controller._step_cache import OPTIMIZER, SYNC, StepCache
+from adaptjax.controller._transition import Transition
+from adaptjax.launch._distributed import max_processes, processes_for
+
+
+@dataclasses.dataclass(frozen=True)
+class Carried:
+    """What carrying out a transition gives the loop.
+
+    Attributes:
+      state: the train state to continue with.
+      config: the configuration to continue in.
+      events: events to log now, in order (``{"kind": ..., field: value}``).
+      transition: a move to another mesh (a ``rescale`` event): the loop writes a
+        checkpoint that records :attr:`config`, and logs this event with it once
+        that checkpoint is complete; ``None`` when the mesh stays.
+      relaunch: the process count the run continues on when it differs from
+        this job's: the state stays on the old mesh, and the loop checkpoints and
+        exits with ``EXIT_RESCALE``; else ``None``.
+    """
+
+    state: Any
+    config: RunConfig
+    events: tuple[dict, ...] = ()
+    transition: dict | None = None
+    relaunch: int | None = None
+
+
+def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> Carried:
+    """Carries out ``plan`` (not its rollback: see :func:`roll_back`) from ``state``/``config``.
+
+    In the order of :class:`Transition`: hyperparameters are written into the
+    state (no compilation); a new codec or strategy rebuilds the parts of the
+    state it owns; then the batch, micro-batches and devices of
+    ``plan.config`` (a rounded batch is a ``batch_rounded`` event). A new
+    device count moves the state to the new mesh in memory by the rule a
+    restore applies (:func:`adaptjax.merge_replicas`), unless it needs another
+    process count (:attr:`Carried.relaunch`).
+    """
+    events: list[dict] = []
+    if plan.hyperparams:
+        state = write_hyperparams(state, plan.hyperparams, steps.mesh(config.devices))
+        events.append({"kind": "set_hyperparams", **plan.hyperparams})
+    if plan.codec_changed:
+        state, config = swap_codec(state, config, plan.codec, steps)
+        events.append({"kind": "set_codec", "codec": config.codec})
+    if plan.sync_changed:
+        state, config = swap_sync(state, config, plan.sync, steps)
+        events.append({"kind": "set_sync", "sync": repr(steps.strategy(config.sync))})
+    new = plan.config
+    if plan.requested_batch is not None:
+        events.append({
+            "kind": "batch_rounded", "requested": plan.requested_batch,
+            "batch_size": new.batch_size, "replicas": new.devices,
+            "microbatches": new.microbatches,
+        })
+    if new.devices == config.devices:
+        return Carried(state, new, tuple(events))
+    move = {"kind": "rescale", "devices_from": config.devices, "devices_to": new.devices}
+    processes = processes_for(new.devices)
+    relaunched = jax.process_count() > 1 or max_processes() > 1
+    if relaunched and processes != jax.process_count():
+        move.update(processes_from=jax.process_count(), processes_to=processes)
+        return Carried(state, new, tuple(events), move, relaunch=processes)
+    return Carried(reshard(state, new.devices, steps), new, tuple(events), move)
+
+
+def hyperparams_of(state) -> dict[str, float]:
+    """The optimizer's numeric hyperparameters as ``state`` holds them."""
+    inject = state.opt_state[OPTIMIZER]
+    return {k: float(v) for k, v in jax.device_get(inject.hyperparams).items()}
+
+
+def write_hyperparams(state, values: Mapping[str, float], mesh):
+    """``state`` with ``values`` in the optimizer's injected hyperparameters."""
+    inject = state.opt_state[OPTIMIZER]
+    sharding = NamedSharding(mesh, P())
+    new = dict(inject.hyperparams)
+    for key, value in values.items():
+        new[key] = jax.device_put(np.asarray(value, dtype=new[key].dtype), sharding)
+    opt_state = dict(state.opt_state)
+    opt_state[OPTIMIZER] = inject._replace(hyperparams=new)
+    return dataclasses.replace(state, opt_state=type(state.opt_state)(opt_state))
+
+
+def swap_codec(state, config: RunConfig, codec, steps: StepCache):
+    """``(state, config)`` with ``codec``: its own state fresh, the rest carried over."""
+    key = steps.add_codec(codec)
+    new = config.replace(codec=key)
+    if config.sync is not None:  # a strategy with local models: one rebuild
+        tx = steps.tx(new.codec, new.sync)
+        return rebuild_state(state, tx, steps.mesh(new.devices), carry_sync=False), new
+    fresh = steps.init_state(new)
+    sync = fresh.opt_state[SYNC]._replace(
+        count=state.opt_state[SYNC].count,
+        monitor_states=state.opt_state[SYNC].monitor_states,
+        metrics=state.opt_state[SYNC].metrics,
+    )
+    opt_state = dict(state.opt_state)
+    opt_state[SYNC] = sync
+    return dataclasses.replace(state, opt_state=type(state.opt_state)(opt_state)), new
+
+
+def swap_sync(state, config: RunConfig, strategy, steps: StepCache):
+    """``(state, config)`` under another synchronisation strategy, nothing lost."""
+    key = steps.add_sync(strategy)
+    new = config.replace(sync=key)
+    tx = steps.tx(new.codec, new.sync)
+    carry = key is None and config.sync is None
+    return rebuild_state(state, tx, steps.mesh(new.devices), carry_sync=carry), new
+
+
+def reshard(state, devices: int, steps: StepCache):
+    """``state`` on a mesh of ``devices`` replicas, merged as a restore would."""
+    state = merge_replicas(state, devices)
+    return jax.device_put(state, train_state_shardings(state, steps.mesh(devices)))
+
+
+def roll_back(checkpoints: RunCheckpoints, steps: StepCache, reason: str) -> Carried:
+    """The latest checkpoint's state and configuration, and a ``rollback`` event.
+
+    Raises a one-line ``ValueError`` when there is no checkpoint to return to.
+    """
+    latest = checkpoints.latest_step()
+    if latest is None:
+        raise ValueError(
+            "Rollback needs a checkpoint; set checkpoint_every or return Checkpoint() first"
+        )
+    t0 = time.perf_counter()
+    config = config_from(checkpoints.read_meta(latest), steps)
+    state, _ = checkpoints.restore(
+        latest, target_state=steps.abstract_state(config), mesh=steps.mesh(config.devices)
+    )
+    event = {"kind": "rollback", "latency_s": time.perf_counter() - t0, "reason": reason,
+             "to_checkpoint": latest}
+    return Carried(state, config, (event,))
