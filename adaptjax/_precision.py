@@ -138,7 +138,7 @@ class Precision:
 
     @property
     def key(self) -> str:
-        """A short stable name: ``"bfloat16"``, or ``"float16,output=float16"``."""
+        """Its short stable name, such as ``"bfloat16"`` or ``"float16,output=float16"``."""
         if self.output == "float32":
             return self.compute
         return f"{self.compute},output={self.output}"
