@@ -459,13 +459,9 @@ class Codec:
         grads32 = [x.astype(jnp.float32) for x in leaves]
         # what each replica sends: the feedback rule's input on leaves with state
         prep = fb.prepare([g for g, r in zip(grads32, records, strict=True) if r.stateful], ctx)
-        sends = [fb.inputs(g, h.worker, prep) if r.stateful else (g, None)
-                 for g, r, h in zip(grads32, records, held, strict=True)]
-        ins = [LeafIn(r, x, h.server, h.shared)
-               for r, (x, _), h in zip(records, sends, held, strict=True)]
-        outs = run_lanes(self, ins, ctx)
-        done = [_settle(fb, i, o, g, h, carry)
-                for i, o, g, h, (_, carry) in zip(ins, outs, grads32, held, sends, strict=True)]
+        sends = [_send(fb, r, g, h, prep) for r, g, h in zip(records, grads32, held, strict=True)]
+        outs = run_lanes(self, [s.leaf for s in sends], ctx)
+        done = [_settle(fb, s, o) for s, o in zip(sends, outs, strict=True)]
         mean = jax.tree_util.tree_unflatten(
             treedef, [out.astype(x.dtype) for (out, _), x in zip(done, leaves, strict=True)]
         )
@@ -503,13 +499,35 @@ class Codec:
         return plan(grads, self, n, show=show)
 
 
-def _settle(fb: NoFeedback, i: LeafIn, o: LeafOut, g, held: LeafState, carry):
-    """``(output, new LeafState)`` of one leaf: the feedback rule's on leaves with state."""
-    shared = {**held.shared, **o.shared}
-    server = held.server if o.server is None else o.server
-    if not i.leaf.stateful:
-        return o.out, LeafState(held.worker, server, shared)
+class _Sending(NamedTuple):
+    """One leaf on its way through a sync (see :meth:`Codec.sync`).
+
+    Attributes:
+      leaf: what its lane gets (:class:`LeafIn`).
+      g: its float32 gradient.
+      held: its buffers before the step.
+      carry: what the feedback rule's ``outputs`` needs back from its ``inputs``.
+    """
+
+    leaf: LeafIn
+    g: jax.Array
+    held: LeafState
+    carry: Any
+
+
+def _send(fb: NoFeedback, record: Leaf, g, held: LeafState, prep) -> _Sending:
+    """What one leaf sends: the feedback rule's input on a leaf with state, else ``g``."""
+    x, carry = fb.inputs(g, held.worker, prep) if record.stateful else (g, None)
+    return _Sending(LeafIn(record, x, held.server, held.shared), g, held, carry)
+
+
+def _settle(fb: NoFeedback, s: _Sending, o: LeafOut):
+    """``(output, new LeafState)`` of one leaf: the feedback rule's on a leaf with state."""
+    shared = {**s.held.shared, **o.shared}
+    server = s.held.server if o.server is None else o.server
+    if not s.leaf.leaf.stateful:
+        return o.out, LeafState(s.held.worker, server, shared)
     worker, shared, out = fb.outputs(
-        g, i.x, o.out, o.residual, held.worker, shared, carry, i.leaf.lane
+        s.g, s.leaf.x, o.out, o.residual, s.held.worker, shared, s.carry, s.leaf.leaf.lane
     )
     return out, LeafState(worker, server, shared)
