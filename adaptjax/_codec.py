@@ -24,6 +24,12 @@ class GradientCodec(Protocol):
     ``axis_name`` bound, takes this replica's gradients and returns the mean over
     the axis as every replica sees it (identical on all replicas), plus the new
     state. ``step`` is the int32 step counter (for warm-ups and keys).
+
+    The controller keys a codec by its ``repr`` (:func:`adaptjax.codec_key`:
+    compiled steps, run configurations, checkpoints), so the ``repr`` must be
+    stable across processes and differ between codecs that compute differently;
+    the codecs of :mod:`adaptjax.compression` print the factory call that builds
+    them (``onebit(block=256)``).
     """
 
     def init(self, params: Any) -> Any: ...

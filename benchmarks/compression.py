@@ -48,6 +48,7 @@ devices before jax is imported, the step times in one set to 2 devices.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -377,18 +378,12 @@ def convergence_rows(dense_steps):
     for name, src in CODECS.items():
         codec = eval(src)
         # small model: let the 1280-entry output matrix be compressed too
-        codec = type(codec)(**{**_fields(codec), "min_size": 1024})
+        codec = dataclasses.replace(codec, min_size=1024)
         lr = 0.05 if name.startswith("dgc") else 0.5  # DGC carries momentum 0.9 itself
         losses, _, _ = _train(codec, 3 * dense_steps, x, y, target, lr=lr)
         hit = np.flatnonzero(losses <= target)
         out[name] = (hit[0] + 1) / dense_steps if hit.size else float("inf")
     return out, target
-
-
-def _fields(codec):
-    import dataclasses
-
-    return {f.name: getattr(codec, f.name) for f in dataclasses.fields(codec)}
 
 
 def _measure_noise_scale(params, x, y, steps, codec=None, every=1, decay=0.95, seed=1):

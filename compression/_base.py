@@ -11,11 +11,17 @@ ways:
   ``update(grads, state, params=None)`` inside ``shard_map`` with
   ``axis_name`` bound (``optax.chain(adaptjax.compression.topk(0.01), optax.sgd(0.1))``).
 
-Per leaf, the codec decides at trace time (see :func:`adaptjax.compression.plan`):
-leaves under ``min_size`` elements travel in one float32 psum; leaves the codec
-cannot compress (a 1-D leaf for PowerSGD) or where it would send more bytes than
-a bf16 psum at this replica count go as bf16 through the owner-compute pattern;
-the rest go through the codec.
+Its ``repr`` is the factory call that builds it (``onebit(block=256)``, see
+:func:`factory`), which is also its key in a run's configuration.
+
+Per leaf, the codec decides at trace time which lane the leaf takes (a
+:class:`Leaf` record per leaf, see :func:`adaptjax.compression.plan` and
+:mod:`adaptjax.compression._lanes`): leaves under ``min_size`` elements travel
+in one float32 psum; leaves the codec cannot compress (a 1-D leaf for PowerSGD)
+or where it would send more bytes than a bf16 psum at this replica count go as
+bf16 through the owner-compute pattern; the rest go through the codec's
+:meth:`Codec.reduce`. Each lane averages all of its leaves at once and returns
+one record per leaf (mean, residual, new buffers).
 
 Error feedback (``error_feedback=``):
 
@@ -41,23 +47,19 @@ that keeps a separate server buffer, ``has_server_buffer = True``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, NamedTuple
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from adaptjax.compression._bits import mix_seed
-from adaptjax.compression._collectives import (
-    BF16,
-    axis_tuple,
-    bound_size,
-    owner_compute_leaves,
-    psum_mean_leaves,
-    replica_index,
-)
+from adaptjax.compression._collectives import axis_tuple, bound_size, replica_index
 from adaptjax.compression._feedback import NoFeedback, feedback_for
+from adaptjax.compression._lanes import Ctx, Leaf, LeafIn, LeafOut, run_lanes
 from adaptjax.compression._layout import bf16_bytes, prod
-from adaptjax.compression._plan import Plan, plan
+from adaptjax.compression._plan import Plan, leaf_plan, plan
 
 from adaptjax import PerReplica
 
@@ -151,21 +153,119 @@ def k_of(ratio: float, size: int) -> int:
     return max(1, int(np.ceil(round(ratio * size, 6))))
 
 
-@dataclasses.dataclass
-class Ctx:
-    """What one ``sync`` call knows at trace time (and a few traced scalars)."""
+class LeafState(NamedTuple):
+    """The buffers a :class:`CompressionState` holds for one leaf.
 
-    names: tuple[str, ...]
-    n: int
-    step: jax.Array
-    replica: jax.Array
-    residual: bool
-    seed: int
+    Attributes:
+      worker: per-replica buffers by key (``"ef"``, ``"g"``, ``"u"``, ``"v"``);
+        ``None`` values on leaves without state.
+      server: the server-side residual, or None.
+      shared: replicated buffers by key (``"p"``, ``"q"``, ``"ghat"``).
+    """
 
-    def seed_for(self, stage: int, shared: bool = False):
-        if shared:
-            return mix_seed(self.seed, self.step, 0x5EED, stage)
-        return mix_seed(self.seed, self.step, self.replica, stage)
+    worker: dict[str, Any]
+    server: Any
+    shared: dict[str, Any]
+
+
+def _leaf_states(state: CompressionState, treedef) -> list[LeafState]:
+    """``state``'s buffers, leaf by leaf, for gradients of structure ``treedef``."""
+
+    def up_to(tree):
+        try:
+            return treedef.flatten_up_to(tree)
+        except (ValueError, TypeError):
+            raise ValueError(
+                "the gradients do not have the structure of the params the codec state was "
+                "built from; call codec.init(params) with params shaped like the gradients"
+            ) from None
+
+    worker = {k: up_to(v) for k, v in state.worker.value.items()} if state.worker else {}
+    server = up_to(state.server.value["ef"]) if state.server else None
+    shared = {k: up_to(v) for k, v in state.shared.items()} if state.shared else {}
+    return [
+        LeafState(
+            {k: v[i] for k, v in worker.items()},
+            None if server is None else server[i],
+            {k: v[i] for k, v in shared.items()},
+        )
+        for i in range(treedef.num_leaves)
+    ]
+
+
+def _next_state(state: CompressionState, treedef, leaves: Sequence[LeafState]):
+    """The :class:`CompressionState` after ``state`` that holds ``leaves``' buffers."""
+
+    def tree(buffer_of):
+        return jax.tree_util.tree_unflatten(treedef, [buffer_of(b) for b in leaves])
+
+    worker, server = state.worker, state.server
+    return CompressionState(
+        count=state.count + 1,
+        worker=PerReplica({k: tree(lambda b, k=k: b.worker[k]) for k in worker.value},
+                          worker.merge) if worker else (),
+        server=PerReplica({"ef": tree(lambda b: b.server)}, server.merge) if server else (),
+        shared={k: tree(lambda b, k=k: b.shared[k]) for k in state.shared} if state.shared else (),
+    )
+
+
+# (codec class, factory name) -> the factory's signature: what a codec's repr prints
+_FACTORIES: dict[tuple[type, str], inspect.Signature] = {}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def factory(cls: type) -> Callable[[F], F]:
+    """Registers the decorated function as a factory of the codec class ``cls``.
+
+    A codec's ``repr`` is the call of the factory named ``codec.name`` that a
+    user would type: the leading positional argument, then the keyword
+    arguments that differ from the factory's defaults (``onebit(block=256)``,
+    ``topk(0.01)``). A codec class without a factory prints as its class call
+    (``MyCodec(bits=4)``). Each parameter of the factory must be a field of
+    ``cls``, so codecs that differ in any argument print differently and
+    ``eval`` of the ``repr`` builds an equal codec.
+
+    Example:
+      >>> from adaptjax import compression as ajc
+      >>> ajc.onebit(block=256, error_feedback="ef21"), ajc.topk(0.01)
+      (onebit(block=256, error_feedback='ef21'), topk(0.01))
+    """
+
+    def register(fn: F) -> F:
+        sig = inspect.signature(fn)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = [name for name in sig.parameters if name not in fields]
+        if unknown:
+            raise TypeError(f"parameters {unknown} of {fn.__name__} are not fields of {cls}")
+        _FACTORIES[(cls, fn.__name__)] = sig
+        return fn
+
+    return register
+
+
+@functools.cache
+def _class_signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls)
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # arrays
+        return False
+
+
+def _call_repr(name: str, sig: inspect.Signature, codec) -> str:
+    """``name(...)`` with ``codec``'s values of ``sig``'s positional and non-default arguments."""
+    args = []
+    for p in sig.parameters.values():
+        value = getattr(codec, p.name)
+        if p.kind is p.POSITIONAL_OR_KEYWORD:
+            args.append(repr(value))
+        elif p.default is p.empty or not _same(value, p.default):
+            args.append(f"{p.name}={value!r}")
+    return f"{name}({', '.join(args)})"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -181,10 +281,16 @@ class Codec:
         for per-replica randomness, the replica index).
 
     Class attributes (the flags of the codec protocol):
-      name: short name used in plans and benchmarks.
+      name: short name used in plans and benchmarks (and the name of its factory).
       linear: whether payloads add up (psum-able).
       randomness: ``"none"``, ``"shared"`` (same on every replica, e.g. random-k
         indices) or ``"per_replica"`` (stochastic rounding).
+      has_server_buffer: whether error feedback keeps a server-side residual.
+      shared_keys: the replicated per-leaf buffers :meth:`init_shared` makes.
+
+    A subclass is a frozen dataclass declared with ``repr=False`` (its ``repr``
+    is its factory call, see :func:`factory`) that implements :meth:`reduce`
+    and :meth:`leaf_bytes`, and may narrow :meth:`method` and :meth:`can_compress`.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, adaptjax
@@ -208,6 +314,7 @@ class Codec:
     linear: ClassVar[bool] = False
     randomness: ClassVar[str] = "none"
     has_server_buffer: ClassVar[bool] = False
+    shared_keys: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "axis_name", _check_axis_name(self.axis_name))
@@ -217,11 +324,35 @@ class Codec:
         object.__setattr__(self, "min_size", int(self.min_size))
         object.__setattr__(self, "seed", int(self.seed))
 
+    def __repr__(self) -> str:
+        """The call that builds this codec: its factory's (see :func:`factory`) or its class's."""
+        sig = _FACTORIES.get((type(self), self.name))
+        if sig is None:  # the class call, as it is named where it is defined
+            name = type(self).__qualname__.rsplit("<locals>.", 1)[-1]
+            return _call_repr(name, _class_signature(type(self)), self)
+        return _call_repr(self.name, sig, self)
+
+    def _legacy_repr(self) -> str:
+        """The ``repr`` of adaptjax 0.1.0: a dataclass repr (``bucket_bytes`` only when set).
+
+        Runs recorded before the factory-call ``repr`` keep it as their codec key
+        (:func:`adaptjax.codec_key`), so a resume can map their key to this codec.
+        """
+        shown = [f for f in dataclasses.fields(self)
+                 if f.name != "bucket_bytes" or getattr(self, f.name) is not None]
+        body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)
+        return f"{type(self).__qualname__}({body})"
+
     # ------------------------------------------------------------------ flags
     @property
     def bits(self) -> float | None:
         """Bits per element on the wire (``None`` when it depends on the shape)."""
         return None
+
+    @property
+    def feedback(self) -> NoFeedback:
+        """The error-feedback rule (a strategy of :mod:`adaptjax.compression._feedback`)."""
+        return feedback_for(self.error_feedback)
 
     # --------------------------------------------------------- per-leaf plan
     def can_compress(self, shape) -> bool:
@@ -238,7 +369,7 @@ class Codec:
         raise NotImplementedError
 
     def method(self, shape, n: int) -> str:
-        """``"f32"``, ``"bf16"`` or ``"codec"`` for a leaf of ``shape`` at ``n`` replicas."""
+        """The lane of a leaf of ``shape`` at ``n`` replicas: ``"f32"``, ``"bf16"``, ``"codec"``."""
         size = prod(shape)
         if size < self.min_size:
             return "f32"
@@ -249,36 +380,36 @@ class Codec:
         return "codec"
 
     def stateful(self, shape) -> bool:
+        """Whether the codec keeps buffers for a leaf of ``shape`` (of ``min_size`` or more)."""
         return prod(shape) >= self.min_size
 
     # ------------------------------------------------------------------ state
-    def _shared_init(self, paths, leaves) -> dict:
-        """Replicated per-leaf buffers (a dict of lists, ``None`` where unused)."""
-        del paths, leaves
+    def init_shared(self, leaf: Leaf) -> dict[str, jax.Array]:
+        """Replicated buffers of one leaf, by key of :attr:`shared_keys` (none by default)."""
+        del leaf
         return {}
 
     def init(self, params) -> CompressionState:
         """The codec state for ``params`` (local view: one replica's buffers)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-        paths = [p for p, _ in flat]
-        leaves = [x for _, x in flat]
+        paths, leaves = [p for p, _ in flat], [x for _, x in flat]
         check_float_leaves(paths, leaves, "parameters")
-        for p, x in zip(paths, leaves, strict=True):
-            if self.stateful(jnp.shape(x)) and self.can_compress(jnp.shape(x)):
-                self.check_leaf(jnp.shape(x), jax.tree_util.keystr(p) or "the root")
-        zeros = [
-            jnp.zeros(jnp.shape(x), jnp.float32) if self.stateful(jnp.shape(x)) else None
-            for x in leaves
-        ]
-        unflat = lambda lst: jax.tree_util.tree_unflatten(treedef, lst)
+        # the state does not depend on the replica count: the lanes at one replica are unused
+        leaf_records = leaf_plan(self, paths, [jnp.shape(x) for x in leaves], 1)
+        zeros = [jnp.zeros(leaf.shape, jnp.float32) if leaf.stateful else None
+                 for leaf in leaf_records]
+        own = [self.init_shared(leaf) for leaf in leaf_records]
+
+        def tree(leaves):
+            return jax.tree_util.tree_unflatten(treedef, list(leaves))
+
         fb = self.feedback
-        worker = {k: unflat(list(zeros)) for k in fb.keys}
+        worker = {k: tree(zeros) for k in fb.keys}
         server = ()
         if self.has_server_buffer and self.error_feedback is not None:
-            server = PerReplica({"ef": unflat(list(zeros))}, merge=SumToAll())
-        shared = {k: unflat(v) for k, v in self._shared_init(paths, leaves).items()}
-        for k in fb.shared_keys:
-            shared[k] = unflat(list(zeros))
+            server = PerReplica({"ef": tree(zeros)}, merge=SumToAll())
+        shared = {k: tree(s.get(k) for s in own) for k in self.shared_keys}
+        shared.update({k: tree(zeros) for k in fb.shared_keys})
         return CompressionState(
             count=jnp.zeros((), jnp.int32),
             worker=PerReplica(worker) if worker else (),
@@ -300,6 +431,11 @@ class Codec:
     def sync(self, grads, state: CompressionState, *, axis_name=None, step=None):
         """The compressed all-reduce-mean of ``grads`` (inside ``shard_map``).
 
+        Each leaf gets its :class:`Leaf` record (lane, shape, state); the
+        feedback rule turns its gradient into what the replica sends; each lane
+        averages all of its leaves at once (:func:`run_lanes`); the feedback
+        rule turns each leaf's mean and residual into the output and new buffers.
+
         Args:
           grads: this replica's gradients.
           state: the codec state (local view).
@@ -309,145 +445,43 @@ class Codec:
         Returns:
           ``(mean, new_state)``; ``mean`` is identical on every replica.
         """
-        axis = self.axis_name if axis_name is None else _check_axis_name(axis_name)
-        names = axis_tuple(axis)
+        names = axis_tuple(self.axis_name if axis_name is None else _check_axis_name(axis_name))
         n = bound_size(names)
         self._check_axes(names)
         step = state.count if step is None else jnp.asarray(step, jnp.int32)
         flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
-        paths = [p for p, _ in flat]
-        leaves = [x for _, x in flat]
+        paths, leaves = [p for p, _ in flat], [x for _, x in flat]
         check_float_leaves(paths, leaves)
-        shapes = [tuple(jnp.shape(x)) for x in leaves]
-        for p, s in zip(paths, shapes, strict=True):
-            if self.stateful(s) and self.can_compress(s):
-                self.check_leaf(s, jax.tree_util.keystr(p) or "the root")
-        methods = [self.method(s, n) for s in shapes]
-        stateful = [self.stateful(s) for s in shapes]
-        ctx = Ctx(names, n, step, replica_index(names, n), self.feedback.residual, self.seed)
-
-        def up_to(tree):
-            try:
-                return treedef.flatten_up_to(tree)
-            except (ValueError, TypeError):
-                raise ValueError(
-                    "the gradients do not have the structure of the params the codec state was "
-                    "built from; call codec.init(params) with params shaped like the gradients"
-                ) from None
-
-        worker = {k: up_to(v) for k, v in state.worker.value.items()} if state.worker else {}
-        server = up_to(state.server.value["ef"]) if state.server else None
-        shared = {k: up_to(v) for k, v in state.shared.items()} if state.shared else {}
-        grads32 = [x.astype(jnp.float32) for x in leaves]
+        records = leaf_plan(self, paths, [jnp.shape(x) for x in leaves], n)
         fb = self.feedback
-
-        # what each replica compresses: the feedback rule's input on leaves with state
-        prep = fb.prepare([g for g, s in zip(grads32, stateful, strict=True) if s], ctx)
-        xs, carry = [], []
-        for i, (g, s) in enumerate(zip(grads32, stateful, strict=True)):
-            x, c = fb.inputs(g, {k: v[i] for k, v in worker.items()}, prep) if s else (g, None)
-            xs.append(x)
-            carry.append(c)
-
-        # each lane once, on its leaves
-        outs: list = [None] * len(leaves)
-        res: list = [None] * len(leaves)
-        new_server = list(server) if server is not None else None
-        new_shared = {k: list(v) for k, v in shared.items()}
-        for lane in ("f32", "bf16", "codec"):
-            idx = [i for i, m in enumerate(methods) if m == lane]
-            if not idx:
-                continue
-            o, r, srv, shr = getattr(self, f"_{lane}_lane")(
-                [xs[i] for i in idx],
-                [shapes[i] for i in idx],
-                ctx,
-                [server[i] for i in idx] if server is not None else None,
-                {k: [v[i] for i in idx] for k, v in shared.items()},
-            )
-            for j, i in enumerate(idx):
-                outs[i] = o[j]
-                if r is not None:
-                    res[i] = r[j]
-                if srv is not None:
-                    new_server[i] = srv[j]
-                for k, v in shr.items():
-                    new_shared[k][i] = v[j]
-
-        # new buffers and outputs: the feedback rule's, on leaves with state
-        new_worker = {k: [None] * len(leaves) for k in worker}
-        for i, s in enumerate(stateful):
-            if not s:
-                continue
-            bufs, shr, outs[i] = fb.outputs(
-                grads32[i],
-                xs[i],
-                outs[i],
-                res[i],
-                {k: v[i] for k, v in worker.items()},
-                {k: v[i] for k, v in new_shared.items()},
-                carry[i],
-                methods[i],
-            )
-            for k, v in bufs.items():
-                new_worker[k][i] = v
-            for k, v in shr.items():
-                new_shared[k][i] = v
-
-        unflat = lambda lst: jax.tree_util.tree_unflatten(treedef, lst)
-        mean = unflat([o.astype(x.dtype) for o, x in zip(outs, leaves, strict=True)])
-        new_state = CompressionState(
-            count=state.count + 1,
-            worker=PerReplica({k: unflat(v) for k, v in new_worker.items()}, state.worker.merge)
-            if state.worker
-            else (),
-            server=PerReplica({"ef": unflat(new_server)}, state.server.merge)
-            if state.server
-            else (),
-            shared={k: unflat(v) for k, v in new_shared.items()} if state.shared else (),
+        ctx = Ctx(names, n, step, replica_index(names, n), fb.residual, self.seed)
+        held = _leaf_states(state, treedef)
+        grads32 = [x.astype(jnp.float32) for x in leaves]
+        # what each replica sends: the feedback rule's input on leaves with state
+        prep = fb.prepare([g for g, r in zip(grads32, records, strict=True) if r.stateful], ctx)
+        sends = [_send(fb, r, g, h, prep) for r, g, h in zip(records, grads32, held, strict=True)]
+        outs = run_lanes(self, [s.leaf for s in sends], ctx)
+        done = [_settle(fb, s, o) for s, o in zip(sends, outs, strict=True)]
+        mean = jax.tree_util.tree_unflatten(
+            treedef, [out.astype(x.dtype) for (out, _), x in zip(done, leaves, strict=True)]
         )
-        return mean, new_state
-
-    # ---------------------------------------------------------------- lanes
-    @property
-    def feedback(self) -> NoFeedback:
-        """The error-feedback rule (a strategy of :mod:`adaptjax.compression._feedback`)."""
-        return feedback_for(self.error_feedback)
-
-    def _f32_lane(self, xs, shapes, ctx, server, shared):
-        """Leaves under ``min_size``: one float32 psum, nothing owed."""
-        del shapes, server, shared
-        return psum_mean_leaves(xs, ctx.names, ctx.n), None, None, {}
-
-    def _bf16_lane(self, xs, shapes, ctx, server, shared):
-        """Leaves the codec does not take: bf16 owner-compute (see ``owner_compute_leaves``)."""
-        del shapes, server, shared
-        o, r = owner_compute_leaves(
-            xs,
-            BF16,
-            names=ctx.names,
-            n=ctx.n,
-            seed_worker=ctx.seed_for(7),
-            seed_server=ctx.seed_for(8),
-            residual=ctx.residual,
-            fold=ctx.residual,
-        )
-        return o, (r if ctx.residual else None), None, {}
-
-    def _codec_lane(self, xs, shapes, ctx, server, shared):
-        """The codec's own leaves."""
-        return self._reduce(xs, shapes, ctx, server, shared)
+        return mean, _next_state(state, treedef, [buffers for _, buffers in done])
 
     # ---------------------------------------------------------------- hooks
     def _check_axes(self, names) -> None:
         del names
 
-    def _reduce(self, xs, shapes, ctx, server, shared):
-        """Compressed mean of the codec's leaves.
+    def reduce(self, leaves: Sequence[LeafIn], ctx: Ctx) -> list[LeafOut]:
+        """The compressed mean of the codec's leaves (its lane, see :mod:`._lanes`).
 
-        Returns ``(outs, residuals or None, new server leaves or None, new shared
-        dict of lists)``; residuals are what each replica still owes (see
-        :func:`adaptjax.compression._collectives.owner_compute`).
+        Args:
+          leaves: one :class:`LeafIn` per leaf of the ``codec`` lane, in leaf order.
+          ctx: the sync's context (axes, replica count, seeds, whether residuals are due).
+
+        Returns:
+          One :class:`LeafOut` per leaf: the mean, and with ``ctx.residual``
+          what this replica still owes (see
+          :func:`adaptjax.compression._collectives.owner_compute`).
         """
         raise NotImplementedError
 
@@ -463,3 +497,37 @@ class Codec:
     def plan(self, grads, n: int, *, show: bool = False) -> Plan:
         """The per-leaf plan at ``n`` replicas; see :func:`adaptjax.compression.plan`."""
         return plan(grads, self, n, show=show)
+
+
+class _Sending(NamedTuple):
+    """One leaf on its way through a sync (see :meth:`Codec.sync`).
+
+    Attributes:
+      leaf: what its lane gets (:class:`LeafIn`).
+      g: its float32 gradient.
+      held: its buffers before the step.
+      carry: what the feedback rule's ``outputs`` needs back from its ``inputs``.
+    """
+
+    leaf: LeafIn
+    g: jax.Array
+    held: LeafState
+    carry: Any
+
+
+def _send(fb: NoFeedback, record: Leaf, g, held: LeafState, prep) -> _Sending:
+    """What one leaf sends: the feedback rule's input on a leaf with state, else ``g``."""
+    x, carry = fb.inputs(g, held.worker, prep) if record.stateful else (g, None)
+    return _Sending(LeafIn(record, x, held.server, held.shared), g, held, carry)
+
+
+def _settle(fb: NoFeedback, s: _Sending, o: LeafOut):
+    """``(output, new LeafState)`` of one leaf: the feedback rule's on a leaf with state."""
+    shared = {**s.held.shared, **o.shared}
+    server = s.held.server if o.server is None else o.server
+    if not s.leaf.leaf.stateful:
+        return o.out, LeafState(s.held.worker, server, shared)
+    worker, shared, out = fb.outputs(
+        s.g, s.leaf.x, o.out, o.residual, s.held.worker, shared, s.carry, s.leaf.leaf.lane
+    )
+    return out, LeafState(worker, server, shared)

@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -208,20 +209,10 @@ def owner_compute(
       residual plus the server buffer's change accounts exactly for the lost
       part: ``mean(x) = mean_out + mean(residual) + server_new − server_old``.
     """
-    length = x.shape[0]
-    f_len = length // fast_size  # one fast chunk
+    f_len = x.shape[0] // fast_size  # one fast chunk
     s_len = f_len // slow_size  # one owner chunk
     nb = s_len // fmt.block
-    res = None
-    if fast_size > 1:
-        rows16, xb = _bf16_rows(x, fast_size)
-        y = sum_decoded(_from_bf16, _a2a(rows16, fast, fast_size)) / fast_size
-        f_idx = replica_index(fast, fast_size)
-        if residual:
-            res = x - xb
-    else:
-        y = x
-        f_idx = jnp.zeros((), jnp.int32)
+    y, f_idx, res = _fast_scatter(x, fast, fast_size, residual)
     v_fast = v_own = None
     if valid is not None:
         counts = jnp.asarray(valid, jnp.float32)
@@ -251,23 +242,43 @@ def owner_compute(
             r_fast = r_fast + jax.lax.dynamic_update_slice(
                 jnp.zeros((f_len,), jnp.float32), slow_size * r_srv, (s_idx * s_len,)
             )
-    if fast_size > 1:
-        rows16, yb = _bf16_rows(yhat, 1)
-        out = _from_bf16(_gather(rows16[0], fast, fast_size)).reshape(length)
-        if residual:
-            r_fast = r_fast + (yhat - yb)
-    else:
-        out = yhat
-    if residual:
-        if fast_size > 1:
-            res = jax.lax.dynamic_update_slice(
-                res,
-                jax.lax.dynamic_slice(res, (f_idx * f_len,), (f_len,)) + fast_size * r_fast,
-                (f_idx * f_len,),
-            )
-        else:
-            res = r_fast
+    out, res = _fast_gather(yhat, res, r_fast, f_idx, fast, fast_size, residual)
     return out, res, new_server
+
+
+def _fast_scatter(x, fast, fast_size: int, residual: bool):
+    """The bf16 reduce-scatter of ``x`` over the fast axes (none: ``x`` itself).
+
+    Returns ``(y, f_idx, res)``: the mean of this replica's fast chunk, the
+    chunk's index, and with ``residual`` what the bf16 rounding lost (all of
+    ``x``'s length), else None.
+    """
+    if fast_size == 1:
+        return x, jnp.zeros((), jnp.int32), None
+    rows16, xb = _bf16_rows(x, fast_size)
+    y = sum_decoded(_from_bf16, _a2a(rows16, fast, fast_size)) / fast_size
+    f_idx = replica_index(fast, fast_size)
+    return y, f_idx, (x - xb if residual else None)
+
+
+def _fast_gather(yhat, res, r_fast, f_idx, fast, fast_size: int, residual: bool):
+    """The bf16 all-gather of each fast chunk's mean ``yhat`` over the fast axes.
+
+    Returns ``(out, residual)``: the whole mean, and with ``residual`` the
+    residual of the whole vector: ``res`` (the scatter's) plus, on this
+    replica's fast chunk, ``fast_size`` times ``r_fast`` and the gather's bf16
+    rounding. Without fast axes, ``(yhat, r_fast)``.
+    """
+    if fast_size == 1:
+        return yhat, r_fast
+    f_len = yhat.shape[0]
+    rows16, yb = _bf16_rows(yhat, 1)
+    out = _from_bf16(_gather(rows16[0], fast, fast_size)).reshape(f_len * fast_size)
+    if residual:
+        r_fast = r_fast + (yhat - yb)
+        mine = jax.lax.dynamic_slice(res, (f_idx * f_len,), (f_len,))
+        res = jax.lax.dynamic_update_slice(res, mine + fast_size * r_fast, (f_idx * f_len,))
+    return out, res
 
 
 TRANSPORTS = ("owner", "allgather")
@@ -346,43 +357,97 @@ def owner_compute_leaves(
       and ``fold``, ``mean_i(x_i) = mean + mean_i(residual_i)`` exactly (up to
       float rounding), leaf by leaf.
     """
-    b = fmt.block
-    unit = n * b
+    v = _leaf_views(xs, fmt.block, n)
+    s_idx = replica_index(names, n)
+    seeds_w = [mix_seed(seed_worker, k) for k in range(len(v.views))]
+    seeds_s = [mix_seed(seed_server, k) for k in range(len(v.views))]
+    rows = [fmt.encode(x, s, c) for x, s, c in zip(v.views, seeds_w, v.valids, strict=True)]
+    transport = choose_transport(n) if transport is None else transport
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS} or None, got {transport!r}")
+    if transport == "allgather":
+        outs_v, res_v = _gathered_means(fmt, v.views, rows, names, n, residual)
+    else:
+        outs_v, res_v = _owner_means(fmt, v, rows, seeds_s, s_idx, names, n, residual, fold)
+    return v.assemble(xs, outs_v), (v.assemble(xs, res_v) if residual else None)
+
+
+class _LeafViews(NamedTuple):
+    """Leaves as ``(n, nb, block)`` views: each leaf's longest prefix of whole
+    ``n × block`` units in place, the remainders of all of them in one more view.
+
+    Attributes:
+      views: the views; the last one holds the remainders when there are any.
+      valids: ``None`` for a main view; for the remainders' view, its real
+        (unpadded) elements per block, ``(n, nb)``.
+      owners: the leaf index of each main view, ``None`` for the remainders'.
+      tails: the indices of the leaves with a remainder.
+      lay: the remainders' :class:`Layout`, or None.
+      sizes, mains: each leaf's elements, and those in its main view.
+    """
+
+    views: list
+    valids: list
+    owners: list
+    tails: list
+    lay: Any
+    sizes: list
+    mains: list
+
+    def assemble(self, xs, parts) -> list:
+        """Leaves shaped like ``xs`` from the flat parts of the views."""
+        sizes, mains, tails = self.sizes, self.mains, self.tails
+        rest = []
+        if tails:
+            rest = self.lay.unflatten(parts[-1], [(sizes[i] - mains[i],) for i in tails])
+        rest_of = dict(zip(tails, rest, strict=True))
+        main_of = {i: p for i, p in zip(self.owners, parts, strict=True) if i is not None}
+        out = []
+        for i, x in enumerate(xs):
+            pieces = [p for p in (main_of.get(i), rest_of.get(i)) if p is not None]
+            flat = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+            out.append(flat.reshape(jnp.shape(x)))
+        return out
+
+
+def _leaf_views(xs, block: int, n: int) -> _LeafViews:
+    """The :class:`_LeafViews` of float32 leaves ``xs`` for ``n`` owners of ``block``-blocks."""
+    unit = n * block
     flats = [jnp.ravel(x) for x in xs]
     sizes = [f.shape[0] for f in flats]
     mains = [(d // unit) * unit for d in sizes]
-    views, valids, owners = [], [], []  # owners: leaf index of a main view, None for the rest
+    views, valids, owners = [], [], []
     for i, (f, m) in enumerate(zip(flats, mains, strict=True)):
         if m:
-            views.append((f if m == sizes[i] else f[:m]).reshape(n, m // unit, b))
+            views.append((f if m == sizes[i] else f[:m]).reshape(n, m // unit, block))
             valids.append(None)
             owners.append(i)
     tails = [i for i, (d, m) in enumerate(zip(sizes, mains, strict=True)) if d > m]
     lay = None
     if tails:
-        lay = make_layout([sizes[i] - mains[i] for i in tails], b, n)
+        lay = make_layout([sizes[i] - mains[i] for i in tails], block, n)
         rest = lay.flatten([flats[i][mains[i] :] if mains[i] else flats[i] for i in tails])
-        views.append(rest.reshape(n, -1, b))
+        views.append(rest.reshape(n, -1, block))
         valids.append(jnp.asarray(lay.block_counts().reshape(n, -1)))
         owners.append(None)
-    s_idx = replica_index(names, n)
-    seeds_w = [mix_seed(seed_worker, k) for k in range(len(views))]
-    seeds_s = [mix_seed(seed_server, k) for k in range(len(views))]
-    rows = [fmt.encode(v, s, c) for v, s, c in zip(views, seeds_w, valids, strict=True)]
+    return _LeafViews(views, valids, owners, tails, lay, sizes, mains)
+
+
+def _owner_means(fmt, v: _LeafViews, rows, seeds_s, s_idx, names, n, residual, fold):
+    """The owner-compute transport of encoded ``rows`` of the views ``v``.
+
+    One all-to-all hands owner ``j`` row ``j`` of every replica's views; it
+    decodes and averages them, re-encodes the mean, and one all-gather returns
+    every owner's rows. Returns the flat means and, with ``residual``, the
+    residuals of the views (with ``fold``, plus ``n`` times the owner's
+    re-encoding error on the row it owns).
+    """
     widths = [r.shape[1] for r in rows]
-    transport = choose_transport(n) if transport is None else transport
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS} or None, got {transport!r}")
-    if transport == "allgather":
-        outs_v, res_v = _gathered_means(fmt, views, rows, widths, names, n, residual)
-        return _assemble(xs, sizes, mains, owners, tails, lay, outs_v), (
-            _assemble(xs, sizes, mains, owners, tails, lay, res_v) if residual else None
-        )
     recv = _a2a(jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0], names, n)
     own_rows, means = [], []
     off = 0
-    for v, w, s, c in zip(views, widths, seeds_s, valids, strict=True):
-        nb = v.shape[1]
+    for x, w, s, c in zip(v.views, widths, seeds_s, v.valids, strict=True):
+        nb = x.shape[1]
         part = recv[:, off : off + w]
         mean = _materialised(
             lambda part=part, nb=nb: sum_decoded(lambda r: fmt.decode(r, nb), part) / n, s_idx
@@ -395,12 +460,12 @@ def owner_compute_leaves(
     gathered = _gather(sent[0], names, n)
     outs_v, res_v = [], []
     off = 0
-    for v, w, row, own, mean in zip(views, widths, rows, own_rows, means, strict=True):
-        nb = v.shape[1]
+    for x, w, row, own, mean in zip(v.views, widths, rows, own_rows, means, strict=True):
+        nb = x.shape[1]
         outs_v.append(fmt.decode(gathered[:, off : off + w], nb).reshape(-1))
         off += w
         if residual:
-            r = v - fmt.reconstruct(v, row)
+            r = x - fmt.reconstruct(x, row)
             if fold:  # n times the owner's re-encoding error, on the row it owns
                 r_srv = mean - fmt.reconstruct(mean[None], own)[0]
                 # a select, not a dynamic update of one row: XLA on CPU runs a
@@ -408,19 +473,17 @@ def owner_compute_leaves(
                 mine = jax.lax.broadcasted_iota(jnp.int32, (n, 1, 1), 0) == s_idx
                 r = r + jnp.where(mine, n * r_srv[None], 0.0)
             res_v.append(r.reshape(-1))
-
-    return _assemble(xs, sizes, mains, owners, tails, lay, outs_v), (
-        _assemble(xs, sizes, mains, owners, tails, lay, res_v) if residual else None
-    )
+    return outs_v, res_v
 
 
-def _gathered_means(fmt, views, rows, widths, names, n, residual):
+def _gathered_means(fmt, views, rows, names, n, residual):
     """The all-gather transport: every replica's encoded rows to every replica.
 
     Each replica decodes the ``n`` copies of a view and averages them (the
     adds fuse with the decodes into one pass); its residual is what its own
     encoding lost, so ``mean_i(x_i) = mean + mean_i(residual_i)`` exactly.
     """
+    widths = [r.shape[1] for r in rows]
     sent = jnp.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
     gathered = _gather(sent, names, n)  # (n replicas, n rows, words)
     outs_v, res_v = [], []
@@ -434,19 +497,6 @@ def _gathered_means(fmt, views, rows, widths, names, n, residual):
         if residual:
             res_v.append((v - fmt.reconstruct(v, row)).reshape(-1))
     return outs_v, res_v
-
-
-def _assemble(xs, sizes, mains, owners, tails, lay, parts):
-    """Leaves shaped like ``xs`` from the flat parts of the main views and the tail view."""
-    rest = lay.unflatten(parts[-1], [(sizes[i] - mains[i],) for i in tails]) if tails else []
-    rest_of = dict(zip(tails, rest, strict=True))
-    main_of = {i: p for i, p in zip(owners, parts, strict=True) if i is not None}
-    out = []
-    for i, x in enumerate(xs):
-        pieces = [p for p in (main_of.get(i), rest_of.get(i)) if p is not None]
-        flat = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-        out.append(flat.reshape(jnp.shape(x)))
-    return out
 
 
 def sparse_capacity(k: int, n: int, factor: float = 2.0) -> tuple[int, int]:

@@ -8,9 +8,10 @@ and the output. A new rule is one class here with three methods:
   (DGC's clipping scale); ``None`` for the others;
 * ``inputs(g, bufs, prep)``: ``(x, carry)``, what the replica compresses and
   what ``outputs`` needs back (DGC's new velocity);
-* ``outputs(g, x, out, res, bufs, shared, carry, method)``: ``(new worker
+* ``outputs(g, x, out, res, bufs, shared, carry, lane)``: ``(new worker
   buffers, new shared buffers, output)`` from the compressed mean ``out`` and
-  the residual ``res = x − C(x)`` (the part of ``x`` not sent).
+  the residual ``res = x − C(x)`` (the part of ``x`` not sent); ``lane`` is
+  the leaf's lane (``"codec"``, ``"bf16"``, see :mod:`._lanes`).
 
 ``keys`` names the per-replica buffers (zeros at ``init``), ``shared_keys``
 the replicated ones, and ``residual`` says whether the lanes must compute
@@ -43,8 +44,8 @@ class NoFeedback:
         del bufs, prep
         return g, None
 
-    def outputs(self, g, x, out, res, bufs, shared, carry, method):
-        del g, x, res, carry, method
+    def outputs(self, g, x, out, res, bufs, shared, carry, lane):
+        del g, x, res, carry, lane
         return bufs, shared, out
 
 
@@ -59,8 +60,8 @@ class EF14(NoFeedback):
         del prep
         return g + bufs["ef"], None
 
-    def outputs(self, g, x, out, res, bufs, shared, carry, method):
-        del g, x, bufs, carry, method
+    def outputs(self, g, x, out, res, bufs, shared, carry, lane):
+        del g, x, bufs, carry, lane
         return {"ef": res}, shared, out
 
 
@@ -79,8 +80,8 @@ class EF21(NoFeedback):
         del prep
         return g - bufs["g"], None
 
-    def outputs(self, g, x, out, res, bufs, shared, carry, method):
-        del x, bufs, carry, method
+    def outputs(self, g, x, out, res, bufs, shared, carry, lane):
+        del x, bufs, carry, lane
         ghat = shared["ghat"] + out
         return {"g": g - res}, {**shared, "ghat": ghat}, ghat
 
@@ -111,9 +112,9 @@ class MomentumCorrection(NoFeedback):
         u = self.momentum * bufs["u"] + prep * g
         return bufs["v"] + u, u
 
-    def outputs(self, g, x, out, res, bufs, shared, carry, method):
+    def outputs(self, g, x, out, res, bufs, shared, carry, lane):
         del g, bufs
-        u = jnp.where(res != x, 0.0, carry) if method == "codec" else carry
+        u = jnp.where(res != x, 0.0, carry) if lane == "codec" else carry
         return {"u": u, "v": res}, shared, out
 
 

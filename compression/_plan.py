@@ -1,11 +1,45 @@
-"""The per-leaf plan: which leaves a codec compresses at ``N`` replicas, and the bytes."""
+"""The per-leaf plan: which lane each leaf takes at ``N`` replicas, and the bytes."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import jax
-from adaptjax.compression._layout import bf16_bytes, fp32_bytes, prod
+from adaptjax.compression._lanes import LANES, Leaf
+from adaptjax.compression._layout import bf16_bytes, fp32_bytes
+
+
+def leaf_plan(codec, paths, shapes, n: int) -> list[Leaf]:
+    """One :class:`Leaf` per leaf: its lane at ``n`` replicas, checked for the codec.
+
+    A leaf the codec keeps state for and can compress is checked by
+    ``codec.check_leaf`` (a one-line ValueError naming the fix); its lane is
+    ``codec.method(shape, n)``, a key of :data:`LANES`.
+
+    Args:
+      codec: a codec of :mod:`adaptjax.compression`.
+      paths: the leaves' key paths.
+      shapes: their shapes.
+      n: the number of replicas.
+
+    Returns:
+      The records, in leaf order.
+    """
+    plan = []
+    for i, (path, shape) in enumerate(zip(paths, shapes, strict=True)):
+        shape = tuple(int(d) for d in shape)
+        where = jax.tree_util.keystr(path) or "the root"
+        stateful = codec.stateful(shape)
+        if stateful and codec.can_compress(shape):
+            codec.check_leaf(shape, where)
+        lane = codec.method(shape, n)
+        if lane not in LANES:
+            raise ValueError(
+                f"{type(codec).__name__}.method returned {lane!r} for the leaf at {where}; "
+                f"return one of {tuple(LANES)}"
+            )
+        plan.append(Leaf(i, where, shape, lane, stateful))
+    return plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,31 +168,19 @@ def plan(grads, codec, n: int, *, show: bool = True) -> Plan:
     if int(n) != n or n < 1:
         raise ValueError(f"n must be an integer >= 1, got {n}")
     n = int(n)
-    rows = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
-        shape = tuple(int(d) for d in leaf.shape)
-        where = jax.tree_util.keystr(path) or "the root"
-        size = prod(shape)
-        if codec.stateful(shape) and codec.can_compress(shape):
-            codec.check_leaf(shape, where)
-        method = codec.method(shape, n)
-        if method == "f32":
-            b = fp32_bytes(size, n)
-        elif method == "bf16":
-            b = bf16_bytes(size, n)
-        else:
-            b = codec.leaf_bytes(shape, n)
-        rows.append(
-            PlanRow(
-                where,
-                shape,
-                size,
-                codec.name if method == "codec" else method,
-                b,
-                fp32_bytes(size, n),
-                bf16_bytes(size, n),
-            )
+    flat = jax.tree_util.tree_leaves_with_path(grads)
+    rows = [
+        PlanRow(
+            leaf.path,
+            leaf.shape,
+            leaf.size,
+            codec.name if leaf.lane == "codec" else leaf.lane,
+            LANES[leaf.lane].bytes(codec, leaf.shape, n),
+            fp32_bytes(leaf.size, n),
+            bf16_bytes(leaf.size, n),
         )
+        for leaf in leaf_plan(codec, [p for p, _ in flat], [x.shape for _, x in flat], n)
+    ]
     result = Plan(codec.name, n, tuple(rows))
     if show:
         print(result)

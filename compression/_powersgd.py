@@ -24,14 +24,16 @@ otherwise) go as bf16.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from adaptjax.compression._base import Codec
+from adaptjax.compression._base import Codec, factory
 from adaptjax.compression._bits import mix_seed
 from adaptjax.compression._collectives import psum_mean_leaves
+from adaptjax.compression._lanes import Ctx, Leaf, LeafIn, LeafOut, leaf_outs
 from adaptjax.compression._layout import prod
 
 
@@ -45,13 +47,14 @@ def orthonormal(a):
     return jnp.linalg.qr(a)[0]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class _PowerSGD(Codec):
     rank: int = 4
     alternate: bool = True
 
     name: ClassVar[str] = "powersgd"
     linear: ClassVar[bool] = True
+    shared_keys: ClassVar[tuple[str, ...]] = ("p", "q")
 
     def __post_init__(self):
         super().__post_init__()
@@ -77,25 +80,20 @@ class _PowerSGD(Codec):
         full = 8.0 * self.rank * (n + m) * (n_rep - 1) / n_rep
         return full / 2 if self.alternate else full
 
-    def _shared_init(self, paths, leaves):
-        ps, qs = [], []
-        for i, x in enumerate(leaves):
-            shape = jnp.shape(x)
-            if self.stateful(shape) and self.can_compress(shape):
-                # host-side (numpy): no eager jax compilations at init
-                n, m = matrix_shape(shape)
-                rng = np.random.default_rng([self.seed, i])
-                for out, rows in ((ps, n), (qs, m)):
-                    a = np.linalg.qr(rng.standard_normal((rows, self.rank)))[0]
-                    out.append(jnp.asarray(a, jnp.float32))
-            else:
-                ps.append(None)
-                qs.append(None)
-        return {"p": ps, "q": qs}
+    def init_shared(self, leaf: Leaf) -> dict:
+        """Random orthonormal ``P`` (``n × r``) and ``Q`` (``m × r``) for a compressible leaf."""
+        if not (leaf.stateful and self.can_compress(leaf.shape)):
+            return {}
+        # host-side (numpy): no eager jax compilations at init
+        rng = np.random.default_rng([self.seed, leaf.index])
+        return {key: jnp.asarray(np.linalg.qr(rng.standard_normal((rows, self.rank)))[0],
+                                 jnp.float32)
+                for key, rows in zip(("p", "q"), matrix_shape(leaf.shape), strict=True)}
 
-    def _reduce(self, xs, shapes, ctx, server, shared):
-        ms = [x.reshape(matrix_shape(s)) for x, s in zip(xs, shapes, strict=True)]
-        ps, qs = list(shared["p"]), list(shared["q"])
+    def reduce(self, leaves: Sequence[LeafIn], ctx: Ctx) -> list[LeafOut]:
+        shapes = [i.leaf.shape for i in leaves]
+        ms = [i.x.reshape(matrix_shape(s)) for i, s in zip(leaves, shapes, strict=True)]
+        ps, qs = [i.shared["p"] for i in leaves], [i.shared["q"] for i in leaves]
         want = ctx.residual
 
         def p_step():
@@ -129,7 +127,7 @@ class _PowerSGD(Codec):
         res = None
         if want:
             res = [(m - o).reshape(s) for m, o, s in zip(ms, own, shapes, strict=True)]
-        return outs, res, None, {"p": ps, "q": qs}
+        return leaf_outs(outs, res, shared={"p": ps, "q": qs})
 
     def encode(self, x, *, seed=0):
         """One power iteration from a random ``Q``: ``{"p": (n, r), "q": (m, r)}``.
@@ -157,12 +155,13 @@ class _PowerSGD(Codec):
         return (payload["p"] @ payload["q"].T).reshape(shape)
 
 
+@factory(_PowerSGD)
 def powersgd(
     rank: int = 4,
     *,
     alternate: bool = True,
-    axis_name="data",
-    error_feedback="ef14",
+    axis_name: str | tuple[str, ...] = "data",
+    error_feedback: str | None = "ef14",
     min_size: int = 1024,
     seed: int = 0,
 ) -> Codec:
@@ -190,12 +189,5 @@ def powersgd(
       Vogels, Karimireddy, Jaggi, "PowerSGD: Practical low-rank gradient
       compression for distributed optimization", NeurIPS 2019.
     """
-    return _PowerSGD(
-        rank=rank,
-        alternate=alternate,
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        seed=seed,
-    )
+    return _PowerSGD(**locals())
 

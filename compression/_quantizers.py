@@ -25,10 +25,12 @@ or one all-gather at 2 replicas) with seeds of its own.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import jax.numpy as jnp
-from adaptjax.compression._base import Codec
+from adaptjax.compression._base import Codec, F, factory
 from adaptjax.compression._bits import mix_seed
 from adaptjax.compression._collectives import (
     bound_size,
@@ -45,6 +47,7 @@ from adaptjax.compression._formats import (
     Ternary,
     qsgd_bits,
 )
+from adaptjax.compression._lanes import Ctx, LeafIn, LeafOut, leaf_outs
 from adaptjax.compression._layout import make_layout, prod
 
 # A lane of at most this many elements is sent as one flat bucket (one encode, traced
@@ -102,7 +105,7 @@ def _check_bucket_bytes(value):
     return int(value)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # the factory call (Codec)
 class Quantizer(Codec):
     """An element-wise codec moved by the owner-compute pattern.
 
@@ -112,21 +115,12 @@ class Quantizer(Codec):
       bucket_bytes: ``None`` (the codec's lane in one exchange) or the most
         bytes of float32 gradient (4 per element) one exchange carries: leaves
         are fused into buckets of at most this size and a larger leaf is
-        split (see :func:`bucket_plan`). Shown in the ``repr`` (and so in
-        :func:`adaptjax.codec_key`) only when set.
+        split (see :func:`bucket_plan`).
     """
 
     block: int = 512
     fast_axis: str | None = None
-    bucket_bytes: int | None = dataclasses.field(default=None, repr=False)
-
-    def __repr__(self):
-        # the dataclass repr, with bucket_bytes only when set (codec keys of runs
-        # recorded before it existed stay the same)
-        shown = [f for f in dataclasses.fields(self) if f.repr or (
-            f.name == "bucket_bytes" and self.bucket_bytes is not None)]
-        body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)
-        return f"{type(self).__qualname__}({body})"
+    bucket_bytes: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -163,11 +157,17 @@ class Quantizer(Codec):
                 f"axis_name=(slow, {self.fast_axis!r}) on a 2-D mesh"
             )
 
-    def _reduce(self, xs, shapes, ctx, server, shared):
+    def reduce(self, leaves: Sequence[LeafIn], ctx: Ctx) -> list[LeafOut]:
+        xs = [i.x for i in leaves]
+        shapes = [i.leaf.shape for i in leaves]
         if self.bucket_bytes is None:
-            return self._reduce_bucket(xs, shapes, ctx, ctx.seed_for(0), ctx.seed_for(1))
+            return leaf_outs(*self._exchange(xs, shapes, ctx, ctx.seed_for(0), ctx.seed_for(1)))
+        return self._buckets(xs, shapes, ctx)
+
+    def _buckets(self, xs, shapes, ctx: Ctx) -> list[LeafOut]:
+        """One exchange per bucket of :func:`bucket_plan`; a split leaf is joined again."""
         plan = bucket_plan([prod(sh) for sh in shapes], self.bucket_bytes // 4)
-        pieces: list[list] = [[] for _ in xs]  # per leaf: (out, res, srv) of each piece
+        pieces: list[list[LeafOut]] = [[] for _ in xs]  # per leaf: the LeafOut of each piece
         for b, segs in enumerate(plan):
             seeds = (ctx.seed_for(0), ctx.seed_for(1))
             if b:  # bucket 0 keeps the unbucketed seeds: one bucket is the default exactly
@@ -177,25 +177,25 @@ class Quantizer(Codec):
                 whole = (a, z) == (0, prod(shapes[i]))
                 parts.append(xs[i] if whole else jnp.ravel(xs[i])[a:z])
                 part_shapes.append(shapes[i] if whole else (z - a,))
-            o, r, v, _ = self._reduce_bucket(parts, part_shapes, ctx, *seeds)
-            for j, (i, _, _) in enumerate(segs):
-                pieces[i].append((o[j], None if r is None else r[j], None if v is None else v[j]))
+            got = leaf_outs(*self._exchange(parts, part_shapes, ctx, *seeds))
+            for (i, _, _), piece in zip(segs, got, strict=True):
+                pieces[i].append(piece)
 
-        def join(i, k):
-            got = [p[k] for p in pieces[i]]
-            if got[0] is None:
-                return None
-            if len(got) == 1:
+        def join(i, field):
+            got = [getattr(p, field) for p in pieces[i]]
+            if got[0] is None or len(got) == 1:
                 return got[0]
             return jnp.concatenate([jnp.ravel(g) for g in got]).reshape(shapes[i])
 
-        outs = [join(i, 0) for i in range(len(xs))]
-        res = [join(i, 1) for i in range(len(xs))]
-        srv = [join(i, 2) for i in range(len(xs))]
-        return outs, (None if res[0] is None else res), (None if srv[0] is None else srv), {}
+        fields = ("out", "residual", "server")
+        outs, res, srv = ([join(i, f) for i in range(len(xs))] for f in fields)
+        return leaf_outs(outs, res, srv)
 
-    def _reduce_bucket(self, xs, shapes, ctx, seed_worker, seed_server):
-        """One exchange: the compressed mean of ``xs`` (the whole lane or one bucket)."""
+    def _exchange(self, xs, shapes, ctx: Ctx, seed_worker, seed_server):
+        """One exchange: the compressed mean of ``xs`` (the whole lane or one bucket).
+
+        Returns ``(outs, residuals or None, server residuals or None)``, lists like ``xs``.
+        """
         big = sum(prod(sh) for sh in shapes) > BUCKET_MAX
         if self.fast_axis is None and (big or choose_transport(ctx.n) != "owner"):
             # the leaf-by-leaf path also carries the all-gather transport (2 replicas)
@@ -209,7 +209,7 @@ class Quantizer(Codec):
                 residual=ctx.residual,
                 fold=ctx.residual,
             )
-            return outs, res, None, {}
+            return outs, res, None
         # One flat bucket (a small lane, or the two-level mode): the codec's code is
         # traced once for the lane instead of once per leaf (compile time).
         fast = (self.fast_axis,) if self.fast_axis is not None else ()
@@ -233,7 +233,7 @@ class Quantizer(Codec):
         outs = lay.unflatten(out, shapes)
         res = lay.unflatten(res, shapes) if res is not None else None
         srv = lay.unflatten(srv, shapes) if srv is not None else None
-        return outs, res, srv, {}
+        return outs, res, srv
 
     # ------------------------------------------------------------- protocol
     def encode(self, x, *, seed=0):
@@ -274,7 +274,7 @@ class Quantizer(Codec):
         return y.reshape(-1)[:size].reshape(shape)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # Quantizer.__repr__
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class _Cast(Quantizer):
     dtype: str = "bfloat16"
     block: int = 32
@@ -288,7 +288,7 @@ class _Cast(Quantizer):
         return Cast(bits=16, block=self.block, has_scale=False, dtype=self.dtype)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # Quantizer.__repr__
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class _OneBit(Quantizer):
     name: ClassVar[str] = "onebit"
 
@@ -297,7 +297,7 @@ class _OneBit(Quantizer):
         return Sign(bits=1, block=self.block)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # Quantizer.__repr__
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class _TernGrad(Quantizer):
     name: ClassVar[str] = "terngrad"
     randomness: ClassVar[str] = "per_replica"
@@ -307,7 +307,7 @@ class _TernGrad(Quantizer):
         return Ternary(bits=2, block=self.block)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # Quantizer.__repr__
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class _QSGD(Quantizer):
     levels: int = 7
     name: ClassVar[str] = "qsgd"
@@ -330,7 +330,7 @@ class _QSGD(Quantizer):
         )
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # Quantizer.__repr__
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class _Natural(Quantizer):
     name: ClassVar[str] = "natural"
     randomness: ClassVar[str] = "per_replica"
@@ -340,12 +340,41 @@ class _Natural(Quantizer):
         return Natural(bits=8, block=self.block)
 
 
+# The template of the six factories: a signature ending in these parameters, with
+# these defaults, an Args section ending in the line "{shared args}", and the body
+# `return cls(**locals())` (see _quantizer).
+_SHARED = {"axis_name": "data", "min_size": 1024, "fast_axis": None, "seed": 0,
+           "bucket_bytes": None}
+_SHARED_ARGS = """\
+      axis_name: the data-parallel axis (or tuple of axes) of the optax form.
+      min_size: leaves with fewer elements go in one float32 psum.
+      fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
+        over the others (``axis_name`` must then be a tuple holding it).
+      seed: seed of the random numbers (mixed with the step and replica index).
+      bucket_bytes: ``None`` (one exchange for the codec's leaves) or the most
+        float32 bytes of gradient per exchange (see :class:`Quantizer`).
+"""
 
 
+def _quantizer(cls: type[Quantizer]) -> Callable[[F], F]:
+    """A factory of ``cls`` on the quantizers' template (checked), registered by :func:`factory`."""
+
+    def make(fn: F) -> F:
+        params = inspect.signature(fn).parameters
+        tail = {k: p.default for k, p in list(params.items())[-len(_SHARED):]}
+        if tail != _SHARED or "      {shared args}\n" not in (fn.__doc__ or ""):
+            raise TypeError(f"{fn.__name__} does not follow the quantizer factory template")
+        fn.__doc__ = fn.__doc__.replace("      {shared args}\n", _SHARED_ARGS)
+        return factory(cls)(fn)
+
+    return make
+
+
+@_quantizer(_Cast)
 def bf16(
     *,
-    axis_name="data",
-    error_feedback=None,
+    error_feedback: str | None = None,
+    axis_name: str | tuple[str, ...] = "data",
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
@@ -358,15 +387,9 @@ def bf16(
     on CPU). With ``error_feedback`` the rounding error is carried over.
 
     Args:
-      axis_name: the data-parallel axis (or tuple of axes) of the optax form.
       error_feedback: ``None`` (default: rounding to bfloat16 errs by at most
         2^-9 of each element, too little to owe), ``"ef14"`` or ``"ef21"``.
-      min_size: leaves with fewer elements go in one float32 psum.
-      fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
-        over the others (``axis_name`` must then be a tuple holding it).
-      seed: seed of the random numbers (mixed with the step and replica index).
-      bucket_bytes: ``None`` (one exchange for the codec's leaves) or the most
-        float32 bytes of gradient per exchange (see :class:`Quantizer`).
+      {shared args}
 
     Returns:
       The codec (a :class:`Codec`).
@@ -376,21 +399,14 @@ def bf16(
       >>> ajc.bf16().bits
       16.0
     """
-    return _Cast(
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        fast_axis=fast_axis,
-        seed=seed,
-        bucket_bytes=bucket_bytes,
-        dtype="bfloat16",
-    )
+    return _Cast(dtype="bfloat16", **locals())
 
 
+@_quantizer(_Cast)
 def fp16(
     *,
-    axis_name="data",
-    error_feedback=None,
+    error_feedback: str | None = None,
+    axis_name: str | tuple[str, ...] = "data",
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
@@ -402,40 +418,27 @@ def fp16(
     prefer :func:`bf16` for unnormalised gradients.
 
     Args:
-      axis_name: the data-parallel axis (or tuple of axes) of the optax form.
       error_feedback: ``None`` (default: rounding to float16 errs by at most
         2^-11 of each element, too little to owe), ``"ef14"`` or ``"ef21"``.
-      min_size: leaves with fewer elements go in one float32 psum.
-      fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
-        over the others (``axis_name`` must then be a tuple holding it).
-      seed: seed of the random numbers (mixed with the step and replica index).
-      bucket_bytes: ``None`` (one exchange for the codec's leaves) or the most
-        float32 bytes of gradient per exchange (see :class:`Quantizer`).
+      {shared args}
 
     Returns:
       The codec.
 
     Example:
       >>> from adaptjax import compression as ajc
-      >>> ajc.fp16().name
-      'fp16'
+      >>> ajc.fp16().name, ajc.fp16(error_feedback="ef14")
+      ('fp16', fp16(error_feedback='ef14'))
     """
-    return _Cast(
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        fast_axis=fast_axis,
-        seed=seed,
-        bucket_bytes=bucket_bytes,
-        dtype="float16",
-    )
+    return _Cast(dtype="float16", **locals())
 
 
+@_quantizer(_OneBit)
 def onebit(
     *,
     block: int = 512,
-    axis_name="data",
-    error_feedback="ef14",
+    error_feedback: str | None = "ef14",
+    axis_name: str | tuple[str, ...] = "data",
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
@@ -452,16 +455,10 @@ def onebit(
 
     Args:
       block: elements per scale block (a multiple of 32).
-      axis_name: the data-parallel axis (or tuple of axes) of the optax form.
       error_feedback: ``"ef14"`` (default: signs are biased, and without feedback
         sign compression can fail to converge; Karimireddy et al. 2019),
         ``"ef21"`` or ``None``.
-      min_size: leaves with fewer elements go in one float32 psum.
-      fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
-        over the others (``axis_name`` must then be a tuple holding it).
-      seed: seed of the random numbers (mixed with the step and replica index).
-      bucket_bytes: ``None`` (one exchange for the codec's leaves) or the most
-        float32 bytes of gradient per exchange (see :class:`Quantizer`).
+      {shared args}
 
     Returns:
       The codec.
@@ -479,22 +476,15 @@ def onebit(
       Karimireddy et al., "Error feedback fixes SignSGD and other gradient
       compression schemes", ICML 2019.
     """
-    return _OneBit(
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        fast_axis=fast_axis,
-        seed=seed,
-        bucket_bytes=bucket_bytes,
-        block=block,
-    )
+    return _OneBit(**locals())
 
 
+@_quantizer(_TernGrad)
 def terngrad(
     *,
     block: int = 512,
-    axis_name="data",
-    error_feedback=None,
+    error_feedback: str | None = None,
+    axis_name: str | tuple[str, ...] = "data",
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
@@ -507,15 +497,9 @@ def terngrad(
 
     Args:
       block: elements per scale block (a multiple of 32).
-      axis_name: the data-parallel axis (or tuple of axes) of the optax form.
       error_feedback: ``None`` (default: stochastic rounding is unbiased, so
         SGD converges without a residual per parameter), ``"ef14"`` or ``"ef21"``.
-      min_size: leaves with fewer elements go in one float32 psum.
-      fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
-        over the others (``axis_name`` must then be a tuple holding it).
-      seed: seed of the random numbers (mixed with the step and replica index).
-      bucket_bytes: ``None`` (one exchange for the codec's leaves) or the most
-        float32 bytes of gradient per exchange (see :class:`Quantizer`).
+      {shared args}
 
     Returns:
       The codec.
@@ -529,23 +513,16 @@ def terngrad(
       Wen et al., "TernGrad: Ternary gradients to reduce communication in
       distributed deep learning", NeurIPS 2017.
     """
-    return _TernGrad(
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        fast_axis=fast_axis,
-        seed=seed,
-        bucket_bytes=bucket_bytes,
-        block=block,
-    )
+    return _TernGrad(**locals())
 
 
+@_quantizer(_QSGD)
 def qsgd(
     levels: int = 7,
     *,
     block: int = 512,
-    axis_name="data",
-    error_feedback=None,
+    error_feedback: str | None = None,
+    axis_name: str | tuple[str, ...] = "data",
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
@@ -560,15 +537,9 @@ def qsgd(
     Args:
       levels: ``s``, the number of levels, 1 to 127.
       block: elements per scale block (a multiple of 32).
-      axis_name: the data-parallel axis (or tuple of axes) of the optax form.
       error_feedback: ``None`` (default: stochastic rounding is unbiased, so
         SGD converges without a residual per parameter), ``"ef14"`` or ``"ef21"``.
-      min_size: leaves with fewer elements go in one float32 psum.
-      fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
-        over the others (``axis_name`` must then be a tuple holding it).
-      seed: seed of the random numbers (mixed with the step and replica index).
-      bucket_bytes: ``None`` (one exchange for the codec's leaves) or the most
-        float32 bytes of gradient per exchange (see :class:`Quantizer`).
+      {shared args}
 
     Returns:
       The codec.
@@ -582,23 +553,15 @@ def qsgd(
       Alistarh et al., "QSGD: Communication-efficient SGD via gradient
       quantization and encoding", NeurIPS 2017.
     """
-    return _QSGD(
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        fast_axis=fast_axis,
-        seed=seed,
-        bucket_bytes=bucket_bytes,
-        block=block,
-        levels=levels,
-    )
+    return _QSGD(**locals())
 
 
+@_quantizer(_Natural)
 def natural(
     *,
     block: int = 512,
-    axis_name="data",
-    error_feedback=None,
+    error_feedback: str | None = None,
+    axis_name: str | tuple[str, ...] = "data",
     min_size: int = 1024,
     fast_axis: str | None = None,
     seed: int = 0,
@@ -613,15 +576,9 @@ def natural(
 
     Args:
       block: elements per scale block (a multiple of 32).
-      axis_name: the data-parallel axis (or tuple of axes) of the optax form.
       error_feedback: ``None`` (default: stochastic rounding is unbiased, so
         SGD converges without a residual per parameter), ``"ef14"`` or ``"ef21"``.
-      min_size: leaves with fewer elements go in one float32 psum.
-      fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
-        over the others (``axis_name`` must then be a tuple holding it).
-      seed: seed of the random numbers (mixed with the step and replica index).
-      bucket_bytes: ``None`` (one exchange for the codec's leaves) or the most
-        float32 bytes of gradient per exchange (see :class:`Quantizer`).
+      {shared args}
 
     Returns:
       The codec.
@@ -634,12 +591,4 @@ def natural(
     References:
       Horváth et al., "Natural compression for distributed deep learning", 2019.
     """
-    return _Natural(
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        fast_axis=fast_axis,
-        seed=seed,
-        bucket_bytes=bucket_bytes,
-        block=block,
-    )
+    return _Natural(**locals())

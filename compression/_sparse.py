@@ -29,12 +29,13 @@ import dataclasses
 import functools
 import math
 import sys
+from collections.abc import Sequence
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from adaptjax.compression._base import Codec, k_of, positive_ratio
+from adaptjax.compression._base import Codec, factory, k_of, positive_ratio
 from adaptjax.compression._bits import mix_seed, random_bits, uniform
 from adaptjax.compression._collectives import (
     allgather_sparse,
@@ -43,6 +44,7 @@ from adaptjax.compression._collectives import (
     sparse_capacity,
 )
 from adaptjax.compression._feedback import MomentumCorrection
+from adaptjax.compression._lanes import Ctx, LeafIn, LeafOut, leaf_outs
 from adaptjax.compression._layout import prod
 from adaptjax.compression._topk_native import (
     native_topk,
@@ -335,25 +337,24 @@ def sparse_bytes(k: int, n: int) -> float:
     return 8.0 * (n - 1) * (cap + keep)
 
 
-def _sparse_reduce(xs, shapes, ks, ctx, variant, residual):
+def _sparse_reduce(leaves: Sequence[LeafIn], ks, ctx: Ctx, variant, residual):
     """Top-k of each leaf, one sparse collective; returns (outs, residuals or None).
 
     Under ``OWNER_MIN_N`` replicas one all-gather of every replica's pairs; from
     it on, :func:`owner_sparse` (routing to owners, owners re-select), whose
     unsent pairs stay in this replica's residual and whose pairs an owner did
     not keep join the owner's residual (``N`` times them), so error feedback
-    loses nothing.
+    loses nothing. Pairs are indexed into the concatenation of the leaves
+    (:attr:`LeafIn.offset`).
     """
-    sizes = [prod(s) for s in shapes]
+    sizes = [i.leaf.size for i in leaves]
     total = sum(sizes)
     vals, gidx, lidx = [], [], []
-    off = 0
-    for j, (x, size, k) in enumerate(zip(xs, sizes, ks, strict=True)):
-        idx, v = select_topk(jnp.ravel(x), k, variant, ctx.seed_for(16 + j))
+    for j, (leaf, k) in enumerate(zip(leaves, ks, strict=True)):
+        idx, v = select_topk(jnp.ravel(leaf.x), k, variant, ctx.seed_for(16 + j))
         vals.append(v)
-        gidx.append(jnp.where(idx < size, idx + off, total))
+        gidx.append(jnp.where(idx < leaf.leaf.size, idx + leaf.offset, total))
         lidx.append(idx)
-        off += size
     vals, gidx = jnp.concatenate(vals), jnp.concatenate(gidx)
     if ctx.n >= OWNER_MIN_N:
         select = functools.partial(select_topk, variant=variant, seed=ctx.seed_for(15))
@@ -361,9 +362,10 @@ def _sparse_reduce(xs, shapes, ks, ctx, variant, residual):
     else:
         means = allgather_sparse(vals, gidx, sizes, ks, ctx.names, ctx.n)
         sent, d_idx, d_val = None, None, None
-    outs, res, off, at = [], [], 0, 0
-    for x, size, shape, idx, k, mean in zip(xs, sizes, shapes, lidx, ks, means, strict=True):
-        outs.append(mean.reshape(shape))
+    outs, res, at = [], [], 0
+    for leaf, idx, k, mean in zip(leaves, lidx, ks, means, strict=True):
+        x, size, off = leaf.x, leaf.leaf.size, leaf.offset
+        outs.append(mean.reshape(leaf.leaf.shape))
         if residual:
             if sent is not None:
                 idx = jnp.where(jax.lax.slice(sent, (at,), (at + k,)), idx, size)
@@ -371,13 +373,12 @@ def _sparse_reduce(xs, shapes, ks, ctx, variant, residual):
             if d_idx is not None:
                 mine = (d_idx >= off) & (d_idx < off + size)
                 r = r.at[jnp.where(mine, d_idx - off, size)].add(ctx.n * d_val, mode="drop")
-            res.append(r.reshape(shape))
-        off += size
+            res.append(r.reshape(leaf.leaf.shape))
         at += k
     return outs, (res if residual else None)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class _TopK(Codec):
     ratio: float = 0.01
     variant: str = "threshold"
@@ -405,10 +406,9 @@ class _TopK(Codec):
     def leaf_bytes(self, shape, n: int) -> float:
         return sparse_bytes(self.k(prod(shape)), n)
 
-    def _reduce(self, xs, shapes, ctx, server, shared):
-        ks = [self.k(prod(s)) for s in shapes]
-        outs, res = _sparse_reduce(xs, shapes, ks, ctx, self.variant, ctx.residual)
-        return outs, res, None, {}
+    def reduce(self, leaves: Sequence[LeafIn], ctx: Ctx) -> list[LeafOut]:
+        ks = [self.k(i.leaf.size) for i in leaves]
+        return leaf_outs(*_sparse_reduce(leaves, ks, ctx, self.variant, ctx.residual))
 
     def encode(self, x, *, seed=0):
         """``{"values": float32 (k,), "indices": int32 (k,)}`` of the flattened ``x``.
@@ -448,7 +448,7 @@ def _randk_indices(seed, s: int, count: int):
     )
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class _RandomK(Codec):
     ratio: float = 0.01
 
@@ -475,25 +475,25 @@ class _RandomK(Codec):
         # Unbiased without error feedback; with it, the contractive (unscaled) form.
         return 1.0 if self.error_feedback is not None else float(_strata(self.ratio, size)[0])
 
-    def _reduce(self, xs, shapes, ctx, server, shared):
+    def reduce(self, leaves: Sequence[LeafIn], ctx: Ctx) -> list[LeafOut]:
         vals, idxs = [], []
-        for j, (x, shape) in enumerate(zip(xs, shapes, strict=True)):
-            size = prod(shape)
+        for j, leaf in enumerate(leaves):
+            size = leaf.leaf.size
             s, count = _strata(self.ratio, size)
             idx = _randk_indices(ctx.seed_for(32 + j, shared=True), s, count)
-            f = jnp.ravel(x)
+            f = jnp.ravel(leaf.x)
             vals.append(jnp.where(idx < size, f[jnp.minimum(idx, size - 1)], 0.0))
             idxs.append(idx)
         mean = psum_mean(jnp.concatenate(vals), ctx.names, ctx.n)
         outs, res, off = [], [], 0
-        for x, shape, idx in zip(xs, shapes, idxs, strict=True):
-            size = prod(shape)
+        for leaf, idx in zip(leaves, idxs, strict=True):
+            size, shape = leaf.leaf.size, leaf.leaf.shape
             v = jax.lax.slice(mean, (off,), (off + idx.shape[0],)) * self._scale(size)
             off += idx.shape[0]
             outs.append(jnp.zeros((size,), jnp.float32).at[idx].add(v, mode="drop").reshape(shape))
             if ctx.residual:
-                res.append(jnp.ravel(x).at[idx].set(0.0, mode="drop").reshape(shape))
-        return outs, (res if ctx.residual else None), None, {}
+                res.append(jnp.ravel(leaf.x).at[idx].set(0.0, mode="drop").reshape(shape))
+        return leaf_outs(outs, res if ctx.residual else None)
 
     def encode(self, x, *, seed=0):
         """``{"values": float32 (k,)}``; the indices follow from ``seed`` alone.
@@ -520,7 +520,7 @@ class _RandomK(Codec):
         return jnp.zeros((size,), jnp.float32).at[idx].add(v, mode="drop").reshape(shape)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class _DGC(_TopK):
     ratio: float = 0.001
     momentum: float = 0.9
@@ -557,12 +557,12 @@ class _DGC(_TopK):
             return (self.ratio,)
         return tuple(d for d in self.warmup_densities if d > self.ratio) + (self.ratio,)
 
-    def _reduce(self, xs, shapes, ctx, server, shared):
+    def reduce(self, leaves: Sequence[LeafIn], ctx: Ctx) -> list[LeafOut]:
         stages = self.stages()
 
         def run(density):
-            ks = [k_of(density, prod(s)) for s in shapes]
-            return _sparse_reduce(xs, shapes, ks, ctx, self.variant, True)
+            ks = [k_of(density, i.leaf.size) for i in leaves]
+            return _sparse_reduce(leaves, ks, ctx, self.variant, True)
 
         if len(stages) == 1:
             outs, res = run(stages[0])
@@ -570,15 +570,16 @@ class _DGC(_TopK):
             per = -(-self.warmup_steps // (len(stages) - 1))
             stage = jnp.minimum(ctx.step // per, len(stages) - 1)
             outs, res = jax.lax.switch(stage, [functools.partial(run, d) for d in stages])
-        return outs, res, None, {}
+        return leaf_outs(outs, res)
 
 
+@factory(_TopK)
 def topk(
     ratio: float = 0.01,
     *,
     variant: str = "threshold",
-    axis_name="data",
-    error_feedback="ef14",
+    axis_name: str | tuple[str, ...] = "data",
+    error_feedback: str | None = "ef14",
     min_size: int = 1024,
     seed: int = 0,
 ) -> Codec:
@@ -623,21 +624,15 @@ def topk(
       Aji and Heafield, "Sparse communication for distributed gradient descent",
       EMNLP 2017. Stich et al., "Sparsified SGD with memory", NeurIPS 2018.
     """
-    return _TopK(
-        ratio=ratio,
-        variant=variant,
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        seed=seed,
-    )
+    return _TopK(**locals())
 
 
+@factory(_RandomK)
 def randomk(
     ratio: float = 0.01,
     *,
-    axis_name="data",
-    error_feedback=None,
+    axis_name: str | tuple[str, ...] = "data",
+    error_feedback: str | None = None,
     min_size: int = 1024,
     seed: int = 0,
 ) -> Codec:
@@ -668,12 +663,10 @@ def randomk(
     References:
       Stich et al., "Sparsified SGD with memory", NeurIPS 2018.
     """
-    return _RandomK(
-        ratio=ratio, axis_name=axis_name, error_feedback=error_feedback, min_size=min_size,
-        seed=seed,
-    )
+    return _RandomK(**locals())
 
 
+@factory(_DGC)
 def dgc(
     ratio: float = 0.001,
     *,
@@ -682,7 +675,7 @@ def dgc(
     warmup_steps: int = 0,
     warmup_densities: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.004),
     variant: str = "threshold",
-    axis_name="data",
+    axis_name: str | tuple[str, ...] = "data",
     min_size: int = 1024,
     seed: int = 0,
 ) -> Codec:
@@ -723,15 +716,4 @@ def dgc(
       Lin et al., "Deep gradient compression: reducing the communication
       bandwidth for distributed training", ICLR 2018.
     """
-    return _DGC(
-        ratio=ratio,
-        momentum=momentum,
-        clip_norm=clip_norm,
-        warmup_steps=warmup_steps,
-        warmup_densities=tuple(warmup_densities),
-        variant=variant,
-        axis_name=axis_name,
-        error_feedback=None,
-        min_size=min_size,
-        seed=seed,
-    )
+    return _DGC(**locals())
