@@ -91,8 +91,9 @@ class Controller:
     **Actions.** ``SetHyperparams`` writes into the state; ``SetBatchSize``,
     ``SetCodec``, ``SetSync`` and ``SetPrecision`` change the compiled step (each
     configuration compiled once, then cached; a batch is rounded to a multiple
-    of replicas x micro-batches; a precision changes nothing in the state); ``Rescale`` moves the state to the new mesh and writes a
-    checkpoint that records the configuration the run continues in;
+    of replicas x micro-batches; a precision changes nothing in the state);
+    ``Rescale`` moves the state to the new mesh and writes a checkpoint that
+    records the configuration the run continues in;
     ``Checkpoint``; ``Stop``; ``Rollback`` returns params and optimizer state
     to the latest checkpoint while the step, data cursor and policy state go on.
 

@@ -202,7 +202,7 @@ class StepCache:
         return key
 
     def loss(self, config: RunConfig) -> Callable[..., Any]:
-        """The loss function ``config``'s step differentiates: decode, then cast to its precision."""
+        """The loss ``config``'s step differentiates: decode, then cast to its precision."""
         return with_precision(
             self.loss_fn, controller_precision(config.precision), decode=self.decode
         )
