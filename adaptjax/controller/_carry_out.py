@@ -81,8 +81,8 @@ def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> C
         events.append({"kind": "set_sync", "sync": repr(steps.strategy(config.sync))})
     new = plan.config
     if plan.precision_changed:
-        events.append({"kind": "set_precision", "precision": new.precision or "float32",
-                       "precision_from": config.precision or "float32"})
+        events.append({"kind": "set_precision", "precision": new.precision_name,
+                       "precision_from": config.precision_name})
     if plan.requested_batch is not None:
         events.append({
             "kind": "batch_rounded", "requested": plan.requested_batch,

@@ -90,10 +90,9 @@ class Controller:
 
     **Actions.** ``SetHyperparams`` writes into the state; ``SetBatchSize``,
     ``SetCodec``, ``SetSync`` and ``SetPrecision`` change the compiled step (each
-    configuration compiled once, then cached; a batch is rounded to a multiple
-    of replicas x micro-batches; a precision changes nothing in the state);
-    ``Rescale`` moves the state to the new mesh and writes a checkpoint that
-    records the configuration the run continues in;
+    configuration compiled once, then cached; a batch is rounded to a multiple of
+    replicas x micro-batches); ``Rescale`` moves the state to the new mesh and
+    writes a checkpoint that records the configuration the run continues in;
     ``Checkpoint``; ``Stop``; ``Rollback`` returns params and optimizer state
     to the latest checkpoint while the step, data cursor and policy state go on.
 
@@ -130,12 +129,7 @@ class Controller:
       compilation_cache_dir, precompile_upcoming: :class:`adaptjax.CompileOptions`'
         ``cache_dir`` and ``precompile_upcoming``.
       resume: continue from the newest intact checkpoint in ``run_dir``.
-      precision: the compute precision to start in: an :class:`adaptjax.Precision`
-        or its key (``"bfloat16"``); ``None``: float32. Master weights and
-        optimizer state stay float32; float16 is refused (its loss scaling in
-        the step is pending). A dataset's ``decode`` (quantized input features)
-        runs inside the step; each configuration's first step logs the bytes
-        its batch moves host -> device (``input_bytes`` of the ``compile`` event).
+      precision: the compute precision (:class:`adaptjax.Precision`, its key, ``None``: float32).
       on_step: a hook ``on_step(controller)`` called after each dispatch.
       max_nonfinite_steps: raise :class:`NonFiniteTraining` after this many skipped
         (non-finite) steps in a row; ``None`` never does.
@@ -172,10 +166,9 @@ class Controller:
         link_bandwidth: float | None = None, progress: bool = True, tensorboard: bool = True,
         compilation_cache_dir: str | os.PathLike | None = "auto", resume: bool = False,
         on_step: Callable[[Controller], None] | None = None,
-        max_nonfinite_steps: int | None = 100, precompile_upcoming: bool = True,
+        max_nonfinite_steps: int | None = 100, precompile_upcoming: bool = True, precision=None,
         checkpoint_options: CheckpointOptions | None = None,
         eval_options: EvalOptions | None = None, compile_options: CompileOptions | None = None,
-        precision=None,
     ):
         """See the class. Checks every argument, then takes ``run_dir`` and the state."""
         a = check_arguments(locals())  # nothing has touched the disk before this returns
@@ -186,11 +179,9 @@ class Controller:
         self.compile_options, self._plan_request = a.compile, a.plan
         self.steps = StepCache(model=model, loss_fn=loss_fn, optimizer=optimizer,
                                hyperparams=a.hyperparams, monitors=a.monitors,
-                               norm_chunks=norm_chunks, has_aux=has_aux,
-                               decode=getattr(data, "decode", None))
+                               norm_chunks=norm_chunks, has_aux=has_aux)
         register_held(self.steps, codec, sync, policies)
-        a = dataclasses.replace(  # checked before anything touches the disk
-            a, config=a.config.replace(precision=self.steps.check_precision(precision)))
+        a = dataclasses.replace(a, config=self.steps.start(a.config, data, precision))
         min_samples, min_replicas = a.sample_needs  # what the monitors need of a configuration
         self._limits = dict(max_devices=a.max_devices, strategies=self.steps.strategies,
                             min_samples=min_samples, min_replicas=min_replicas)
@@ -271,8 +262,7 @@ class Controller:
             microbatches=self.config.microbatches, devices=self.config.devices,
             max_devices=self.max_devices, hyperparams=self.hyperparams,
             codec=self.steps.codecs.get(self.config.codec), samples_seen=self.samples_seen,
-            sync=self.steps.strategies.get(self.config.sync),
-            precision=self.config.precision or "float32",
+            sync=self.steps.strategies.get(self.config.sync), precision=self.config.precision_name,
         )
 
     def run(self, steps: int) -> None:

@@ -72,6 +72,11 @@ class RunConfig:
                 f"{self.devices} x {self.microbatches}; use a multiple of {unit}"
             )
 
+    @property
+    def precision_name(self) -> str:
+        """:attr:`precision` with float32 named: ``"float32"`` for ``None``."""
+        return "float32" if self.precision is None else self.precision
+
     def replace(self, **changes) -> RunConfig:
         """A copy with ``changes`` (checked like the original)."""
         return dataclasses.replace(self, **changes)

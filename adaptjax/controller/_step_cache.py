@@ -201,6 +201,16 @@ class StepCache:
         check_precision(Precision.of(key), self.model, self.tx(None))
         return key
 
+    def start(self, config: RunConfig, data, precision) -> RunConfig:
+        """A run's first ``config`` in ``precision`` (:meth:`check_precision`), for ``data``.
+
+        Takes the dataset's ``decode`` (an :class:`adaptjax.ArrayDataset` with
+        quantized ``features``): every step then decodes its batch inside the
+        compiled program, and only the codes cross host -> device.
+        """
+        self.decode = getattr(data, "decode", None)
+        return config.replace(precision=self.check_precision(precision))
+
     def loss(self, config: RunConfig) -> Callable[..., Any]:
         """The loss ``config``'s step differentiates: decode, then cast to its precision."""
         return with_precision(
