@@ -16,9 +16,20 @@ ratio, one ``--matmul``-sized square matmul is timed alone in each dtype. On a G
 tensor cores (``--size gpu``) bfloat16 should give >= 1.5x the tokens per
 second.
 
-The adaptive row (``adaptjax.policies.PrecisionPolicy`` moving a run between
-the two) needs the controller to carry out ``SetPrecision``; it is printed as
-not measured until then.
+The adaptive row: the same model, initialisation, batches (the same
+``ArrayDataset``, seed 0) and Adam under :class:`adaptjax.Controller` with
+``adaptjax.policies.PrecisionPolicy``: it starts in float32 and moves the run
+to bfloat16 once it is stable (``warmup`` = steps / 5, ``stable_steps`` =
+steps / 10, decisions every steps / 30 steps; back to float32 after a
+non-finite step or a loss spike). The controller's chain differs from the
+rows above only by what it always holds (the learning rate injected as state,
+the update norm; ``monitors=()``), so its losses match float32's until the
+switch. It runs after the side-by-side runs, not interleaved with them (a
+controller's ``run`` ends with a checkpoint); its step time is the median
+interval between consecutive dispatches (the controller reads each step's
+metrics one step behind, so dispatch runs at the device's pace), over the
+float32 and the bfloat16 stretches. The ``compile`` events' ``input_bytes``
+are the bytes a step moves host -> device.
 
 **Input codec, on digits** (``examples/digits.py``'s MLP and data, Adam 1e-3,
 batch 64 on 2 replicas): bytes moved host -> device per step (the bytes of the
@@ -45,6 +56,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -54,6 +68,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import adaptjax  # noqa: E402
+from adaptjax import policies as ajp  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import lm_data  # noqa: E402
@@ -103,6 +118,52 @@ def lm_runs(args) -> dict:
             "val_loss": evaluate(states[p].model)["loss"],
         }
     return out
+
+
+def lm_adaptive(args) -> dict:
+    """The LM under the controller with ``PrecisionPolicy``: step times, losses, the switch."""
+    cfg = dataclasses.replace(SIZES[args.size], dropout=0.0)
+    batch = args.per_device_batch * args.devices
+    train, val, _ = lm_data.load_corpus(context=cfg.context, max_train_bytes=2_000_000)
+    policy = ajp.PrecisionPolicy("bfloat16", "float32", warmup=args.steps // 5,
+                                 stable_steps=max(args.steps // 10, 1),
+                                 window=max(args.steps // 3, 1))
+    stamps = []  # (step, precision, time after its dispatch)
+    run_dir = tempfile.mkdtemp(prefix="adaptjax-precision-bench-")
+    ctrl = adaptjax.Controller(
+        model=ByteLM(cfg, nnx.Rngs(0)), loss_fn=lm_loss, optimizer=optax.adam,
+        hyperparams={"learning_rate": args.lr},
+        data=adaptjax.ArrayDataset({"tokens": train}, seed=0), devices=args.devices,
+        batch_size=batch, microbatches=1, monitors=(), policies=[policy],
+        policy_every=max(args.steps // 30, 1), run_dir=run_dir, progress=False,
+        tensorboard=False, compilation_cache_dir=None,
+        on_step=lambda c: stamps.append((c.step, c.config.precision or "float32",
+                                         time.perf_counter())),
+    )
+    try:
+        ctrl.run(args.steps)
+        model = ctrl.model
+        events = list(ctrl.log.events)
+    finally:
+        ctrl.close()
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    intervals = {p: [] for p in PRECISIONS}
+    for (_, _, t0), (_, p, t1) in zip(stamps, stamps[1:], strict=False):
+        intervals[p].append(t1 - t0)  # a compile's interval is an outlier the median skips
+    step_s = {p: float(np.median(v)) if v else float("nan") for p, v in intervals.items()}
+    switches = [(e["step"], e["precision"]) for e in events if e["kind"] == "set_precision"]
+    evaluate = make_eval(val[: args.val_windows], ByteLM(cfg, nnx.Rngs(1)))
+    return {
+        "step_s": float(np.median([t for v in intervals.values() for t in v])),
+        "step_s_by_precision": step_s,
+        "bf16_steps": sum(p == "bfloat16" for _, p, _ in stamps),
+        "switches": switches,
+        "train_loss": float(np.mean([r["loss"] for r in rows[-10:]])),
+        "val_loss": evaluate(model)["loss"],
+        "input_bytes": sorted({e["input_bytes"] for e in events if e["kind"] == "compile"}),
+        "tokens": batch * cfg.context,
+    }
 
 
 def matmul_seconds(n: int, dtype, repeats: int = 20) -> float:
@@ -169,8 +230,15 @@ def main():
         print(f"{p:>9}: {r['step_s'] * 1e3:8.2f} ms/step {r['tokens_per_s']:10.0f} tokens/s  "
               f"train loss (last 10) {r['train_loss']:.4f}  validation loss {r['val_loss']:.4f}")
     speed = lm["bfloat16"]["tokens_per_s"] / lm["float32"]["tokens_per_s"]
-    print(" adaptive: not measured: the controller does not carry out SetPrecision yet "
-          "(PrecisionPolicy decides; the controller integration is still to come)")
+    a = lm_adaptive(args)
+    print(f" adaptive: {a['step_s'] * 1e3:8.2f} ms/step {a['tokens'] / a['step_s']:10.0f} "
+          f"tokens/s  train loss (last 10) {a['train_loss']:.4f}  validation loss "
+          f"{a['val_loss']:.4f}")
+    by = a["step_s_by_precision"]
+    print(f"           (Controller + PrecisionPolicy, timed after the runs above: "
+          f"{a['bf16_steps']} of {args.steps} steps in bfloat16, switches {a['switches']}; "
+          f"ms/step float32 {by['float32'] * 1e3:.2f}, bfloat16 {by['bfloat16'] * 1e3:.2f}; "
+          f"input bytes per step {a['input_bytes']})")
     target = " (target on a GPU: >= 1.5)" if platform == "gpu" else ""
     print(f"bfloat16 tokens/s over float32: {speed:.3f}{target}")
     m32, m16 = matmul_seconds(args.matmul, jnp.float32), matmul_seconds(args.matmul, jnp.bfloat16)

@@ -200,10 +200,8 @@ class SetPrecision:
     """Switch the precision the step computes in (float32 master weights stay).
 
     The controller's compiled steps are keyed by it; the train state is the
-    same in every precision, so nothing is converted.
-
-    Not yet carried out by the controller: it is not among ``ACTION_TYPES``,
-    so :func:`validate_actions` (and the controller) still refuse it.
+    same in every precision, so nothing is converted. (The controller refuses
+    float16 for now: its step does not scale the loss yet.)
 
     Args:
       precision: an ``adaptjax.Precision`` the user built, held as an opaque
@@ -301,10 +299,19 @@ ACTION_TYPES: tuple[type, ...] = (
     Stop,
     Rollback,
     SetSync,
+    SetPrecision,
 )
 
 Action: TypeAlias = (
-    SetHyperparams | SetBatchSize | Rescale | SetCodec | Checkpoint | Stop | Rollback | SetSync
+    SetHyperparams
+    | SetBatchSize
+    | Rescale
+    | SetCodec
+    | Checkpoint
+    | Stop
+    | Rollback
+    | SetSync
+    | SetPrecision
 )
 
 

@@ -32,6 +32,9 @@ class Context:
       base_batch_size: the batch size the hyperparameters were tuned for (M₀), if known.
       sync: the active synchronisation strategy (opaque, e.g. ``adaptjax.DiLoCo``),
         or ``None`` for S-SGD.
+      precision: the running compute precision: its key (``"float32"``,
+        ``"bfloat16"``; the controller passes one) or an opaque precision
+        object, or ``None`` when unknown.
 
     Example:
       >>> ctx = Context(step=0, batch_size=64, microbatches=1, devices=8, max_devices=8,
@@ -50,6 +53,7 @@ class Context:
     samples_seen: int = 0
     base_batch_size: int | None = None
     sync: object | None = None
+    precision: object | None = None
 
     def __post_init__(self) -> None:
         owner = "Context"

@@ -60,8 +60,11 @@ def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> C
 
     In the order of :class:`Transition`: hyperparameters are written into the
     state (no compilation); a new codec or strategy rebuilds the parts of the
-    state it owns; then the batch, micro-batches and devices of
-    ``plan.config`` (a rounded batch is a ``batch_rounded`` event). A new
+    state it owns; a new precision changes nothing in the state (float32
+    master weights and optimizer state in every precision: the next step is
+    another compiled step over the same state; a ``set_precision`` event);
+    then the batch, micro-batches and devices of ``plan.config`` (a rounded
+    batch is a ``batch_rounded`` event). A new
     device count moves the state to the new mesh in memory by the rule a
     restore applies (:func:`adaptjax.merge_replicas`), unless it needs another
     process count (:attr:`Carried.relaunch`).
@@ -77,6 +80,9 @@ def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> C
         state, config = swap_sync(state, config, plan.sync, steps)
         events.append({"kind": "set_sync", "sync": repr(steps.strategy(config.sync))})
     new = plan.config
+    if plan.precision_changed:
+        events.append({"kind": "set_precision", "precision": new.precision_name,
+                       "precision_from": config.precision_name})
     if plan.requested_batch is not None:
         events.append({
             "kind": "batch_rounded", "requested": plan.requested_batch,

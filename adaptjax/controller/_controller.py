@@ -23,6 +23,7 @@ import optax
 
 from adaptjax import policies as ajp
 from adaptjax._data import check_count
+from adaptjax._input_codec import batch_bytes
 from adaptjax._state import merge_model
 from adaptjax.controller._arguments import Checked, check_arguments, resume_arguments
 from adaptjax.controller._background import BackgroundCompiler, announced_configs
@@ -88,10 +89,10 @@ class Controller:
     resumed run makes the decisions the uninterrupted one made.
 
     **Actions.** ``SetHyperparams`` writes into the state; ``SetBatchSize``,
-    ``SetCodec`` and ``SetSync`` change the compiled step (each configuration
-    compiled once, then cached; a batch is rounded to a multiple of replicas x
-    micro-batches); ``Rescale`` moves the state to the new mesh and writes a
-    checkpoint that records the configuration the run continues in;
+    ``SetCodec``, ``SetSync`` and ``SetPrecision`` change the compiled step (each
+    configuration compiled once, then cached; a batch is rounded to a multiple of
+    replicas x micro-batches); ``Rescale`` moves the state to the new mesh and
+    writes a checkpoint that records the configuration the run continues in;
     ``Checkpoint``; ``Stop``; ``Rollback`` returns params and optimizer state
     to the latest checkpoint while the step, data cursor and policy state go on.
 
@@ -128,6 +129,7 @@ class Controller:
       compilation_cache_dir, precompile_upcoming: :class:`adaptjax.CompileOptions`'
         ``cache_dir`` and ``precompile_upcoming``.
       resume: continue from the newest intact checkpoint in ``run_dir``.
+      precision: the compute precision (:class:`adaptjax.Precision`, its key, ``None``: float32).
       on_step: a hook ``on_step(controller)`` called after each dispatch.
       max_nonfinite_steps: raise :class:`NonFiniteTraining` after this many skipped
         (non-finite) steps in a row; ``None`` never does.
@@ -164,7 +166,7 @@ class Controller:
         link_bandwidth: float | None = None, progress: bool = True, tensorboard: bool = True,
         compilation_cache_dir: str | os.PathLike | None = "auto", resume: bool = False,
         on_step: Callable[[Controller], None] | None = None,
-        max_nonfinite_steps: int | None = 100, precompile_upcoming: bool = True,
+        max_nonfinite_steps: int | None = 100, precompile_upcoming: bool = True, precision=None,
         checkpoint_options: CheckpointOptions | None = None,
         eval_options: EvalOptions | None = None, compile_options: CompileOptions | None = None,
     ):
@@ -179,6 +181,7 @@ class Controller:
                                hyperparams=a.hyperparams, monitors=a.monitors,
                                norm_chunks=norm_chunks, has_aux=has_aux)
         register_held(self.steps, codec, sync, policies)
+        a = dataclasses.replace(a, config=self.steps.start(a.config, data, precision))
         min_samples, min_replicas = a.sample_needs  # what the monitors need of a configuration
         self._limits = dict(max_devices=a.max_devices, strategies=self.steps.strategies,
                             min_samples=min_samples, min_replicas=min_replicas)
@@ -259,7 +262,7 @@ class Controller:
             microbatches=self.config.microbatches, devices=self.config.devices,
             max_devices=self.max_devices, hyperparams=self.hyperparams,
             codec=self.steps.codecs.get(self.config.codec), samples_seen=self.samples_seen,
-            sync=self.steps.strategies.get(self.config.sync),
+            sync=self.steps.strategies.get(self.config.sync), precision=self.config.precision_name,
         )
 
     def run(self, steps: int) -> None:
@@ -336,7 +339,8 @@ class Controller:
         self.samples_seen += config.batch_size
         if compiled:
             self.compilations += 1
-            fields = {"latency_s": elapsed(t0), "config": dataclasses.asdict(config)}
+            fields = {"latency_s": elapsed(t0), "config": dataclasses.asdict(config),
+                      "input_bytes": batch_bytes(batch)}  # host -> device per step
             if config in self._compiler.compiled_ahead:
                 fields["compiled_ahead"] = True  # so the wait says nothing of a compile's cost
             else:

@@ -6,6 +6,7 @@ import dataclasses
 import re
 
 from adaptjax._data import check_count
+from adaptjax._precision import Precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,11 +24,18 @@ class RunConfig:
       codec: the codec's key (see :func:`codec_key`), or ``None`` for a dense sync.
       sync: the synchronisation strategy's key (see :func:`adaptjax.sync_key`),
         or ``None`` for S-SGD.
+      precision: the compute precision's key (:attr:`adaptjax.Precision.key`,
+        e.g. ``"bfloat16"``; a :class:`adaptjax.Precision` or an alias such as
+        ``"bf16"`` is turned into it), or ``None`` for float32: a float32
+        precision is stored as ``None``, so a configuration written before
+        precision existed compares equal to one that names float32.
 
     Example:
       >>> from adaptjax import RunConfig
       >>> RunConfig(devices=8, batch_size=64)
-      RunConfig(devices=8, batch_size=64, microbatches=1, codec=None, sync=None)
+      RunConfig(devices=8, batch_size=64, microbatches=1, codec=None, sync=None, precision=None)
+      >>> RunConfig(8, 64, precision="bf16").precision, RunConfig(8, 64, precision="float32")
+      ('bfloat16', RunConfig(devices=8, batch_size=64, microbatches=1, codec=None, sync=None, precision=None))
       >>> RunConfig(devices=8, batch_size=60)
       Traceback (most recent call last):
       ...
@@ -39,6 +47,7 @@ class RunConfig:
     microbatches: int = 1
     codec: str | None = None
     sync: str | None = None
+    precision: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("devices", "batch_size", "microbatches"):
@@ -50,6 +59,7 @@ class RunConfig:
                 f"sync must be a strategy key (adaptjax.sync_key(strategy)) or None, "
                 f"got {self.sync!r}"
             )
+        object.__setattr__(self, "precision", precision_key(self.precision))
         if self.batch_size < self.devices:
             raise ValueError(
                 f"batch_size {self.batch_size} is smaller than the replica count {self.devices}; "
@@ -62,9 +72,62 @@ class RunConfig:
                 f"{self.devices} x {self.microbatches}; use a multiple of {unit}"
             )
 
+    @property
+    def precision_name(self) -> str:
+        """:attr:`precision` with float32 named: ``"float32"`` for ``None``."""
+        return "float32" if self.precision is None else self.precision
+
     def replace(self, **changes) -> RunConfig:
         """A copy with ``changes`` (checked like the original)."""
         return dataclasses.replace(self, **changes)
+
+
+def precision_key(precision) -> str | None:
+    """A :attr:`RunConfig.precision`: the precision's key, or ``None`` for float32.
+
+    ``precision`` is a :class:`adaptjax.Precision`, a key or an alias
+    (``"bf16"``), or ``None``; anything else is a one-line ``ValueError``.
+
+    Example:
+      >>> import adaptjax
+      >>> from adaptjax.controller._run_config import precision_key
+      >>> precision_key("bf16"), precision_key(adaptjax.Precision("float32")), precision_key(None)
+      ('bfloat16', None, None)
+    """
+    if precision is not None and not isinstance(precision, str | Precision):
+        raise ValueError(
+            f"precision must be an adaptjax.Precision, its key (e.g. 'bfloat16') or None, "
+            f"got {precision!r}"
+        )
+    resolved = Precision.of(precision)
+    return None if resolved.is_full else resolved.key
+
+
+def controller_precision(precision) -> str | None:
+    """:func:`precision_key` of a precision the :class:`adaptjax.Controller` can run.
+
+    float16 needs dynamic loss scaling inside the controller's step (the loss
+    scaled before differentiating, the gradients unscaled and the
+    :class:`adaptjax.LossScaleState` adjusted after the skip-or-apply branch),
+    which :func:`adaptjax.data_parallel_step` does not do yet: it is refused
+    in one line, before anything compiles.
+
+    Example:
+      >>> from adaptjax.controller._run_config import controller_precision
+      >>> controller_precision("bfloat16")
+      'bfloat16'
+      >>> controller_precision("float16")
+      Traceback (most recent call last):
+      ...
+      ValueError: precision 'float16': float16 under the Controller needs the step's dynamic loss scaling, which is pending; use 'bfloat16' (float32's range, no loss scaling)
+    """  # noqa: E501
+    key = precision_key(precision)
+    if key is not None and Precision.of(key).needs_loss_scale:
+        raise ValueError(
+            f"precision {key!r}: float16 under the Controller needs the step's dynamic loss "
+            "scaling, which is pending; use 'bfloat16' (float32's range, no loss scaling)"
+        )
+    return key
 
 
 def round_batch(batch_size: int, devices: int, microbatches: int) -> int:

@@ -17,12 +17,13 @@ from adaptjax._chain import named_chain
 from adaptjax._codec import GradientCodec
 from adaptjax._mesh import make_mesh
 from adaptjax._metrics import update_norm
+from adaptjax._precision import Precision, check_precision, with_precision
 from adaptjax._state import abstract_state, init_state, shape_struct, split_model
 from adaptjax._step import DataParallelStep, data_parallel_step
 from adaptjax._sync import sync_gradients
 from adaptjax._walk import find_held
 from adaptjax._wire import wire_bytes
-from adaptjax.controller._run_config import RunConfig, codec_key
+from adaptjax.controller._run_config import RunConfig, codec_key, controller_precision
 from adaptjax.launch._distributed import mesh_devices
 from adaptjax.sync._registry import register_strategies, resolve_sync, sync_key
 from adaptjax.sync._ssgd import SSGD
@@ -49,6 +50,13 @@ class StepCache:
     are cached by device count, transformations by codec and strategy key,
     compiled steps by the whole configuration: returning to a configuration
     seen before compiles nothing.
+
+    A configuration's ``precision`` (:attr:`RunConfig.precision`) is applied
+    to the loss function by :func:`adaptjax.with_precision`, with ``decode``
+    (a dataset's, e.g. :meth:`adaptjax.ArrayDataset.decode` for quantized
+    input features) run first, inside the compiled step. The train state is
+    the same in every precision (float32 master weights and optimizer state):
+    another precision is another compiled step over the same state.
 
     ``schedule`` (set by :meth:`adaptjax.costs.Planner.attach`) maps a
     configuration to its step's communication options (:data:`STEP_OPTIONS`):
@@ -82,6 +90,7 @@ class StepCache:
     codecs: dict[str | None, Any] = dataclasses.field(default_factory=lambda: {None: None})
     strategies: dict[str | None, Any] = dataclasses.field(default_factory=lambda: {None: SSGD()})
     schedule: Callable[[RunConfig], Mapping[str, Any]] | None = None
+    decode: Callable[[Any], Any] | None = None  # the dataset's: batch codes -> features
 
     def __post_init__(self) -> None:
         self.options_of: dict[RunConfig, dict[str, Any]] = {}
@@ -181,11 +190,38 @@ class StepCache:
             self._txs[cache] = named_chain(*parts, (UPDATE_NORM, update_norm()))
         return self._txs[cache]
 
+    def check_precision(self, precision) -> str | None:
+        """The :attr:`RunConfig.precision` of ``precision``, checked for this model.
+
+        A one-line ``ValueError`` for an unknown precision, float16 (pending:
+        see :func:`controller_precision`) or what :func:`adaptjax.check_precision`
+        refuses; nothing is compiled.
+        """
+        key = controller_precision(precision)
+        check_precision(Precision.of(key), self.model, self.tx(None))
+        return key
+
+    def start(self, config: RunConfig, data, precision) -> RunConfig:
+        """A run's first ``config`` in ``precision`` (:meth:`check_precision`), for ``data``.
+
+        Takes the dataset's ``decode`` (an :class:`adaptjax.ArrayDataset` with
+        quantized ``features``): every step then decodes its batch inside the
+        compiled program, and only the codes cross host -> device.
+        """
+        self.decode = getattr(data, "decode", None)
+        return config.replace(precision=self.check_precision(precision))
+
+    def loss(self, config: RunConfig) -> Callable[..., Any]:
+        """The loss ``config``'s step differentiates: decode, then cast to its precision."""
+        return with_precision(
+            self.loss_fn, controller_precision(config.precision), decode=self.decode
+        )
+
     def step(self, config: RunConfig) -> DataParallelStep:
         with self._lock:
             if config not in self._steps:
                 self._steps[config] = data_parallel_step(
-                    self.loss_fn,
+                    self.loss(config),
                     self.tx(config.codec, config.sync, **self.options(config)),
                     self.mesh(config.devices),
                     microbatches=config.microbatches,

@@ -7,7 +7,12 @@ import math
 from collections.abc import Mapping, Sequence
 
 from adaptjax import policies as ajp
-from adaptjax.controller._run_config import RunConfig, codec_key, round_batch
+from adaptjax.controller._run_config import (
+    RunConfig,
+    codec_key,
+    controller_precision,
+    round_batch,
+)
 from adaptjax.sync._registry import resolve_sync, sync_key
 
 _KEEP = object()  # "SetCodec was not asked for" (None means: back to a dense sync)
@@ -18,7 +23,8 @@ class Transition:
     """A decision's actions folded into the changes they ask for, in the order they run.
 
     Carried out as: ``rollback`` -> ``hyperparams`` -> ``codec`` and ``sync``
-    (one rebuild of the state when the strategy changes) -> the new
+    (one rebuild of the state when the strategy changes) -> ``precision``
+    (nothing in the state changes: another compiled step) -> the new
     ``config`` (batch, micro-batches, devices; a new device count goes through a
     checkpoint that records ``config`` as the configuration the run continues
     in) -> ``checkpoint`` -> ``stop``. When two actions ask for the same thing,
@@ -32,6 +38,8 @@ class Transition:
       codec_changed: whether the codec changes.
       sync: the :class:`adaptjax.SyncStrategy` to switch to when ``sync_changed``.
       sync_changed: whether the synchronisation strategy changes.
+      precision_changed: whether the precision changes (``config.precision``
+        is the new one's key, ``None`` for float32).
       rollback: the reason of a ``Rollback``, or ``None``.
       checkpoint: whether a ``Checkpoint`` was asked for.
       stop: the reason of a ``Stop``, or ``None``.
@@ -41,8 +49,11 @@ class Transition:
       >>> from adaptjax.controller._transition import plan_transition
       >>> t = plan_transition([ajp.Rescale(devices=3), ajp.SetBatchSize(64)],
       ...                     RunConfig(devices=8, batch_size=32), max_devices=8)
-      >>> t.config, t.requested_batch
-      (RunConfig(devices=3, batch_size=63, microbatches=1, codec=None, sync=None), 64)
+      >>> t.config.devices, t.config.batch_size, t.requested_batch
+      (3, 63, 64)
+      >>> t = plan_transition([ajp.SetPrecision("bfloat16")], t.config, max_devices=8)
+      >>> t.config.precision, t.precision_changed
+      ('bfloat16', True)
     """
 
     config: RunConfig
@@ -52,6 +63,7 @@ class Transition:
     codec_changed: bool = False
     sync: object = None
     sync_changed: bool = False
+    precision_changed: bool = False
     rollback: str | None = None
     checkpoint: bool = False
     stop: str | None = None
@@ -71,7 +83,8 @@ def plan_transition(
 
     Raises a one-line ``ValueError`` (before anything is carried out) for more
     devices than ``max_devices`` or a hyperparameter the optimizer does not
-    have (when ``hyperparam_names`` is given) or a learning rate <= 0, and for
+    have (when ``hyperparam_names`` is given) or a learning rate <= 0, for a
+    precision the controller cannot run (:func:`controller_precision`), and for
     a synchronisation strategy that cannot run in the new configuration
     (gossip on one replica, a codec the strategy cannot carry); ``strategies``
     maps the current config's sync key to its strategy (``None``: S-SGD).
@@ -101,6 +114,9 @@ def plan_transition(
     codec = asked.codec
     codec_changed = codec is not _KEEP and codec_key(codec) != config.codec
     sync, sync_changed = _sync(asked, config, devices, strategies)
+    precision = (
+        config.precision if asked.precision is _KEEP else controller_precision(asked.precision)
+    )
     wanted = config.batch_size if asked.batch is None else asked.batch
     rounded = round_batch(wanted, devices, micro)
     new = config.replace(
@@ -109,6 +125,7 @@ def plan_transition(
         microbatches=micro,
         codec=codec_key(codec) if codec_changed else config.codec,
         sync=sync_key(sync) if sync_changed else config.sync,
+        precision=precision,
     )
     return Transition(
         config=new,
@@ -118,6 +135,7 @@ def plan_transition(
         codec_changed=codec_changed,
         sync=sync if sync_changed else None,
         sync_changed=sync_changed,
+        precision_changed=precision != config.precision,
         rollback=asked.rollback,
         checkpoint=asked.checkpoint,
         stop=asked.stop,
@@ -135,6 +153,7 @@ class _Asked:
     hyperparams: dict = dataclasses.field(default_factory=dict)
     codec: object = _KEEP
     sync: object = _KEEP
+    precision: object = _KEEP
     rollback: str | None = None
     checkpoint: bool = False
     stop: str | None = None
@@ -156,8 +175,10 @@ def _fold(actions: Sequence[ajp.Action], config: RunConfig) -> _Asked:
             )
         elif isinstance(action, ajp.SetCodec):
             asked.codec = action.codec
-        elif isinstance(action, getattr(ajp, "SetSync", ())):
+        elif isinstance(action, ajp.SetSync):
             asked.sync = resolve_sync(action.strategy)
+        elif isinstance(action, ajp.SetPrecision):
+            asked.precision = action.precision
         elif isinstance(action, ajp.Checkpoint):
             asked.checkpoint = True
         elif isinstance(action, ajp.Stop):
