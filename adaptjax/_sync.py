@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from adaptjax._codec import GradientCodec
 from adaptjax._hash import hash32
@@ -99,6 +100,88 @@ def _reduce_scatter_gather(tree, axis_name, n: int):
         for i, start, size in zip(idx, np.cumsum([0, *sizes[:-1]]), sizes, strict=True):
             out[i] = whole[int(start) : int(start) + size].reshape(np.shape(leaves[i]))
     return jax.tree.unflatten(treedef, out)
+
+
+def _sq_norm(inputs, tree, chunks: int):
+    """``Σ‖x‖²`` of a gradient-shaped tree (sampled in ``chunks``), over its shards if sharded."""
+    if inputs.layout is None:
+        return tree_sq_norm_sampled(tree, inputs.state.count, chunks)
+    return inputs.layout.sq_norm(tree, inputs.state.count, chunks)
+
+
+def codec_sync(codec, grads, state, *, axis_name, step, layout=None):
+    """``codec.sync`` over ``axis_name``; on a sharded mesh, on each device's shards.
+
+    With a :class:`adaptjax.ShardLayout` the codec runs inside a ``shard_map``
+    manual over the model's axes: each device compresses its own shard of
+    every leaf over the data axis (a quantiser's blocks stay inside a shard;
+    top-k keeps ``ratio`` of each shard's elements, so ``k`` is per shard),
+    and a leaf replicated over those axes is compressed alike on each of its
+    devices. The codec's state must then be split like the gradients: its
+    buffers shaped like their leaves, as error-feedback residuals are. A
+    codec whose state is not (PowerSGD's low-rank factors), or whose plan
+    changes when a leaf is cut into shards (a shard under the codec's
+    ``min_size``), raises a one-line ``ValueError`` before anything compiles.
+
+    Args:
+      codec: a :class:`adaptjax.GradientCodec`.
+      grads: this replica's gradients.
+      state: the codec's state (local view).
+      axis_name: the data axis.
+      step: int32 step counter.
+      layout: the step's :class:`adaptjax.ShardLayout`, or ``None``.
+
+    Returns:
+      ``(mean, new state)`` as ``codec.sync`` returns them.
+    """
+    if layout is None:
+        return codec.sync(grads, state, axis_name=axis_name, step=step)
+    g_specs, s_specs = layout.specs_for(grads), layout.specs_for(state)
+    _check_codec_shards(codec, grads, state, g_specs, s_specs, layout)
+
+    def local(g, s, t):
+        return codec.sync(g, s, axis_name=axis_name, step=t)
+
+    return layout.local_map(local, (g_specs, s_specs, P()), (g_specs, s_specs))(
+        grads, state, jnp.asarray(step, jnp.int32)
+    )
+
+
+def _check_codec_shards(codec, grads, state, g_specs, s_specs, layout) -> None:
+    """One-line error unless ``codec`` keeps, per shard, the state it was given, split."""
+    local = lambda tree, specs: jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(layout.local_shape(jnp.shape(x), s), x.dtype),
+        tree,
+        specs,
+    )
+    wanted = jax.eval_shape(codec.init, local(grads, g_specs))
+    have = local(state, s_specs)
+    same = jax.tree.structure(wanted) == jax.tree.structure(have) and all(
+        a.shape == b.shape for a, b in zip(jax.tree.leaves(wanted), jax.tree.leaves(have))
+    )
+    if not same:
+        name = getattr(codec, "name", type(codec).__name__)
+        raise ValueError(
+            f"codec {name!r} cannot run on each shard of a sharded mesh: its state is not split "
+            "like the gradients (low-rank factors, or a shard under its min_size); use onebit, "
+            "topk, a quantiser or bf16 with a smaller min_size, or a mesh without model axes "
+            "(per-shard state for this codec is phase 2 of issue 34)"
+        )
+
+
+def _check_layout(config, layout) -> None:
+    """One-line errors for what a sharded mesh does not support yet."""
+    if layout is None:
+        return
+    for m in config.monitors:
+        if getattr(m, "differencing", False) or (
+            config.codec is not None and getattr(m, "preconditioned", False)
+        ):
+            raise ValueError(
+                f"{type(m).__name__}(differencing=True) and the preconditioned noise scale with a "
+                "codec need whole gradients; on a sharded mesh use >= 2 replicas (or "
+                "microbatches >= 2) without differencing, and the plain noise scale with a codec"
+            )
 
 
 class SyncState(NamedTuple):
@@ -389,6 +472,7 @@ class _Inputs(NamedTuple):
     local_sq: Any  # ``local_sqnorm=``: this replica's exact ‖g‖², or None
     local_batch_size: Any  # ``local_batch_size=``, or None
     measure_now: Any  # bool scalar: the monitors measure at this update
+    layout: Any = None  # ``shard_layout=``: a ShardLayout on a sharded mesh, else None
 
 
 class _Exchanged(NamedTuple):
@@ -414,7 +498,9 @@ def _update_with_sums(
         local_sq=extra.get("local_sqnorm"),
         local_batch_size=extra.get("local_batch_size"),
         measure_now=state.count % config.monitor_every == 0,
+        layout=extra.get("shard_layout"),
     )
+    _check_layout(config, inputs.layout)
     scalars = _monitor_scalars(config, inputs)
     if config.codec is None:
         sums = _dense_exchange(config, inputs, scalars, extra_sums)
@@ -441,9 +527,7 @@ def _local_scalars(config: _SyncConfig, inputs: _Inputs) -> dict:
     elif inputs.local_sq is not None:
         out[_LOCAL_SQ] = jnp.asarray(inputs.local_sq, jnp.float32)
     else:
-        out[_LOCAL_SQ] = tree_sq_norm_sampled(
-            inputs.updates, inputs.state.count, config.norm_chunks
-        )
+        out[_LOCAL_SQ] = _sq_norm(inputs, inputs.updates, config.norm_chunks)
     for i, (m, s) in enumerate(zip(config.monitors, inputs.state.monitor_states, strict=True)):
         if i in config.shared:
             continue
@@ -474,7 +558,11 @@ def _dense_exchange(config: _SyncConfig, inputs: _Inputs, scalars, extra_sums) -
             (wire, (scalars, extra_sums)), axis_name
         )
     else:
-        summed = _reduce_scatter_gather(wire, axis_name, inputs.n)
+        rsag = functools.partial(_reduce_scatter_gather, axis_name=axis_name, n=inputs.n)
+        if inputs.layout is not None:  # each device's shards in one flat buffer
+            specs = inputs.layout.specs_for(wire)
+            rsag = inputs.layout.local_map(rsag, (specs,), specs)
+        summed = rsag(wire)
         summed_scalars, summed_extra = _psum_leaves((scalars, extra_sums), axis_name)
     return _Exchanged(summed, summed_scalars, summed_extra)
 
@@ -483,11 +571,38 @@ def _codec_exchange(config: _SyncConfig, inputs: _Inputs, scalars, extra_sums) -
     """With a codec: the monitors' scalars and exact sample, and the caller's sums, summed.
 
     The gradients themselves are left to the codec, which runs in :func:`_complete`.
+    On a sharded mesh the sample is drawn from each device's shards (``mean_sample``
+    is then ``None``; ``sampled_mean_sq`` is summed over the shards).
     """
     updates, n = inputs.updates, inputs.n
     if not config.monitors:
         return _Exchanged(updates, {}, jax.lax.psum(extra_sums, config.axis_name))
-    coords = _sample_coordinates(updates, inputs.state.count, config.codec_sample)
+    sample = functools.partial(_sampled_exchange, config, n)
+    layout = inputs.layout
+    if layout is None:
+        summed_scalars, summed_extra, samples, sampled_mean_sq = sample(
+            updates, scalars, extra_sums, inputs.state.count
+        )
+        return _Exchanged(updates, summed_scalars, summed_extra, samples, sampled_mean_sq)
+    specs = layout.specs_for(updates)
+
+    def local(g, sc, ex, count):
+        sc, ex, _, part = sample(g, sc, ex, count, first=layout.first_of(specs))
+        return sc, ex, jax.lax.psum(part, layout.axes)
+
+    summed_scalars, summed_extra, sampled_mean_sq = layout.local_map(
+        local, (specs, P(), P(), P()), (P(), P(), P())
+    )(updates, scalars, extra_sums, inputs.state.count)
+    return _Exchanged(updates, summed_scalars, summed_extra, None, sampled_mean_sq)
+
+
+def _sampled_exchange(config: _SyncConfig, n, updates, scalars, extra_sums, count, first=None):
+    """``(Σ scalars, Σ extra, samples, ‖Ḡ‖² estimate)``: exact values at shared coordinates.
+
+    ``first`` (sharded meshes) weighs each leaf by whether this device counts it
+    (a leaf replicated over a model axis is counted on that axis's first device).
+    """
+    coords = _sample_coordinates(updates, count, config.codec_sample)
     # Every leaf's sample in one vector: one operand of the all-reduce and
     # one weighted sum of squares (not a reduction per leaf); a leaf taken
     # whole goes as it is, not through a gather.
@@ -504,9 +619,15 @@ def _codec_exchange(config: _SyncConfig, inputs: _Inputs, scalars, extra_sums) -
         (idx, mean_local[end - idx.shape[0] : end], scale)
         for (idx, scale), end in zip(coords, ends, strict=True)
     )
-    weights = jnp.concatenate([jnp.full(idx.shape, scale, jnp.float32) for idx, scale in coords])
+    scales = [scale for _, scale in coords]
+    if first is not None:
+        scales = [jnp.where(f, scale, 0.0) for f, scale in zip(first, scales, strict=True)]
+    weights = jnp.concatenate([
+        jnp.broadcast_to(jnp.asarray(w, jnp.float32), idx.shape)
+        for (idx, _), w in zip(coords, scales, strict=True)
+    ])
     sampled_mean_sq = jnp.sum(weights * jnp.square(mean_local))
-    return _Exchanged(updates, summed_scalars, summed_extra, samples, sampled_mean_sq)
+    return summed_scalars, summed_extra, samples, sampled_mean_sq
 
 
 def _dense_mean(updates, n: int, summed):
@@ -521,8 +642,9 @@ def _complete(config: _SyncConfig, inputs: _Inputs, sums: _Exchanged, out):
         mean = _dense_mean(inputs.updates, inputs.n, out)  # traced only if a monitor reads it
         codec_state = ()
     else:
-        mean, codec_state = config.codec.sync(
-            out, state.codec_state, axis_name=config.axis_name, step=state.count
+        mean, codec_state = codec_sync(
+            config.codec, out, state.codec_state, axis_name=config.axis_name, step=state.count,
+            layout=inputs.layout,
         )
     if not config.monitors:
         return mean, SyncState(state.count + 1, codec_state, (), state.metrics)
@@ -549,8 +671,8 @@ def _measure(config: _SyncConfig, inputs: _Inputs, sums: _Exchanged, monitor_sta
         # the all-reduce left them, the division by n stays fused into the
         # optimizer's one read of the mean.
         mean_sq=(
-            tree_sq_norm_sampled(sums.out, inputs.state.count, config.norm_chunks) / n**2
-            if sums.mean_sample is None
+            _sq_norm(inputs, sums.out, config.norm_chunks) / n**2
+            if sums.sampled_mean_sq is None
             else sums.sampled_mean_sq
         ),
         n_replicas=n,
