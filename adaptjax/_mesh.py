@@ -220,14 +220,17 @@ class FSDP:
     annotations: bool = True
 
     def __post_init__(self):
-        if isinstance(self.min_size, bool) or not isinstance(self.min_size, int) or (
-            self.min_size < 0
+        if (
+            isinstance(self.min_size, bool)
+            or not isinstance(self.min_size, int)
+            or (self.min_size < 0)
         ):
             raise ValueError(f"FSDP min_size must be an int >= 0, got {self.min_size!r}")
 
-    def spec(self, shape, mesh: Mesh, base=P()) -> P:
+    def spec(self, shape, mesh: Mesh, base: P | None = None) -> P:
         """The spec of a leaf of ``shape``: ``base`` plus ``axis`` where the rule puts it."""
         shape = tuple(int(d) for d in shape)
+        base = P() if base is None else base
         entries = list(base) + [None] * (len(shape) - len(base))
         if (
             self.axis not in mesh.axis_names
@@ -277,9 +280,7 @@ def check_spec(path, shape, spec, mesh: Mesh, axis_name="data") -> P:
     """``spec`` checked for a leaf of ``shape`` at ``path``: one-line errors naming the leaf."""
     name = _leaf_name(path)
     if not isinstance(spec, P):
-        raise ValueError(
-            f"the sharding of parameter {name} must be a PartitionSpec, got {spec!r}"
-        )
+        raise ValueError(f"the sharding of parameter {name} must be a PartitionSpec, got {spec!r}")
     data = _axis_names(axis_name)
     others = model_axes(mesh, axis_name)
     seen: set[str] = set()
@@ -324,10 +325,10 @@ def _broadcast_prefix(prefix, tree) -> list:
             is_leaf=lambda x: isinstance(x, P),
         )
     except ValueError as e:
+        why = str(e).splitlines()[0]
         raise ValueError(
             "sharding= must be a PartitionSpec, a tree of them shaped like the parameters "
-            f"(or a prefix of it), an adaptjax.FSDP rule or a function (path, leaf) -> P: {e}"
-            .splitlines()[0]
+            f"(or a prefix of it), an adaptjax.FSDP rule or a function (path, leaf) -> P: {why}"
         ) from None
     return jax.tree.leaves(full, is_leaf=lambda x: isinstance(x, P))
 

@@ -195,9 +195,7 @@ def state_shardings(
         P('data',)
     """
     specs = state_partition_specs(tree, axis_name, params=params, param_specs=param_specs)
-    return jax.tree.map(
-        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
-    )
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def to_local(tree):

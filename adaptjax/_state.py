@@ -184,7 +184,9 @@ def train_state_specs(
     )
 
 
-def train_state_shardings(state: TrainState, mesh, axis_name="data", *, sharding=None) -> TrainState:
+def train_state_shardings(
+    state: TrainState, mesh, axis_name="data", *, sharding=None
+) -> TrainState:
     """``NamedSharding``s for a :class:`TrainState` on ``mesh`` (see :func:`train_state_specs`).
 
     Place a restored or merged state on a new mesh with

@@ -157,7 +157,8 @@ def _check_codec_shards(codec, grads, state, g_specs, s_specs, layout) -> None:
     wanted = jax.eval_shape(codec.init, local(grads, g_specs))
     have = local(state, s_specs)
     same = jax.tree.structure(wanted) == jax.tree.structure(have) and all(
-        a.shape == b.shape for a, b in zip(jax.tree.leaves(wanted), jax.tree.leaves(have))
+        a.shape == b.shape
+        for a, b in zip(jax.tree.leaves(wanted), jax.tree.leaves(have), strict=True)
     )
     if not same:
         name = getattr(codec, "name", type(codec).__name__)

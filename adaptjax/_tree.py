@@ -181,7 +181,8 @@ class ShardLayout:
       >>> mesh = adaptjax.make_mesh({"data": 2, "fsdp": 4})
       >>> g = {"w": jnp.ones((8, 4)), "b": jnp.ones(3)}
       >>> layout = adaptjax.ShardLayout.of(g, mesh, sharding={"w": P("fsdp"), "b": P()})
-      >>> g = jax.device_put(g, {"w": NamedSharding(mesh, P("fsdp")), "b": NamedSharding(mesh, P())})
+      >>> on = lambda spec: NamedSharding(mesh, spec)
+      >>> g = jax.device_put(g, {"w": on(P("fsdp")), "b": on(P())})
       >>> float(jax.jit(layout.sq_norm)(g))   # 32 + 3, the replicated leaf counted once
       35.0
     """
@@ -193,7 +194,7 @@ class ShardLayout:
 
     @classmethod
     def of(cls, params, mesh, *, sharding=None, axis_name="data") -> ShardLayout:
-        """The layout of ``params`` on ``mesh`` under ``sharding`` (see :func:`adaptjax.param_specs`)."""
+        """The layout of ``params`` on ``mesh``; ``sharding`` as in :func:`adaptjax.param_specs`."""
         from adaptjax._mesh import model_axes, param_specs  # _mesh imports jax only
         from adaptjax._per_replica import _spec_index
 
