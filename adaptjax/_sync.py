@@ -117,11 +117,12 @@ def codec_sync(codec, grads, state, *, axis_name, step, layout=None):
     every leaf over the data axis (a quantiser's blocks stay inside a shard;
     top-k keeps ``ratio`` of each shard's elements, so ``k`` is per shard),
     and a leaf replicated over those axes is compressed alike on each of its
-    devices. The codec's state must then be split like the gradients: its
-    buffers shaped like their leaves, as error-feedback residuals are. A
-    codec whose state is not (PowerSGD's low-rank factors), or whose plan
-    changes when a leaf is cut into shards (a shard under the codec's
-    ``min_size``), raises a one-line ``ValueError`` before anything compiles.
+    devices. The codec plans each shard as a leaf of the shard's shape: a
+    shard under the codec's ``min_size`` goes in its exact float32 lane (its
+    residual buffer, unused, is kept as it is). The codec's other state must
+    be split like the gradients, as error-feedback residuals are; a codec
+    whose state is not (PowerSGD's low-rank factors) raises a one-line
+    ``ValueError`` before anything compiles.
 
     Args:
       codec: a :class:`adaptjax.GradientCodec`.
@@ -136,38 +137,65 @@ def codec_sync(codec, grads, state, *, axis_name, step, layout=None):
     """
     if layout is None:
         return codec.sync(grads, state, axis_name=axis_name, step=step)
-    g_specs, s_specs = layout.specs_for(grads), layout.specs_for(state)
-    _check_codec_shards(codec, grads, state, g_specs, s_specs, layout)
+    g_specs = layout.specs_for(grads)
+    kept, unused = _shard_state(codec, grads, state, g_specs, layout)
+    s_specs = layout.specs_for(kept)
 
     def local(g, s, t):
         return codec.sync(g, s, axis_name=axis_name, step=t)
 
-    return layout.local_map(local, (g_specs, s_specs, P()), (g_specs, s_specs))(
-        grads, state, jnp.asarray(step, jnp.int32)
+    mean, new = layout.local_map(local, (g_specs, s_specs, P()), (g_specs, s_specs))(
+        grads, kept, jnp.asarray(step, jnp.int32)
     )
+    return mean, _restore_unused(new, unused)
 
 
-def _check_codec_shards(codec, grads, state, g_specs, s_specs, layout) -> None:
-    """One-line error unless ``codec`` keeps, per shard, the state it was given, split."""
+def _is_none(x) -> bool:
+    return x is None
+
+
+def _shard_state(codec, grads, state, g_specs, layout):
+    """``(state the codec expects per shard, the buffers it does not use)``.
+
+    The state was built for whole leaves; per shard the codec wants the state
+    ``codec.init`` gives a shard. Buffers of leaves whose shards fall under
+    its ``min_size`` are set aside (``None`` there); any other difference is
+    a one-line ``ValueError``.
+    """
+    s_specs = layout.specs_for(state)
     local = lambda tree, specs: jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(layout.local_shape(jnp.shape(x), s), x.dtype),
         tree,
         specs,
     )
-    wanted = jax.eval_shape(codec.init, local(grads, g_specs))
-    have = local(state, s_specs)
-    same = jax.tree.structure(wanted) == jax.tree.structure(have) and all(
-        a.shape == b.shape
-        for a, b in zip(jax.tree.leaves(wanted), jax.tree.leaves(have), strict=True)
+    wanted, w_def = jax.tree.flatten(
+        jax.eval_shape(codec.init, local(grads, g_specs)), is_leaf=_is_none
+    )
+    have, h_def = jax.tree.flatten(local(state, s_specs), is_leaf=_is_none)
+    same = w_def == h_def and all(
+        w is None or (h is not None and w.shape == h.shape)
+        for w, h in zip(wanted, have, strict=True)
     )
     if not same:
         name = getattr(codec, "name", type(codec).__name__)
         raise ValueError(
             f"codec {name!r} cannot run on each shard of a sharded mesh: its state is not split "
-            "like the gradients (low-rank factors, or a shard under its min_size); use onebit, "
-            "topk, a quantiser or bf16 with a smaller min_size, or a mesh without model axes "
-            "(per-shard state for this codec is phase 2 of issue 34)"
+            "like the gradients (e.g. low-rank factors); use onebit, topk, a quantiser or bf16, "
+            "or a mesh without model axes (per-shard state for this codec is phase 2 of issue 34)"
         )
+    leaves = jax.tree.leaves(state, is_leaf=_is_none)
+    kept = [None if w is None else x for w, x in zip(wanted, leaves, strict=True)]
+    unused = [x if w is None else None for w, x in zip(wanted, leaves, strict=True)]
+    return h_def.unflatten(kept), (h_def, unused)
+
+
+def _restore_unused(new_state, unused):
+    """``new_state`` with the buffers :func:`_shard_state` set aside put back unchanged."""
+    treedef, old = unused
+    if all(x is None for x in old):
+        return new_state
+    new = jax.tree.leaves(new_state, is_leaf=_is_none)
+    return treedef.unflatten([o if o is not None else x for x, o in zip(new, old, strict=True)])
 
 
 def _check_layout(config, layout) -> None:
