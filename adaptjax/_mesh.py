@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 #: The axis names :func:`make_mesh` knows: the replica axis and the model's two.
 MESH_AXES = ("data", "fsdp", "model")
+MODEL_AXIS = "model"
 
 
 def _axis_names(axis_name) -> tuple[str, ...]:
@@ -196,19 +197,33 @@ class FSDP:
     without ``axis`` the rule adds nothing. Optimizer state and per-replica
     state follow their parameter (:func:`adaptjax.train_state_specs`).
 
+    On a mesh that also has ``"model"``, a leaf the model's annotations leave
+    out of tensor parallelism (embeddings, norms, the head) is sharded over
+    ``(axis, "model")`` together where that product divides a dimension
+    (``with_model``): replicated over ``"model"`` it would cost every device of
+    a tensor-parallel group its whole copy. (It also avoids an XLA SPMD
+    partitioner failure on jax 0.10.2: a gather from a table sharded over
+    ``"fsdp"`` alone, by indices sharded over ``"fsdp"``, with ``"data"``
+    manual and ``"model"`` free, aborts the compile.)
+
     Attributes:
       axis: the mesh axis to shard over.
       min_size: leaves with fewer elements stay replicated (biases and norm
         scales: a collective per step would cost more than their bytes).
       annotations: start from the model's own annotations (flax NNX
         ``nnx.with_partitioning`` metadata, with its logical axis rules).
+      with_model: on a mesh with ``"model"``, shard leaves the model does not
+        split over ``"model"`` over ``(axis, "model")``.
 
     Example:
-      >>> import adaptjax
+      >>> import jax, adaptjax
       >>> mesh = adaptjax.make_mesh({"data": 2, "fsdp": 4})
       >>> rule = adaptjax.FSDP(min_size=16)
       >>> rule.spec((12, 32), mesh), rule.spec((6, 6), mesh), rule.spec((4,), mesh)
       (P(None, 'fsdp'), P(), P())
+      >>> mesh3 = adaptjax.make_mesh({"data": 2, "fsdp": 2, "model": 2})
+      >>> rule.spec((256, 32), mesh3), rule.spec((32, 64), mesh3, jax.P(None, "model"))
+      (P(('fsdp', 'model'),), P('fsdp', 'model'))
 
     References:
       Rajbhandari et al., "ZeRO: Memory optimizations toward training
@@ -218,6 +233,7 @@ class FSDP:
     axis: str = "fsdp"
     min_size: int = 4096
     annotations: bool = True
+    with_model: bool = True
 
     def __post_init__(self):
         if (
@@ -232,17 +248,22 @@ class FSDP:
         shape = tuple(int(d) for d in shape)
         base = P() if base is None else base
         entries = list(base) + [None] * (len(shape) - len(base))
+        used = spec_axes(base)
         if (
             self.axis not in mesh.axis_names
-            or self.axis in spec_axes(base)
+            or self.axis in used
             or math.prod(shape) < max(self.min_size, 1)
         ):
             return canonical_spec(entries)
-        size = int(mesh.shape[self.axis])
-        free = [d for d in range(len(shape)) if entries[d] is None and shape[d] % size == 0]
-        if free:
-            best = max(free, key=lambda d: (shape[d], -d))
-            entries[best] = self.axis
+        choices: list = [self.axis]
+        if self.with_model and MODEL_AXIS in mesh.axis_names and MODEL_AXIS not in used:
+            choices.insert(0, (self.axis, MODEL_AXIS))
+        for axes in choices:
+            size = math.prod(int(mesh.shape[a]) for a in spec_axes(P(axes)))
+            free = [d for d in range(len(shape)) if entries[d] is None and shape[d] % size == 0]
+            if free:
+                entries[max(free, key=lambda d: (shape[d], -d))] = axes
+                break
         return canonical_spec(entries)
 
 

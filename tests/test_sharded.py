@@ -142,7 +142,7 @@ def test_nnx_annotations_and_logical_rules():
     state = adaptjax.abstract_state(model, tx, mesh, sharding=adaptjax.FSDP(min_size=16))
     assert state.params["up"]["kernel"].sharding.spec == P("fsdp", "model")
     assert state.params["down"]["kernel"].sharding.spec == P("model", "fsdp")
-    assert state.params["up"]["bias"].sharding.spec == P("fsdp")
+    assert state.params["up"]["bias"].sharding.spec == P(("fsdp", "model"))  # not annotated
     assert state.opt_state[0].mu["down"]["kernel"].sharding.spec == P("model", "fsdp")
     # the annotation names "model": a mesh without it says so, naming the leaf
     with pytest.raises(ValueError) as e:
