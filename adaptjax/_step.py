@@ -28,7 +28,7 @@ from adaptjax._state import (
     train_state_shardings,
     train_state_specs,
 )
-from adaptjax._tree import ShardLayout, tree_sq_norm
+from adaptjax._tree import ShardLayout, pmean_replicas, tree_sq_norm
 from adaptjax._wire import GUARD_SCOPE
 from adaptjax._xla_options import step_compiler_options
 from adaptjax.sync._registry import resolve_sync
@@ -371,7 +371,7 @@ def _local_step(config: _StepConfig, layout: ShardLayout | None, state: TrainSta
     # averaged over replicas; counts and keys are the same on every replica
     model_state = jax.tree.map(
         lambda x: (
-            jax.lax.pmean(x, config.axis_name) if jnp.issubdtype(x.dtype, jnp.floating) else x
+            pmean_replicas(x, config.axis_name) if jnp.issubdtype(x.dtype, jnp.floating) else x
         ),
         model_state,
     )
@@ -486,12 +486,12 @@ def _sync_in_update(config: _StepConfig, state, grads, guard, loss) -> _Synced:
     if config.skip_nonfinite:
         # A collective of its own before the whole update (a barrier:
         # 2-4% of a small LM's step on 8 simulated CPU devices).
-        mean_loss_sq = jax.lax.pmean(guard, axis_name)
+        mean_loss_sq = pmean_replicas(guard, axis_name)
         ok = jnp.all(jnp.isfinite(mean_loss_sq))
         loss = mean_loss_sq[0]
     else:
         ok = jnp.bool_(True)
-        loss = jax.lax.pmean(loss.astype(jnp.float32), axis_name)
+        loss = pmean_replicas(loss.astype(jnp.float32), axis_name)
     return _Synced(grads, None, config.tx, state.opt_state, (), ok, loss)
 
 
@@ -538,7 +538,7 @@ def _step_outputs(config: _StepConfig, state, synced: _Synced, updated, aux, in_
     """``(new state, metrics)`` of the step from the updated parts."""
     new_params, rest_state, model_state, sync_state = updated
     opt_state = config.tx.join_state(sync_state, rest_state) if in_sync else rest_state
-    aux = jax.lax.pmean(aux, config.axis_name)
+    aux = pmean_replicas(aux, config.axis_name)
     scalars = {"loss": synced.loss, "nonfinite": (~synced.ok).astype(jnp.float32)}
     scalars.update(collect_metrics(opt_state))
     # one vector: one output buffer per device instead of one per metric

@@ -17,7 +17,7 @@ from adaptjax._codec import GradientCodec
 from adaptjax._hash import hash32
 from adaptjax._metric_vector import Metrics
 from adaptjax._monitors import GradientMonitor, GradientNoiseScale, GradStats
-from adaptjax._tree import axis_size, check_float_tree, tree_sq_norm_sampled
+from adaptjax._tree import axis_size, check_float_tree, psum_replicas, tree_sq_norm_sampled
 
 _LOCAL_SQ = "__local_sq__"
 # With a codec, monitors see the exact mean at this fraction of coordinates.
@@ -67,7 +67,7 @@ def _psum_leaves(tree, axis_name):
     gradient's all-reduce can start as soon as the backward pass produced it.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(treedef, [jax.lax.psum(x, axis_name) for x in leaves])
+    return jax.tree.unflatten(treedef, [psum_replicas(x, axis_name) for x in leaves])
 
 
 #: The dense lane's collectives (``dense_lane=`` of :func:`sync_gradients`).
@@ -85,6 +85,8 @@ def _reduce_scatter_gather(tree, axis_name, n: int):
     reduce-scatters nor all-gathers, so one buffer per dtype keeps it at one
     pair.)
     """
+    if n == 1:  # one replica: the sum is the value (and XLA may reject the pair)
+        return tree
     leaves, treedef = jax.tree.flatten(tree)
     out: list = [None] * len(leaves)
     by_dtype: dict = {}
@@ -605,7 +607,7 @@ def _codec_exchange(config: _SyncConfig, inputs: _Inputs, scalars, extra_sums) -
     """
     updates, n = inputs.updates, inputs.n
     if not config.monitors:
-        return _Exchanged(updates, {}, jax.lax.psum(extra_sums, config.axis_name))
+        return _Exchanged(updates, {}, psum_replicas(extra_sums, config.axis_name))
     sample = functools.partial(_sampled_exchange, config, n)
     layout = inputs.layout
     if layout is None:

@@ -87,6 +87,31 @@ def axis_size(axis_name) -> int:
     return size
 
 
+def _trivial_over(axis_name) -> bool:
+    """Whether a collective over ``axis_name`` must be left out: the identity XLA cannot compile.
+
+    On a (1, N) mesh (``make_mesh({"data": 1, "fsdp": 8})``) the step is
+    manual over a data axis of size 1 beside ``Auto`` axes; XLA's SPMD
+    partitioner (jax 0.10.2) rejects an all-reduce over it of an array the
+    compiler shards ("Cross-partition allreduce must be in (partial) manual
+    partitioning mode"). Over one replica the sum is the value itself.
+    """
+    if axis_size(axis_name) != 1:
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and any(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+def psum_replicas(tree, axis_name):
+    """``jax.lax.psum`` over the data axis, left out where it is the identity XLA rejects."""
+    return tree if _trivial_over(axis_name) else jax.lax.psum(tree, axis_name)
+
+
+def pmean_replicas(tree, axis_name):
+    """``jax.lax.pmean`` over the data axis (see :func:`psum_replicas`)."""
+    return tree if _trivial_over(axis_name) else jax.lax.pmean(tree, axis_name)
+
+
 def tree_sq_norm_sampled(tree, index: jax.Array, chunks: int, *, min_size: int = 4096):
     """An unbiased, cheaper estimate of :func:`tree_sq_norm` from one chunk per leaf.
 

@@ -1029,11 +1029,9 @@ def _iota_groups(attrs: str) -> list[list[int]] | None:
 
 def _group_axes(kind: str, attrs: str, mesh_axes: dict[str, int]) -> tuple[str, ...]:
     """The axes of ``mesh_axes`` whose coordinate differs within a replica group."""
-    m = re.search(r"\breplica_groups=mesh\[[^\]]*\][^{]*\{([^{}]*)\}", attrs)
-    if m is not None:  # named axes: read them
-        named = re.findall(r"'([^']*)'", m.group(1))
-        return tuple(a for a in mesh_axes if a in named) or tuple(dict.fromkeys(named))
-    if kind == "collective-permute":
+    if re.search(r"\breplica_groups=mesh\[", attrs):
+        groups = _mesh_form_groups(attrs)
+    elif kind == "collective-permute":
         braced = _attr_braces(attrs, "source_target_pairs")
         groups = _int_groups(braced) if braced else []
     else:
@@ -1041,6 +1039,8 @@ def _group_axes(kind: str, attrs: str, mesh_axes: dict[str, int]) -> tuple[str, 
         if groups is None:
             braced = _attr_braces(attrs, "replica_groups")
             groups = _int_groups(braced) if braced else []
+    if groups is None:
+        return ()
     sizes = list(mesh_axes.values())
     total = math.prod(sizes)
     if not groups or not any(groups):
@@ -1055,6 +1055,54 @@ def _group_axes(kind: str, attrs: str, mesh_axes: dict[str, int]) -> tuple[str, 
                 varying.add(d)
     names = list(mesh_axes)
     return tuple(names[d] for d in sorted(varying))
+
+
+def _mesh_form_groups(attrs: str) -> list[list[int]] | None:
+    """The device groups of ``replica_groups=mesh['a'=2,'b'=4][, device_ids=...] {'b'}``.
+
+    The HLO's own mesh (its axis names need not be the program's): devices
+    ``device_ids`` (an iota, default ``0..N-1``) laid out in its shape; a group
+    is the devices along the named axes (``'x':(p)s`` names the sub-axis of
+    size ``s`` after ``p``) for fixed coordinates of the others.
+    """
+    import numpy as np
+
+    m = re.search(r"\breplica_groups=mesh\[([^\]]*)\]", attrs)
+    axes = [(a, int(n)) for a, n in re.findall(r"'([^']*)'=(\d+)", m.group(1))]
+    rest = attrs[m.end() :]
+    g = re.search(r"\{([^{}]*)\}", rest)
+    if g is None:
+        return None
+    total = math.prod(n for _, n in axes)
+    ids = np.arange(total)
+    d = re.match(r"\s*,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", rest)
+    if d is not None:
+        ids = ids.reshape([int(x) for x in d.group(1).split(",")])
+        if d.group(2):
+            ids = ids.transpose([int(x) for x in d.group(2).split(",")])
+        ids = ids.reshape(-1)
+    # split every axis into sub-axes where a group names one: (before, size, after)
+    shape, names = [], []
+    picked = {}
+    for part in _split_top(g.group(1)):
+        a = re.fullmatch(r"\s*'([^']*)'(?::\((\d+)\)(\d+))?\s*", part)
+        if a is None:
+            return None
+        picked[a.group(1)] = (int(a.group(2)), int(a.group(3))) if a.group(3) else None
+    for name, n in axes:
+        sub = picked.get(name)
+        if sub is None:
+            shape.append(n)
+            names.append((name, name in picked))
+        else:
+            pre, size = sub
+            shape += [pre, size, n // (pre * size)]
+            names += [(name, False), (name, True), (name, False)]
+    grid = ids.reshape(shape)
+    inside = [k for k, (_, chosen) in enumerate(names) if chosen]
+    outside = [k for k in range(len(shape)) if k not in inside]
+    grid = grid.transpose(outside + inside)
+    return grid.reshape(-1, math.prod(shape[k] for k in inside) if inside else 1).tolist()
 
 
 def _unravel(i: int, sizes: list[int]) -> tuple[int, ...]:

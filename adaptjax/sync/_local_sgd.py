@@ -12,6 +12,7 @@ import optax
 from adaptjax._codec import GradientCodec
 from adaptjax._per_replica import PerReplica
 from adaptjax._sync import codec_sync
+from adaptjax._tree import pmean_replicas
 from adaptjax.sync._strategy import (
     LOCAL_MERGE,
     SyncStrategy,
@@ -110,7 +111,7 @@ def local_sgd(
             x, outer_state, codec_state = operands
             delta = jax.tree.map(lambda p, xi: p - xi, params, x)
             if codec is None:
-                mean_delta = jax.lax.pmean(delta, axis_name)
+                mean_delta = pmean_replicas(delta, axis_name)
             else:
                 mean_delta, codec_state = codec_sync(
                     codec, delta, codec_state, axis_name=axis_name, step=state.count // H,
