@@ -85,8 +85,6 @@ def _reduce_scatter_gather(tree, axis_name, n: int):
     reduce-scatters nor all-gathers, so one buffer per dtype keeps it at one
     pair.)
     """
-    if n == 1:  # one replica: the sum is the value (and XLA may reject the pair)
-        return tree
     leaves, treedef = jax.tree.flatten(tree)
     out: list = [None] * len(leaves)
     by_dtype: dict = {}
@@ -580,21 +578,27 @@ def _monitor_scalars(config: _SyncConfig, inputs: _Inputs) -> dict:
 
 
 def _dense_exchange(config: _SyncConfig, inputs: _Inputs, scalars, extra_sums) -> _Exchanged:
-    """The gradients, the monitors' scalars and the caller's sums, summed over replicas."""
-    updates, axis_name = inputs.updates, config.axis_name
+    """The gradients, the monitors' scalars and the caller's sums, summed over replicas.
+
+    On a sharded mesh the collectives run on each device's shards (inside
+    ``ShardLayout.local_map``): the same all-reduce over the data axis, of the
+    shard each device holds. (XLA:CPU rejects a bf16 all-reduce, and one over
+    a data axis of size 1, of an array the compiler shards.)
+    """
+    axis_name, n = config.axis_name, inputs.n
     wdt = config.wire_dtype
-    wire = updates if wdt is None else jax.tree.map(lambda g: g.astype(wdt), updates)
+    wire = inputs.updates if wdt is None else jax.tree.map(lambda g: g.astype(wdt), inputs.updates)
     if config.dense_lane == "all-reduce":
-        summed, (summed_scalars, summed_extra) = _psum_leaves(
-            (wire, (scalars, extra_sums)), axis_name
-        )
+        exchange = lambda w, sc, ex: _psum_leaves((w, (sc, ex)), axis_name)
     else:
-        rsag = functools.partial(_reduce_scatter_gather, axis_name=axis_name, n=inputs.n)
-        if inputs.layout is not None:  # each device's shards in one flat buffer
-            specs = inputs.layout.specs_for(wire)
-            rsag = inputs.layout.local_map(rsag, (specs,), specs)
-        summed = rsag(wire)
-        summed_scalars, summed_extra = _psum_leaves((scalars, extra_sums), axis_name)
+
+        def exchange(w, sc, ex):
+            return _reduce_scatter_gather(w, axis_name, n), _psum_leaves((sc, ex), axis_name)
+
+    if inputs.layout is not None:
+        specs = inputs.layout.specs_for(wire)
+        exchange = inputs.layout.local_map(exchange, (specs, P(), P()), (specs, P()))
+    summed, (summed_scalars, summed_extra) = exchange(wire, scalars, extra_sums)
     return _Exchanged(summed, summed_scalars, summed_extra)
 
 

@@ -256,7 +256,10 @@ def bytes_per_device(state) -> int:
 
 def train_sharded(args, cfg, model, train, evaluate):
     """Trains on a sharded mesh with :func:`adaptjax.data_parallel_step` (no controller)."""
-    mesh = adaptjax.make_mesh(parse_mesh(args.mesh))
+    try:
+        mesh = adaptjax.make_mesh(parse_mesh(args.mesh))
+    except ValueError as error:
+        raise SystemExit(f"lm.py: --mesh {args.mesh}: {error}") from None
     rule = lm_sharding(mesh)
     tx = adaptjax.chain(
         adaptjax.sync_gradients("data", monitors=(adaptjax.GradientNoiseScale(),)),

@@ -199,7 +199,7 @@ def test_every_device_holds_one_fsdp_share_of_a_sharded_leaf():
 def test_dense_step_equals_on_every_mesh():
     tx = adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-2))
     ref, m_ref = train(8, tx)
-    for shape in ({"data": 2, "fsdp": 4}, {"data": 1, "fsdp": 1}, 1):
+    for shape in ({"data": 2, "fsdp": 4}, {"data": 1, "fsdp": 1}, {"data": 1, "fsdp": 8}, 1):
         state, m = train(shape, tx)
         assert_trees_close(state.params, ref.params, atol=2e-5)
         assert m["loss"] == pytest.approx(m_ref["loss"], rel=1e-5)
@@ -427,3 +427,53 @@ def test_differencing_monitor_needs_whole_gradients():
     with pytest.raises(ValueError) as e:
         step.lower(adaptjax.abstract_state(mlp(), tx, mesh, sharding=RULE), BATCHES[0])
     assert "need whole gradients" in one_line(e)
+
+
+@pytest.mark.parametrize(
+    ("groups", "axes"),
+    [
+        ("[2,4]<=[8]", ("fsdp",)),
+        ("[4,2]<=[2,4]T(1,0)", ("data",)),
+        ("{{0,4},{1,5},{2,6},{3,7}}", ("data",)),
+        ("{{0,1,4,5},{2,3,6,7}}", ("data", "fsdp")),
+        ("[1,8]<=[8]", ("data", "fsdp")),
+        ("mesh['a'=2,'b'=4] {'b'}", ("fsdp",)),
+        ("mesh['x'=8] {'x':(2)4}", ("fsdp",)),
+        ("mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}", ("fsdp",)),
+    ],
+)
+def test_collective_axes_from_replica_groups(groups, axes):
+    from adaptjax._wire import parse_collectives
+
+    text = (
+        "HloModule m, num_partitions=8\nENTRY e {\n  p = f32[100]{0} parameter(0)\n"
+        f"  ROOT s = f32[100]{{0}} all-reduce(p), channel_id=1, replica_groups={groups},"
+        " use_global_device_ids=true, to_apply=add\n}"
+    )
+    (c,) = parse_collectives(text, mesh_axes={"data": 2, "fsdp": 4})
+    assert c.axes == axes
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"dense_lane": "reduce-scatter+all-gather"}, {"monitor_every": 2}],
+    ids=["rs+ag", "monitor_every"],
+)
+def test_sync_options_on_a_sharded_mesh(kwargs):
+    monitors = (adaptjax.GradientNoiseScale(),)
+    tx = adaptjax.chain(
+        adaptjax.sync_gradients("data", monitors=monitors, norm_chunks=1, **kwargs),
+        optax.adam(1e-2),
+    )
+    ref, m_ref = train(8, tx, steps=3)
+    state, m = train({"data": 2, "fsdp": 4}, tx, steps=3, microbatches=4)
+    assert_trees_close(state.params, ref.params, atol=1e-5)
+    assert m["noise_scale"] == pytest.approx(m_ref["noise_scale"], rel=2e-5)
+
+
+def test_bf16_wire_on_a_sharded_mesh():
+    # bf16 on the wire: each device's shard, summed over the 2 replicas
+    tx = adaptjax.chain(adaptjax.sync_gradients("data", wire_dtype=jnp.bfloat16), optax.sgd(0.1))
+    ref, _ = train(2, tx, steps=2)
+    state, _ = train({"data": 2, "fsdp": 4}, tx, steps=2)
+    assert_trees_close(state.params, ref.params, atol=1e-6)
