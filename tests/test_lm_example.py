@@ -52,6 +52,7 @@ def test_missing_sources_exit_names_the_data_flag(tmp_path):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_tiny_lm_on_sharded_meshes_prints_bytes_per_device(tmp_path):
     import lm
 
