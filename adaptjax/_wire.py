@@ -206,7 +206,8 @@ class WireReport:
         and ``"fsdp"`` the compiler's all-gathers of weights and reductions of
         gradients.
         """
-        keys = dict.fromkeys(c.axes for c in self.collectives)
+        # (a group of one device spans no axis and sends nothing: not listed)
+        keys = dict.fromkeys(c.axes for c in self.collectives if c.axes or c.bytes)
         return {
             ("+".join(k) or "?"): self._fold(lambda c, k=k: c.bytes if c.axes == k else 0.0, _mean)
             for k in keys
