@@ -74,6 +74,9 @@ _NAMES = {
     "DataParallelStep": "adaptjax._step",
     "data_parallel_step": "adaptjax._step",
     "make_mesh": "adaptjax._mesh",
+    "FSDP": "adaptjax._mesh",
+    "param_specs": "adaptjax._mesh",
+    "ShardLayout": "adaptjax._tree",
     "SyncState": "adaptjax._sync",
     "SyncGradients": "adaptjax._sync",
     "SyncChain": "adaptjax._chain",
@@ -119,7 +122,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
         current_loss_scale,
         dynamic_loss_scale,
     )
-    from adaptjax._mesh import make_mesh
+    from adaptjax._mesh import FSDP, make_mesh, param_specs
     from adaptjax._metric_vector import Metrics
     from adaptjax._metrics import UpdateNormState, collect_metrics, read_metrics, update_norm
     from adaptjax._monitors import (
@@ -151,7 +154,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     )
     from adaptjax._step import DataParallelStep, data_parallel_step
     from adaptjax._sync import SyncGradients, SyncState, noise_scale, sync_gradients
-    from adaptjax._tree import tree_sq_norm, tree_sq_norm_sampled, tree_vdot
+    from adaptjax._tree import ShardLayout, tree_sq_norm, tree_sq_norm_sampled, tree_vdot
     from adaptjax._wire import Collective, WireReport, wire_bytes
     from adaptjax.controller._checkpoint import CorruptCheckpointError, RunCheckpoints
     from adaptjax.controller._controller import Controller, NonFiniteTraining
@@ -228,6 +231,9 @@ __all__ = [
     "has_per_replica",
     "init_state",
     "make_mesh",
+    "FSDP",
+    "param_specs",
+    "ShardLayout",
     "merge_replicas",
     "noise_scale",
     "read_metrics",

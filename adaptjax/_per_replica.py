@@ -116,8 +116,56 @@ def has_per_replica(tree) -> bool:
     return any(_is_marker(x) for x in jax.tree.leaves(tree, is_leaf=_is_marker))
 
 
-def state_partition_specs(tree, axis_name: str | tuple[str, ...] = "data"):
+def _map_marked_with_path(fn_replica, fn_other, tree):
+    """:func:`_map_marked` whose functions also receive each leaf's key path."""
+
+    def visit(path, node):
+        if _is_marker(node):
+            inner = jax.tree_util.tree_map_with_path(
+                lambda p, x: fn_replica((*path, *p), x), node.value
+            )
+            return PerReplica(inner, node.merge)
+        return fn_other(path, node)
+
+    return jax.tree_util.tree_map_with_path(visit, tree, is_leaf=_is_marker)
+
+
+def _spec_index(params, param_specs) -> dict:
+    """``{key path: (shape, spec)}`` of every parameter leaf."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
+    return {
+        tuple(path): (tuple(np.shape(x)), spec) for (path, x), spec in zip(flat, specs, strict=True)
+    }
+
+
+def _spec_like_param(index: dict, path, shape) -> P:
+    """The spec of the parameter whose key path ends ``path`` and whose shape is ``shape``.
+
+    Optimizer state mirrors the parameters (``mu['layer']['kernel']`` for
+    ``['layer']['kernel']``): the longest key-path suffix naming a parameter of
+    the same shape gives the spec. A leaf that matches none (a step count, a
+    codec's factors) is replicated.
+    """
+    path, shape = tuple(path), tuple(shape)
+    for k in range(len(path), -1, -1):
+        hit = index.get(path[len(path) - k :])
+        if hit is not None and hit[0] == shape:
+            return hit[1]
+    return P()
+
+
+def state_partition_specs(
+    tree, axis_name: str | tuple[str, ...] = "data", *, params=None, param_specs=None
+):
     """Partition specs for a state tree: ``P(axis_name)`` under markers, else ``P()``.
+
+    With ``params`` and their ``param_specs`` (a sharded mesh, see
+    :func:`adaptjax.param_specs`), a leaf shaped like a parameter and named
+    like it (its key path ends with the parameter's) is sharded like it:
+    Adam's moments like their parameter, a per-replica leaf as
+    ``P(axis_name, *its parameter's spec)`` (one copy per replica, each
+    sharded like the parameter).
 
     Example:
         >>> import adaptjax
@@ -125,10 +173,19 @@ def state_partition_specs(tree, axis_name: str | tuple[str, ...] = "data"):
         >>> specs["m"], specs["e"].value
         (P(), P('data',))
     """
-    return _map_marked(lambda _: P(axis_name), lambda _: P(), tree)
+    if param_specs is None:
+        return _map_marked(lambda _: P(axis_name), lambda _: P(), tree)
+    index = _spec_index(params, param_specs)
+    return _map_marked_with_path(
+        lambda path, x: P(axis_name, *_spec_like_param(index, path, np.shape(x)[1:])),
+        lambda path, x: _spec_like_param(index, path, np.shape(x)),
+        tree,
+    )
 
 
-def state_shardings(tree, mesh, axis_name: str | tuple[str, ...] = "data"):
+def state_shardings(
+    tree, mesh, axis_name: str | tuple[str, ...] = "data", *, params=None, param_specs=None
+):
     """``NamedSharding``s on ``mesh`` for a state tree (see :func:`state_partition_specs`).
 
     Example:
@@ -137,9 +194,8 @@ def state_shardings(tree, mesh, axis_name: str | tuple[str, ...] = "data"):
         >>> adaptjax.state_shardings(adaptjax.PerReplica(0.0), mesh).value.spec
         P('data',)
     """
-    return _map_marked(
-        lambda _: NamedSharding(mesh, P(axis_name)), lambda _: NamedSharding(mesh, P()), tree
-    )
+    specs = state_partition_specs(tree, axis_name, params=params, param_specs=param_specs)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def to_local(tree):

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from adaptjax._mesh import check_mesh
+from adaptjax._mesh import check_mesh, is_sharded, param_specs
 from adaptjax._per_replica import stack_replicas, state_partition_specs
 from adaptjax._tree import check_float_tree
 
@@ -141,27 +141,53 @@ jax.tree_util.register_dataclass(
 )
 
 
-def train_state_specs(state: TrainState, axis_name="data") -> TrainState:
+def train_state_specs(
+    state: TrainState, axis_name="data", *, mesh=None, sharding=None
+) -> TrainState:
     """Partition specs for a :class:`TrainState` (per-replica leaves over ``axis_name``).
+
+    Without ``mesh`` (or on a mesh of data axes only) every leaf is
+    replicated but the per-replica ones, ``P(axis_name)``. On a sharded
+    mesh (``adaptjax.make_mesh({"data": 2, "fsdp": 4})``) the parameters
+    get :func:`adaptjax.param_specs` (``sharding`` as there), the optimizer
+    state follows its parameters (Adam's moments sharded like them), and
+    per-replica state gets ``P(axis_name, *its parameter's spec)``. The
+    step counters and the NNX model's other variables stay replicated.
 
     Example:
       >>> import jax.numpy as jnp, optax, adaptjax
       >>> state = adaptjax.init_state({"w": jnp.zeros(2)}, optax.sgd(0.1), adaptjax.make_mesh(2))
       >>> adaptjax.train_state_specs(state).params
       {'w': P()}
+      >>> mesh = adaptjax.make_mesh({"data": 2, "fsdp": 4})
+      >>> tx = optax.adam(0.1)
+      >>> state = adaptjax.abstract_state({"w": jnp.zeros((8, 4096))}, tx, mesh)
+      >>> specs = adaptjax.train_state_specs(state, mesh=mesh)
+      >>> specs.params["w"], specs.opt_state[0].mu["w"], specs.opt_state[0].count
+      (P(None, 'fsdp'), P(None, 'fsdp'), P())
     """
+    if mesh is None or not is_sharded(mesh, axis_name):
+        params = jax.tree.map(lambda _: P(), state.params)
+        opt_state = state_partition_specs(state.opt_state, axis_name)
+    else:
+        params = param_specs(state.params, mesh, sharding=sharding, axis_name=axis_name)
+        opt_state = state_partition_specs(
+            state.opt_state, axis_name, params=state.params, param_specs=params
+        )
     return TrainState(
         step=P(),
-        params=jax.tree.map(lambda _: P(), state.params),
-        opt_state=state_partition_specs(state.opt_state, axis_name),
+        params=params,
+        opt_state=opt_state,
         nonfinite_count=P(),
         model_state=jax.tree.map(lambda _: P(), state.model_state),
         graphdef=state.graphdef,
     )
 
 
-def train_state_shardings(state: TrainState, mesh, axis_name="data") -> TrainState:
-    """``NamedSharding``s for a :class:`TrainState` on ``mesh``.
+def train_state_shardings(
+    state: TrainState, mesh, axis_name="data", *, sharding=None
+) -> TrainState:
+    """``NamedSharding``s for a :class:`TrainState` on ``mesh`` (see :func:`train_state_specs`).
 
     Place a restored or merged state on a new mesh with
     ``jax.device_put(state, train_state_shardings(state, new_mesh))``.
@@ -173,7 +199,7 @@ def train_state_shardings(state: TrainState, mesh, axis_name="data") -> TrainSta
       >>> adaptjax.train_state_shardings(state, mesh).params["w"].mesh.size
       2
     """
-    specs = train_state_specs(state, axis_name)
+    specs = train_state_specs(state, axis_name, mesh=mesh, sharding=sharding)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
@@ -249,17 +275,25 @@ def shape_struct(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(dtype))
 
 
-def init_state(model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...] = "data"):
+def init_state(
+    model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...] = "data", sharding=None
+):
     """Builds a :class:`TrainState` placed on ``mesh``.
 
-    Parameters are replicated; optimizer state in :class:`adaptjax.PerReplica`
-    is stacked to one copy per replica and sharded over ``axis_name``.
+    On a mesh of data axes only, parameters are replicated; optimizer state
+    in :class:`adaptjax.PerReplica` is stacked to one copy per replica and
+    sharded over ``axis_name``. On a sharded mesh every leaf is placed as
+    :func:`adaptjax.train_state_specs` says: only its shard reaches each
+    device.
 
     Args:
       model_or_params: a pytree of float parameters, or a flax NNX module.
       tx: the optax transformation the step will run.
       mesh: a ``jax.sharding.Mesh`` with ``axis_name``.
       axis_name: the data-parallel axis.
+      sharding: how parameters lie on a sharded mesh (see
+        :func:`adaptjax.param_specs`); pass the same to
+        :func:`adaptjax.data_parallel_step`.
 
     Returns:
       The placed :class:`TrainState`.
@@ -286,10 +320,12 @@ def init_state(model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...] = 
     # Host copies first: leaves that share one buffer (a common zeros scalar)
     # must become distinct device buffers, or donating the state fails.
     state = jax.tree.map(lambda x: np.array(x), state)
-    return jax.device_put(state, train_state_shardings(state, mesh, axis_name))
+    return jax.device_put(state, train_state_shardings(state, mesh, axis_name, sharding=sharding))
 
 
-def abstract_state(model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...] = "data"):
+def abstract_state(
+    model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...] = "data", sharding=None
+):
     """The :class:`TrainState` that :func:`init_state` would build, as ``ShapeDtypeStruct``s.
 
     Nothing is allocated: use it as the restore target of a checkpoint on a
@@ -301,6 +337,7 @@ def abstract_state(model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...
       tx: the optax transformation.
       mesh: the target mesh.
       axis_name: the data-parallel axis.
+      sharding: as in :func:`init_state`.
 
     Returns:
       A :class:`TrainState` of ``jax.ShapeDtypeStruct``.
@@ -327,7 +364,7 @@ def abstract_state(model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...
     shapes = dataclasses.replace(
         shapes, model_state=jax.tree.map(shape_struct, model_state), graphdef=graphdef
     )
-    shardings = train_state_shardings(shapes, mesh, axis_name)
+    shardings = train_state_shardings(shapes, mesh, axis_name, sharding=sharding)
     return jax.tree.map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings
     )

@@ -11,12 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from adaptjax._codec import GradientCodec
 from adaptjax._hash import hash32
 from adaptjax._metric_vector import Metrics
 from adaptjax._monitors import GradientMonitor, GradientNoiseScale, GradStats
-from adaptjax._tree import axis_size, check_float_tree, tree_sq_norm_sampled
+from adaptjax._tree import axis_size, check_float_tree, psum_replicas, tree_sq_norm_sampled
 
 _LOCAL_SQ = "__local_sq__"
 # With a codec, monitors see the exact mean at this fraction of coordinates.
@@ -66,7 +67,7 @@ def _psum_leaves(tree, axis_name):
     gradient's all-reduce can start as soon as the backward pass produced it.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(treedef, [jax.lax.psum(x, axis_name) for x in leaves])
+    return jax.tree.unflatten(treedef, [psum_replicas(x, axis_name) for x in leaves])
 
 
 #: The dense lane's collectives (``dense_lane=`` of :func:`sync_gradients`).
@@ -99,6 +100,117 @@ def _reduce_scatter_gather(tree, axis_name, n: int):
         for i, start, size in zip(idx, np.cumsum([0, *sizes[:-1]]), sizes, strict=True):
             out[i] = whole[int(start) : int(start) + size].reshape(np.shape(leaves[i]))
     return jax.tree.unflatten(treedef, out)
+
+
+def _sq_norm(inputs, tree, chunks: int):
+    """``Σ‖x‖²`` of a gradient-shaped tree (sampled in ``chunks``), over its shards if sharded."""
+    if inputs.layout is None:
+        return tree_sq_norm_sampled(tree, inputs.state.count, chunks)
+    return inputs.layout.sq_norm(tree, inputs.state.count, chunks)
+
+
+def codec_sync(codec, grads, state, *, axis_name, step, layout=None):
+    """``codec.sync`` over ``axis_name``; on a sharded mesh, on each device's shards.
+
+    With a :class:`adaptjax.ShardLayout` the codec runs inside a ``shard_map``
+    manual over the model's axes: each device compresses its own shard of
+    every leaf over the data axis (a quantiser's blocks stay inside a shard;
+    top-k keeps ``ratio`` of each shard's elements, so ``k`` is per shard),
+    and a leaf replicated over those axes is compressed alike on each of its
+    devices. The codec plans each shard as a leaf of the shard's shape: a
+    shard under the codec's ``min_size`` goes in its exact float32 lane (its
+    residual buffer, unused, is kept as it is). The codec's other state must
+    be split like the gradients, as error-feedback residuals are; a codec
+    whose state is not (PowerSGD's low-rank factors) raises a one-line
+    ``ValueError`` before anything compiles.
+
+    Args:
+      codec: a :class:`adaptjax.GradientCodec`.
+      grads: this replica's gradients.
+      state: the codec's state (local view).
+      axis_name: the data axis.
+      step: int32 step counter.
+      layout: the step's :class:`adaptjax.ShardLayout`, or ``None``.
+
+    Returns:
+      ``(mean, new state)`` as ``codec.sync`` returns them.
+    """
+    if layout is None:
+        return codec.sync(grads, state, axis_name=axis_name, step=step)
+    g_specs = layout.specs_for(grads)
+    kept, unused = _shard_state(codec, grads, state, g_specs, layout)
+    s_specs = layout.specs_for(kept)
+
+    def local(g, s, t):
+        return codec.sync(g, s, axis_name=axis_name, step=t)
+
+    mean, new = layout.local_map(local, (g_specs, s_specs, P()), (g_specs, s_specs))(
+        grads, kept, jnp.asarray(step, jnp.int32)
+    )
+    return mean, _restore_unused(new, unused)
+
+
+def _is_none(x) -> bool:
+    return x is None
+
+
+def _shard_state(codec, grads, state, g_specs, layout):
+    """``(state the codec expects per shard, the buffers it does not use)``.
+
+    The state was built for whole leaves; per shard the codec wants the state
+    ``codec.init`` gives a shard. Buffers of leaves whose shards fall under
+    its ``min_size`` are set aside (``None`` there); any other difference is
+    a one-line ``ValueError``.
+    """
+    s_specs = layout.specs_for(state)
+    local = lambda tree, specs: jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(layout.local_shape(jnp.shape(x), s), x.dtype),
+        tree,
+        specs,
+    )
+    wanted, w_def = jax.tree.flatten(
+        jax.eval_shape(codec.init, local(grads, g_specs)), is_leaf=_is_none
+    )
+    have, h_def = jax.tree.flatten(local(state, s_specs), is_leaf=_is_none)
+    same = w_def == h_def and all(
+        w is None or (h is not None and w.shape == h.shape)
+        for w, h in zip(wanted, have, strict=True)
+    )
+    if not same:
+        name = getattr(codec, "name", type(codec).__name__)
+        raise ValueError(
+            f"codec {name!r} cannot run on each shard of a sharded mesh: its state is not split "
+            "like the gradients (e.g. low-rank factors); use onebit, topk, a quantiser or bf16, "
+            "or a mesh without model axes (per-shard state for this codec is phase 2 of issue 34)"
+        )
+    leaves = jax.tree.leaves(state, is_leaf=_is_none)
+    kept = [None if w is None else x for w, x in zip(wanted, leaves, strict=True)]
+    unused = [x if w is None else None for w, x in zip(wanted, leaves, strict=True)]
+    return h_def.unflatten(kept), (h_def, unused)
+
+
+def _restore_unused(new_state, unused):
+    """``new_state`` with the buffers :func:`_shard_state` set aside put back unchanged."""
+    treedef, old = unused
+    if all(x is None for x in old):
+        return new_state
+    new = jax.tree.leaves(new_state, is_leaf=_is_none)
+    return treedef.unflatten([o if o is not None else x for x, o in zip(new, old, strict=True)])
+
+
+def _check_layout(config, layout) -> None:
+    """One-line errors for what a sharded mesh does not support yet."""
+    if layout is None:
+        return
+    for m in config.monitors:
+        if getattr(m, "differencing", False) or (
+            config.codec is not None and getattr(m, "preconditioned", False)
+        ):
+            raise ValueError(
+                f"{type(m).__name__}(differencing=True) and the preconditioned noise scale with a "
+                "codec need whole gradients; on a sharded mesh use >= 2 replicas (or "
+                "microbatches >= 2) without differencing, and the plain noise scale with a codec"
+            )
 
 
 class SyncState(NamedTuple):
@@ -389,6 +501,7 @@ class _Inputs(NamedTuple):
     local_sq: Any  # ``local_sqnorm=``: this replica's exact ‖g‖², or None
     local_batch_size: Any  # ``local_batch_size=``, or None
     measure_now: Any  # bool scalar: the monitors measure at this update
+    layout: Any = None  # ``shard_layout=``: a ShardLayout on a sharded mesh, else None
 
 
 class _Exchanged(NamedTuple):
@@ -414,7 +527,9 @@ def _update_with_sums(
         local_sq=extra.get("local_sqnorm"),
         local_batch_size=extra.get("local_batch_size"),
         measure_now=state.count % config.monitor_every == 0,
+        layout=extra.get("shard_layout"),
     )
+    _check_layout(config, inputs.layout)
     scalars = _monitor_scalars(config, inputs)
     if config.codec is None:
         sums = _dense_exchange(config, inputs, scalars, extra_sums)
@@ -441,9 +556,7 @@ def _local_scalars(config: _SyncConfig, inputs: _Inputs) -> dict:
     elif inputs.local_sq is not None:
         out[_LOCAL_SQ] = jnp.asarray(inputs.local_sq, jnp.float32)
     else:
-        out[_LOCAL_SQ] = tree_sq_norm_sampled(
-            inputs.updates, inputs.state.count, config.norm_chunks
-        )
+        out[_LOCAL_SQ] = _sq_norm(inputs, inputs.updates, config.norm_chunks)
     for i, (m, s) in enumerate(zip(config.monitors, inputs.state.monitor_states, strict=True)):
         if i in config.shared:
             continue
@@ -465,17 +578,27 @@ def _monitor_scalars(config: _SyncConfig, inputs: _Inputs) -> dict:
 
 
 def _dense_exchange(config: _SyncConfig, inputs: _Inputs, scalars, extra_sums) -> _Exchanged:
-    """The gradients, the monitors' scalars and the caller's sums, summed over replicas."""
-    updates, axis_name = inputs.updates, config.axis_name
+    """The gradients, the monitors' scalars and the caller's sums, summed over replicas.
+
+    On a sharded mesh the collectives run on each device's shards (inside
+    ``ShardLayout.local_map``): the same all-reduce over the data axis, of the
+    shard each device holds. (XLA:CPU rejects a bf16 all-reduce, and one over
+    a data axis of size 1, of an array the compiler shards.)
+    """
+    axis_name, n = config.axis_name, inputs.n
     wdt = config.wire_dtype
-    wire = updates if wdt is None else jax.tree.map(lambda g: g.astype(wdt), updates)
+    wire = inputs.updates if wdt is None else jax.tree.map(lambda g: g.astype(wdt), inputs.updates)
     if config.dense_lane == "all-reduce":
-        summed, (summed_scalars, summed_extra) = _psum_leaves(
-            (wire, (scalars, extra_sums)), axis_name
-        )
+        exchange = lambda w, sc, ex: _psum_leaves((w, (sc, ex)), axis_name)
     else:
-        summed = _reduce_scatter_gather(wire, axis_name, inputs.n)
-        summed_scalars, summed_extra = _psum_leaves((scalars, extra_sums), axis_name)
+
+        def exchange(w, sc, ex):
+            return _reduce_scatter_gather(w, axis_name, n), _psum_leaves((sc, ex), axis_name)
+
+    if inputs.layout is not None:
+        specs = inputs.layout.specs_for(wire)
+        exchange = inputs.layout.local_map(exchange, (specs, P(), P()), (specs, P()))
+    summed, (summed_scalars, summed_extra) = exchange(wire, scalars, extra_sums)
     return _Exchanged(summed, summed_scalars, summed_extra)
 
 
@@ -483,11 +606,38 @@ def _codec_exchange(config: _SyncConfig, inputs: _Inputs, scalars, extra_sums) -
     """With a codec: the monitors' scalars and exact sample, and the caller's sums, summed.
 
     The gradients themselves are left to the codec, which runs in :func:`_complete`.
+    On a sharded mesh the sample is drawn from each device's shards (``mean_sample``
+    is then ``None``; ``sampled_mean_sq`` is summed over the shards).
     """
     updates, n = inputs.updates, inputs.n
     if not config.monitors:
-        return _Exchanged(updates, {}, jax.lax.psum(extra_sums, config.axis_name))
-    coords = _sample_coordinates(updates, inputs.state.count, config.codec_sample)
+        return _Exchanged(updates, {}, psum_replicas(extra_sums, config.axis_name))
+    sample = functools.partial(_sampled_exchange, config, n)
+    layout = inputs.layout
+    if layout is None:
+        summed_scalars, summed_extra, samples, sampled_mean_sq = sample(
+            updates, scalars, extra_sums, inputs.state.count
+        )
+        return _Exchanged(updates, summed_scalars, summed_extra, samples, sampled_mean_sq)
+    specs = layout.specs_for(updates)
+
+    def local(g, sc, ex, count):
+        sc, ex, _, part = sample(g, sc, ex, count, first=layout.first_of(specs))
+        return sc, ex, jax.lax.psum(part, layout.axes)
+
+    summed_scalars, summed_extra, sampled_mean_sq = layout.local_map(
+        local, (specs, P(), P(), P()), (P(), P(), P())
+    )(updates, scalars, extra_sums, inputs.state.count)
+    return _Exchanged(updates, summed_scalars, summed_extra, None, sampled_mean_sq)
+
+
+def _sampled_exchange(config: _SyncConfig, n, updates, scalars, extra_sums, count, first=None):
+    """``(Σ scalars, Σ extra, samples, ‖Ḡ‖² estimate)``: exact values at shared coordinates.
+
+    ``first`` (sharded meshes) weighs each leaf by whether this device counts it
+    (a leaf replicated over a model axis is counted on that axis's first device).
+    """
+    coords = _sample_coordinates(updates, count, config.codec_sample)
     # Every leaf's sample in one vector: one operand of the all-reduce and
     # one weighted sum of squares (not a reduction per leaf); a leaf taken
     # whole goes as it is, not through a gather.
@@ -504,9 +654,15 @@ def _codec_exchange(config: _SyncConfig, inputs: _Inputs, scalars, extra_sums) -
         (idx, mean_local[end - idx.shape[0] : end], scale)
         for (idx, scale), end in zip(coords, ends, strict=True)
     )
-    weights = jnp.concatenate([jnp.full(idx.shape, scale, jnp.float32) for idx, scale in coords])
+    scales = [scale for _, scale in coords]
+    if first is not None:
+        scales = [jnp.where(f, scale, 0.0) for f, scale in zip(first, scales, strict=True)]
+    weights = jnp.concatenate([
+        jnp.broadcast_to(jnp.asarray(w, jnp.float32), idx.shape)
+        for (idx, _), w in zip(coords, scales, strict=True)
+    ])
     sampled_mean_sq = jnp.sum(weights * jnp.square(mean_local))
-    return _Exchanged(updates, summed_scalars, summed_extra, samples, sampled_mean_sq)
+    return summed_scalars, summed_extra, samples, sampled_mean_sq
 
 
 def _dense_mean(updates, n: int, summed):
@@ -521,8 +677,9 @@ def _complete(config: _SyncConfig, inputs: _Inputs, sums: _Exchanged, out):
         mean = _dense_mean(inputs.updates, inputs.n, out)  # traced only if a monitor reads it
         codec_state = ()
     else:
-        mean, codec_state = config.codec.sync(
-            out, state.codec_state, axis_name=config.axis_name, step=state.count
+        mean, codec_state = codec_sync(
+            config.codec, out, state.codec_state, axis_name=config.axis_name, step=state.count,
+            layout=inputs.layout,
         )
     if not config.monitors:
         return mean, SyncState(state.count + 1, codec_state, (), state.metrics)
@@ -549,8 +706,8 @@ def _measure(config: _SyncConfig, inputs: _Inputs, sums: _Exchanged, monitor_sta
         # the all-reduce left them, the division by n stays fused into the
         # optimizer's one read of the mean.
         mean_sq=(
-            tree_sq_norm_sampled(sums.out, inputs.state.count, config.norm_chunks) / n**2
-            if sums.mean_sample is None
+            _sq_norm(inputs, sums.out, config.norm_chunks) / n**2
+            if sums.sampled_mean_sq is None
             else sums.sampled_mean_sq
         ),
         n_replicas=n,

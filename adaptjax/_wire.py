@@ -73,6 +73,9 @@ class Collective:
       branch: where it sits inside ``lax.cond``/``lax.switch`` branches: the
         ``(conditional name, branch index)`` pairs from the outermost in, ``()``
         when every call runs it.
+      axes: the mesh axes its replica groups span, in mesh order (``("data",)``
+        for the sync's all-reduce, ``("fsdp",)`` for an FSDP all-gather), read
+        from the device ids of its groups; ``()`` when the mesh is unknown.
     """
 
     kind: str
@@ -88,6 +91,7 @@ class Collective:
     num_operands: int = 1
     operand_dtypes: tuple[str, ...] = ()
     branch: tuple[tuple[str, int], ...] = ()
+    axes: tuple[str, ...] = ()
 
     @property
     def widened(self) -> bool:
@@ -192,6 +196,35 @@ class WireReport:
 
         return walk(())
 
+    @property
+    def axis_totals(self) -> dict[str, float]:
+        """Bytes per device per call (as `total`) by the mesh axes each collective spans.
+
+        Keys join the axes with ``+`` in mesh order (``"data"``, ``"fsdp"``,
+        ``"data+fsdp"``); ``"?"`` holds collectives whose axes are unknown.
+        On a sharded step ``"data"`` is the sync (and the monitors' scalars)
+        and ``"fsdp"`` the compiler's all-gathers of weights and reductions of
+        gradients.
+        """
+        # (a group of one device spans no axis and sends nothing: not listed)
+        keys = dict.fromkeys(c.axes for c in self.collectives if c.axes or c.bytes)
+        return {
+            ("+".join(k) or "?"): self._fold(lambda c, k=k: c.bytes if c.axes == k else 0.0, _mean)
+            for k in keys
+        }
+
+    def kind_totals(self, axes: str | None = None) -> dict[str, float]:
+        """Bytes per device per call (as `total`) by collective kind, on ``axes`` (a key
+        of `axis_totals`) or on every axis (``None``)."""
+        want = None if axes is None else (() if axes == "?" else tuple(axes.split("+")))
+        kinds = dict.fromkeys(c.kind for c in self.collectives)
+        return {
+            k: self._fold(
+                lambda c, k=k: c.bytes if c.kind == k and want in (None, c.axes) else 0.0, _mean
+            )
+            for k in kinds
+        }
+
     def count(self, kind: str | None = None, min_bytes: float = 0) -> int:
         """Number of collectives of ``kind`` (all kinds if None) sending >= ``min_bytes``.
 
@@ -237,12 +270,17 @@ class WireReport:
             )
         if not self.collectives:
             return head
+        if any(c.axes for c in self.collectives):
+            per = ", ".join(f"{k} {_fmt(v)}" for k, v in self.axis_totals.items())
+            head += f"\n  by mesh axes: {per} B"
         rows = [("kind", "dtype", "shape", "N", "bytes", "compiled", "branch")]
         for c in self.collectives:
             dtype = c.dtype if c.compiled_dtype == c.dtype else f"{c.dtype}->{c.compiled_dtype}"
             rows.append(
                 (
-                    c.kind + ("-start" if c.is_async else ""),
+                    c.kind
+                    + ("-start" if c.is_async else "")
+                    + (f" [{'+'.join(c.axes)}]" if c.axes else ""),
                     dtype,
                     _fmt_shape(c.shape, c.num_operands),
                     str(c.group_size),
@@ -324,6 +362,7 @@ class _Coll:
     group_size: int
     instr: _Instr
     program_dtypes: list[str] = dataclasses.field(default_factory=list)
+    axes: tuple[str, ...] = ()
 
 
 def _dtype_bits(dtype: str) -> int:
@@ -572,7 +611,9 @@ def _operands_of(kind: str, opcode: str, instr: _Instr, n: int, line: str) -> li
     return out
 
 
-def _collectives(text: str, num_devices: int | None) -> tuple[list[_Coll], list[_Instr], dict]:
+def _collectives(
+    text: str, num_devices: int | None, mesh_axes: dict[str, int] | None = None
+) -> tuple[list[_Coll], list[_Instr], dict]:
     instrs, header = _parse_module(text)
     colls = []
     for ins in instrs:
@@ -584,7 +625,8 @@ def _collectives(text: str, num_devices: int | None) -> tuple[list[_Coll], list[
         line = f"{ins.name} = ... {opcode}(...){ins.attrs}"
         n = _group_size(kind, ins.attrs, header, num_devices, line)
         operands = _operands_of(kind, opcode, ins, n, line)
-        colls.append(_Coll(kind, ins.name, is_async, operands, n, ins))
+        axes = _group_axes(kind, ins.attrs, mesh_axes) if mesh_axes else ()
+        colls.append(_Coll(kind, ins.name, is_async, operands, n, ins, axes=axes))
     return colls, instrs, header
 
 
@@ -805,11 +847,16 @@ def _finish(c: _Coll, branch: tuple = ()) -> Collective:
         num_operands=len(c.operands),
         operand_dtypes=tuple(program),
         branch=branch,
+        axes=c.axes,
     )
 
 
 def parse_collectives(
-    hlo_text: str, num_devices: int | None = None, *, program_text: str | None = None
+    hlo_text: str,
+    num_devices: int | None = None,
+    *,
+    program_text: str | None = None,
+    mesh_axes: dict[str, int] | None = None,
 ) -> tuple[Collective, ...]:
     r"""Reads every collective of an HLO module's text.
 
@@ -826,6 +873,9 @@ def parse_collectives(
       program_text: optional pre-optimisation text of the same program
         (``lowered.as_text(dialect="hlo")``); if given, collectives XLA widened are
         reported at the program's dtype (the rule is in `wire_bytes`).
+      mesh_axes: ``{axis: size}`` of the program's mesh in order (device id ``i``
+        sits at ``numpy.unravel_index(i, sizes)``); if given, each collective's
+        ``axes`` names the mesh axes its replica groups span.
 
     Returns:
       The collectives, in the order of the text.
@@ -842,7 +892,7 @@ def parse_collectives(
       >>> c.kind, c.dtype, c.group_size, c.bytes == 2 * (4 - 1) / 4 * (250 * 4)
       ('all-reduce', 'f32', 4, True)
     """
-    colls, instrs, header = _collectives(hlo_text, num_devices)
+    colls, instrs, header = _collectives(hlo_text, num_devices, mesh_axes)
     program = None
     if program_text is not None:
         if num_devices is None and header:
@@ -929,7 +979,136 @@ def wire_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> WireReport:
     if header:
         num_devices = header.get("replica_count", 1) * header.get("num_partitions", 1)
     program_text = lowered.as_text(dialect="hlo") if lowered is not None else None
-    collectives = parse_collectives(text, num_devices, program_text=program_text)
+    collectives = parse_collectives(
+        text, num_devices, program_text=program_text, mesh_axes=_compiled_mesh_axes(compiled)
+    )
     _, counts = _branch_paths(instrs)
     used = dict.fromkeys(name for c in collectives for name, _ in c.branch)
     return WireReport(collectives, num_devices, tuple((name, counts[name]) for name in used))
+
+
+# --------------------------------------------------------------------------------------
+# Which mesh axes a collective spans
+# --------------------------------------------------------------------------------------
+
+
+def _compiled_mesh_axes(compiled) -> dict[str, int] | None:
+    """``{axis: size}`` of the mesh of the first ``NamedSharding`` among a compiled
+    program's input and output shardings, or ``None``."""
+    import jax
+
+    trees = []
+    for attr in ("input_shardings", "output_shardings"):
+        try:
+            trees.append(getattr(compiled, attr))
+        except Exception:  # noqa: BLE001 - some executables cannot say
+            continue
+    for leaf in jax.tree.leaves(trees, is_leaf=lambda x: hasattr(x, "mesh")):
+        mesh = getattr(leaf, "mesh", None)
+        if mesh is not None and getattr(mesh, "axis_names", None) and mesh.size > 1:
+            return {name: int(mesh.shape[name]) for name in mesh.axis_names}
+    return None
+
+
+def _iota_groups(attrs: str) -> list[list[int]] | None:
+    """The groups of ``replica_groups=[G,S]<=[dims]T(perm)`` (iota form), or ``None``."""
+    m = re.search(
+        r"\breplica_groups=\[(\d+(?:,\d+)*)\]<=\[(\d+(?:,\d+)*)\](?:T\((\d+(?:,\d+)*)\))?",
+        attrs,
+    )
+    if m is None:
+        return None
+    import numpy as np
+
+    shape = [int(x) for x in m.group(1).split(",")]
+    dims = [int(x) for x in m.group(2).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(3):
+        ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    return ids.reshape(-1, shape[-1]).tolist()
+
+
+def _group_axes(kind: str, attrs: str, mesh_axes: dict[str, int]) -> tuple[str, ...]:
+    """The axes of ``mesh_axes`` whose coordinate differs within a replica group."""
+    if re.search(r"\breplica_groups=mesh\[", attrs):
+        groups = _mesh_form_groups(attrs)
+    elif kind == "collective-permute":
+        braced = _attr_braces(attrs, "source_target_pairs")
+        groups = _int_groups(braced) if braced else []
+    else:
+        groups = _iota_groups(attrs)
+        if groups is None:
+            braced = _attr_braces(attrs, "replica_groups")
+            groups = _int_groups(braced) if braced else []
+    if groups is None:
+        return ()
+    sizes = list(mesh_axes.values())
+    total = math.prod(sizes)
+    if not groups or not any(groups):
+        return tuple(a for a, n in mesh_axes.items() if n > 1)  # every device
+    varying: set[int] = set()
+    for group in groups:
+        if any(i >= total for i in group):
+            return ()
+        coords = [_unravel(i, sizes) for i in group]
+        for d in range(len(sizes)):
+            if len({c[d] for c in coords}) > 1:
+                varying.add(d)
+    names = list(mesh_axes)
+    return tuple(names[d] for d in sorted(varying))
+
+
+def _mesh_form_groups(attrs: str) -> list[list[int]] | None:
+    """The device groups of ``replica_groups=mesh['a'=2,'b'=4][, device_ids=...] {'b'}``.
+
+    The HLO's own mesh (its axis names need not be the program's): devices
+    ``device_ids`` (an iota, default ``0..N-1``) laid out in its shape; a group
+    is the devices along the named axes (``'x':(p)s`` names the sub-axis of
+    size ``s`` after ``p``) for fixed coordinates of the others.
+    """
+    import numpy as np
+
+    m = re.search(r"\breplica_groups=mesh\[([^\]]*)\]", attrs)
+    axes = [(a, int(n)) for a, n in re.findall(r"'([^']*)'=(\d+)", m.group(1))]
+    rest = attrs[m.end() :]
+    g = re.search(r"\{([^{}]*)\}", rest)
+    if g is None:
+        return None
+    total = math.prod(n for _, n in axes)
+    ids = np.arange(total)
+    d = re.match(r"\s*,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", rest)
+    if d is not None:
+        ids = ids.reshape([int(x) for x in d.group(1).split(",")])
+        if d.group(2):
+            ids = ids.transpose([int(x) for x in d.group(2).split(",")])
+        ids = ids.reshape(-1)
+    # split every axis into sub-axes where a group names one: (before, size, after)
+    shape, names = [], []
+    picked = {}
+    for part in _split_top(g.group(1)):
+        a = re.fullmatch(r"\s*'([^']*)'(?::\((\d+)\)(\d+))?\s*", part)
+        if a is None:
+            return None
+        picked[a.group(1)] = (int(a.group(2)), int(a.group(3))) if a.group(3) else None
+    for name, n in axes:
+        sub = picked.get(name)
+        if sub is None:
+            shape.append(n)
+            names.append((name, name in picked))
+        else:
+            pre, size = sub
+            shape += [pre, size, n // (pre * size)]
+            names += [(name, False), (name, True), (name, False)]
+    grid = ids.reshape(shape)
+    inside = [k for k, (_, chosen) in enumerate(names) if chosen]
+    outside = [k for k in range(len(shape)) if k not in inside]
+    grid = grid.transpose(outside + inside)
+    return grid.reshape(-1, math.prod(shape[k] for k in inside) if inside else 1).tolist()
+
+
+def _unravel(i: int, sizes: list[int]) -> tuple[int, ...]:
+    out = []
+    for n in reversed(sizes):
+        out.append(i % n)
+        i //= n
+    return tuple(reversed(out))

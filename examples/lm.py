@@ -20,8 +20,19 @@ Sizes (``--size``): ``tiny`` (tests), ``small`` (the default: 2 layers, width
 context 128) and ``gpu`` (8 layers, width 512, context 256); ``--layers``,
 ``--width`` and ``--context`` override them.
 
+Sharded (``--mesh data=2,fsdp=4``, or ``data=2,fsdp=2,model=2``): parameters
+and AdamW's moments are split over ``fsdp`` (and the attention and MLP weights
+over ``model``, Megatron-style: see :func:`lm_sharding`), the noise scale
+measured over ``data``; the script prints ``params+optimizer bytes per device:
+<n>`` and trains with :func:`adaptjax.data_parallel_step` directly (the
+controller takes a 1-D mesh until issue 34's second phase), without policies.
+On GPUs or TPUs the same flag shards a larger model over real devices: put
+``fsdp``/``model`` last so they stay inside a node, and leave the
+``XLA_FLAGS`` device count unset.
+
 Usage:
   python examples/lm.py [--steps 300] [--size small] [--run-dir runs/lm] [--data DIR]
+  python examples/lm.py --mesh data=2,fsdp=4 --size base --steps 50
   adaptjax report runs/lm        # report.png and summary.md of the run
 
 Prints ``validation bits per byte: <x>`` as its last line; ``RUN_DIR`` holds
@@ -44,6 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lm_data  # noqa: E402
@@ -148,9 +160,11 @@ def make_eval(val_windows: np.ndarray, template: ByteLM, batch: int = 64):
         return loss_fn(m, {"tokens": tokens}) * tokens.shape[0]
 
     def evaluate(model):
-        # This process's copy of the (replicated) parameters.
+        # The whole parameters: gathered when sharded, this process's copy when
+        # replicated over processes.
         params = jax.tree.map(
-            lambda x: np.asarray(x.addressable_data(0)), nnx.state(model, nnx.Param)
+            lambda x: np.asarray(x if x.is_fully_addressable else x.addressable_data(0)),
+            nnx.state(model, nnx.Param),
         )
         losses, count = 0.0, 0
         for i in range(0, len(val_windows), batch):
@@ -183,7 +197,93 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", default="runs/lm")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--mesh", default=None, help="a sharded mesh, e.g. data=2,fsdp=4 or data=2,fsdp=2,model=2"
+    )
     return parser
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=2,fsdp=4"`` -> ``{"data": 2, "fsdp": 4}`` (one-line SystemExit on a typo)."""
+    shape = {}
+    for part in text.split(","):
+        name, eq, size = part.partition("=")
+        if not eq or not size.strip().isdigit():
+            raise SystemExit(f"lm.py: --mesh wants axis=size pairs (data=2,fsdp=4), got {text!r}")
+        shape[name.strip()] = int(size)
+    return shape
+
+
+# Megatron-style tensor parallelism for ByteLM's blocks: the first matmul of
+# attention and of the MLP split by columns, the second by rows (one
+# all-reduce of activations each), over "model".
+_TENSOR_PARALLEL = {
+    "qkv": P(None, "model"),
+    "up": P(None, "model"),
+    "proj": P("model"),
+    "down": P("model"),
+}
+
+
+def lm_sharding(mesh):
+    """``(path, leaf) -> PartitionSpec``: tensor parallel over ``model`` if the mesh has it, then
+    :class:`adaptjax.FSDP` over ``fsdp`` on every leaf of 4096 elements or more."""
+    fsdp = adaptjax.FSDP()
+
+    def rule(path, leaf):
+        names = [getattr(k, "key", None) for k in path]
+        layer = next((n for n in names if n in _TENSOR_PARALLEL), None)
+        base = P()
+        if "model" in mesh.axis_names and layer is not None and names[-2] == "kernel":
+            base = _TENSOR_PARALLEL[layer]
+        elif "model" in mesh.axis_names and layer == "up" and names[-2] == "bias":
+            base = P("model")
+        return fsdp.spec(np.shape(leaf), mesh, base)
+
+    return rule
+
+
+def bytes_per_device(state) -> int:
+    """Bytes of the parameters and optimizer state on the mesh's first device."""
+    device = jax.tree.leaves(state.params)[0].sharding.mesh.devices.flat[0]
+    return sum(
+        shard.data.nbytes
+        for x in jax.tree.leaves((state.params, state.opt_state))
+        for shard in x.addressable_shards
+        if shard.device == device
+    )
+
+
+def train_sharded(args, cfg, model, train, evaluate):
+    """Trains on a sharded mesh with :func:`adaptjax.data_parallel_step` (no controller)."""
+    try:
+        mesh = adaptjax.make_mesh(parse_mesh(args.mesh))
+    except ValueError as error:
+        raise SystemExit(f"lm.py: --mesh {args.mesh}: {error}") from None
+    rule = lm_sharding(mesh)
+    tx = adaptjax.chain(
+        adaptjax.sync_gradients("data", monitors=(adaptjax.GradientNoiseScale(),)),
+        optax.adamw(args.lr, weight_decay=0.01),
+    )
+    model.train()
+    state = adaptjax.init_state(model, tx, mesh, sharding=rule)
+    print(f"mesh: {dict(mesh.shape)}  params+optimizer bytes per device: {bytes_per_device(state)}")
+    step = adaptjax.data_parallel_step(loss_fn, tx, mesh, sharding=rule)
+    rng = np.random.default_rng(args.seed)
+    every = args.eval_every or max(args.steps // 6, 1)
+    t0, metrics = time.perf_counter(), None
+    for t in range(args.steps):
+        rows = rng.integers(0, len(train), size=args.batch_size)
+        state, metrics = step(state, {"tokens": train[rows]})
+        if (t + 1) % every == 0 or t + 1 == args.steps:
+            m = jax.device_get(metrics)
+            print(f"step {t + 1}: loss {float(m['loss']):.4f}  "
+                  f"noise scale {float(m['noise_scale']):.1f}")
+    seconds = time.perf_counter() - t0
+    tokens = args.steps * args.batch_size * cfg.context
+    print(f"steps: {args.steps}  tokens: {tokens}  wall: {seconds:.1f}s  "
+          f"({tokens / seconds:.0f} tokens/s)")
+    return evaluate(state.model)
 
 
 def model_config(args) -> LMConfig:
@@ -206,10 +306,15 @@ def main(argv=None):
           f"validation  bytes: {info['train_bytes']} train, {len(val) * cfg.context} validation")
     model = ByteLM(cfg, nnx.Rngs(params=args.seed, dropout=args.seed + 1))
     print(f"model: {cfg}  parameters: {param_count(model)}")
+    evaluate = make_eval(val, ByteLM(cfg, nnx.Rngs(0)))
+    if args.mesh is not None:
+        result = train_sharded(args, cfg, model, train, evaluate)
+        print(f"validation loss: {result['loss']:.4f} nats/byte")
+        print(f"validation bits per byte: {result['bpb']:.4f}")
+        return result
     if os.path.exists(args.run_dir):
         shutil.rmtree(args.run_dir)  # a new run starts fresh
     steps = args.steps
-    evaluate = make_eval(val, ByteLM(cfg, nnx.Rngs(0)))
     ctrl = adaptjax.Controller(
         model=model,
         loss_fn=loss_fn,

@@ -50,3 +50,37 @@ def test_missing_sources_exit_names_the_data_flag(tmp_path):
     with pytest.raises(SystemExit, match="--data") as info:
         lm.main(["--data", str(tmp_path / "nothing"), "--run-dir", str(tmp_path / "r")])
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+def test_tiny_lm_on_sharded_meshes_prints_bytes_per_device(tmp_path):
+    import lm
+
+    data = tmp_path / "text"
+    data.mkdir()
+    for i in range(24):
+        (data / f"f{i}.txt").write_text(f"line {i}: the quick brown fox jumps over it\n" * 40)
+    results, lines = [], []
+    meshes = ("data=2,fsdp=4", "data=2,fsdp=2,model=2")
+    for mesh in meshes:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            results.append(lm.main([
+                "--size", "tiny", "--steps", "2", "--data", str(data), "--mesh", mesh,
+                "--val-windows", "8", "--layers", "1", "--width", "64",
+            ]))
+        lines.append(out.getvalue().splitlines())
+    # width 64: embedding, qkv, proj, up, down and head kernels have >= 4096
+    # elements and are split 4 ways (over fsdp, or fsdp x model); the rest is whole
+    # (with "model", the MLP's first bias is split over it too: 128 elements fewer)
+    split = 256 * 64 + 64 * 192 + 64 * 64 + 2 * 64 * 256 + 64 * 256
+    for mesh, text in zip(meshes, lines, strict=True):
+        (total,) = [int(r.rsplit(" ", 1)[1]) for r in text if r.startswith("model:")]
+        (row,) = [r for r in text if "params+optimizer bytes per device:" in r]
+        per_device = int(row.rsplit(":", 1)[1])
+        # float32 params and Adam's two moments; then the counters and the
+        # monitors' scalars (a few hundred bytes)
+        expected = 3 * 4 * (split // 4 + total - split - (128 if "model" in mesh else 0))
+        assert expected <= per_device <= expected + 256
+    # the same global batch, replicas and dropout masks: the same model
+    assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-4)

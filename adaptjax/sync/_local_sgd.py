@@ -11,6 +11,8 @@ import optax
 
 from adaptjax._codec import GradientCodec
 from adaptjax._per_replica import PerReplica
+from adaptjax._sync import codec_sync
+from adaptjax._tree import pmean_replicas
 from adaptjax.sync._strategy import (
     LOCAL_MERGE,
     SyncStrategy,
@@ -101,7 +103,7 @@ def local_sgd(
         )
 
     def update_fn(updates, state, params=None, **extra):
-        del extra
+        layout = extra.get("shard_layout")  # on a sharded mesh: the codec runs per shard
         check_axis_params(params, "local_sgd")
         x = jax.tree.map(lambda xi, u: xi + u.astype(xi.dtype), state.local.value, updates)
 
@@ -109,10 +111,11 @@ def local_sgd(
             x, outer_state, codec_state = operands
             delta = jax.tree.map(lambda p, xi: p - xi, params, x)
             if codec is None:
-                mean_delta = jax.lax.pmean(delta, axis_name)
+                mean_delta = pmean_replicas(delta, axis_name)
             else:
-                mean_delta, codec_state = codec.sync(
-                    delta, codec_state, axis_name=axis_name, step=state.count // H
+                mean_delta, codec_state = codec_sync(
+                    codec, delta, codec_state, axis_name=axis_name, step=state.count // H,
+                    layout=layout,
                 )
             step, outer_state = outer.update(mean_delta, outer_state, params)
             step = jax.tree.map(lambda s, p: s.astype(p.dtype), step, params)

@@ -9,7 +9,7 @@ import jax
 import optax
 
 from adaptjax._per_replica import PerReplica
-from adaptjax._tree import axis_size
+from adaptjax._tree import axis_size, pmean_replicas
 from adaptjax.sync._strategy import (
     LOCAL_MERGE,
     SyncStrategy,
@@ -74,7 +74,7 @@ def model_averaging(
         n = axis_size(axis_name)
         a = 1.0 / n if alpha is None else float(alpha)
         x = jax.tree.map(lambda xi, u: xi + u.astype(xi.dtype), state.local.value, updates)
-        z = jax.lax.pmean(x, axis_name)
+        z = pmean_replicas(x, axis_name)
         new_local = jax.tree.map(lambda xi, zi: xi + a * (zi - xi), x, z)
         global_updates = jax.tree.map(lambda zi, p: (zi - p).astype(p.dtype), z, params)
         return global_updates, ModelAveragingState(PerReplica(new_local, LOCAL_MERGE))
