@@ -70,6 +70,13 @@ class AdaptiveBatchSize(BatchSizePolicy):
     policy moves only for a large gain; hours in, the factor is ~1. Without the
     two metrics (e.g. outside the controller) nothing is discounted.
 
+    **Moves that wait for no compile.** :meth:`upcoming` announces half and
+    double the current batch, the moves the one-size model proposes first and
+    the neighbours of a fitted peak, so the controller compiles them in the
+    background. A batch the context reports compiled (``ctx.compiled_batch_sizes``,
+    where the controller fills it: run, compiled ahead or compiled in the
+    background) counts as compiled here too: a candidate at no compile cost.
+
     With a ``planner`` (e.g. ``adaptjax.costs.Planner``) step 2 asks it for the
     step time T(M) of each candidate instead of fitting α + βM from this run's
     noisy neighbouring batch sizes, and the candidates are every power-of-two
