@@ -353,6 +353,71 @@ def check_args(parser, args):
                          f"goodput-<rule> with a rule in {', '.join(LR_RULES)}")
 
 
+def profiles(data, cfg, args, devices):
+    """This machine's (M, seconds) points, measured now, and the stored accelerator's or None."""
+    cpu_times = measure_step_times(data, cfg, args.sizes, devices=devices,
+                                   steps=args.profile_steps)
+    cpu_points = sorted(cpu_times.items())
+    alpha, beta = ajp.fit_throughput(*zip(*cpu_points, strict=True))
+    print("this machine's T(M), ms: " + ", ".join(f"{b}: {t * 1e3:.2f}" for b, t in cpu_points)
+          + f" (fit {alpha * 1e3:.2f} ms + {beta * 1e6:.1f} us x M)", flush=True)
+    gpu_path, gpu = find_gpu_profile(cfg, args.gpu_profile)
+    if gpu is None:
+        print(f"no accelerator profile of this model under {PROFILES}: GPU-priced time is nan "
+              "(store one with --measure-profile on a GPU)")
+        return cpu_points, None
+    gpu_points = [tuple(p) for p in gpu["points"]]
+    print(f"accelerator profile {os.path.basename(gpu_path)} ({gpu['device']}, {gpu['date']}): "
+          + ", ".join(f"{b}: {t * 1e3:.3f}" for b, t in gpu_points) + " ms")
+    return cpu_points, gpu_points
+
+
+def run_all(data, cfg, args, devices, budget):
+    """Every seed's fixed and adaptive runs: ``{name: [run per seed]}``."""
+    evaluate = make_eval(data[1], ByteLM(cfg, nnx.Rngs(0)))
+    small, large = args.sizes[0], args.sizes[-1]
+    runs = {f"fixed-{b}": [] for b in args.fixed}
+    runs.update({v: [] for v in args.variants})
+    for seed in range(args.seeds):
+        common = dict(devices=devices, seed=seed, budget=budget, evaluate=evaluate)
+        for b in args.fixed:
+            r = train(data, cfg, batch=b, lr=args.lr * math.sqrt(b / small), **common)
+            runs[f"fixed-{b}"].append(r)
+            print(f"seed {seed} fixed-{b}: {len(r['sizes'])} steps, final val loss "
+                  f"{r['final']:.4f}, {r['wall']:.0f} s", flush=True)
+        for name in args.variants:
+            policy = variant_policy(name, large)
+            r = train(data, cfg, batch=small, lr=args.lr, policies=[policy], **common)
+            runs[name].append(r)
+            print(f"seed {seed} {name}: {len(r['sizes'])} steps, final val loss "
+                  f"{r['final']:.4f}, {r['wall']:.0f} s; batches {used(r['sizes'])}", flush=True)
+    return runs
+
+
+def compare(summary, variants):
+    """Each adaptive run against the best fixed batch by mean final loss; the last line."""
+    fixed = [n for n in summary if n.startswith("fixed-")]
+    if not fixed:
+        return
+    best = min(fixed, key=lambda n: summary[n]["final"])
+    f = summary[best]
+    print(f"\nbest fixed by mean final validation loss: {best} ({f['final']:.4f})")
+    for name in variants:
+        s = summary[name]
+        print(f"{name}: loss {s['final'] / f['final'] - 1:+.2%}, "
+              f"steps x{s['steps'] / f['steps']:.3f}, "
+              f"wall x{s['wall'] / f['wall']:.3f}, cpu T(M) x{s['cpu'] / f['cpu']:.3f}, "
+              f"gpu T(M) x{s['gpu'] / f['gpu']:.3f}")
+    s = summary[variants[0]]
+    print(
+        f"adaptive_loss_gap={s['final'] / f['final'] - 1:.4f} "
+        f"adaptive_steps_ratio={s['steps'] / f['steps']:.4f} "
+        f"adaptive_cpu_time_ratio={s['cpu'] / f['cpu']:.4f} "
+        f"adaptive_gpu_time_ratio={s['gpu'] / f['gpu']:.4f} "
+        "cbs_probe_vs_noise_scale=nan"
+    )
+
+
 def main():
     parser = build_parser()
     args = parser.parse_args()
@@ -374,66 +439,14 @@ def main():
     budget = -(-budget // args.sizes[-1]) * args.sizes[-1]  # whole steps of every size
     params = sum(int(np.prod(p.shape)) for p in
                  jax.tree.leaves(nnx.state(ByteLM(cfg, nnx.Rngs(0)), nnx.Param)))
-    gpu_path, gpu = find_gpu_profile(cfg, args.gpu_profile)
     print(f"model: {dataclasses.asdict(cfg)} ({params} parameters); corpus {info['root']}: "
           f"{len(train_w)} train windows of {cfg.context + 1} bytes, {len(data[1])} validation; "
           f"devices={devices}; budget {budget} samples = {budget * cfg.context} tokens; "
           f"seeds={args.seeds}; lr {args.lr} at batch {args.sizes[0]}", flush=True)
-    cpu_times = measure_step_times(data, cfg, args.sizes, devices=devices,
-                                   steps=args.profile_steps)
-    cpu_points = sorted(cpu_times.items())
-    alpha, beta = ajp.fit_throughput(*zip(*cpu_points, strict=True))
-    print("this machine's T(M), ms: " + ", ".join(f"{b}: {t * 1e3:.2f}" for b, t in cpu_points)
-          + f" (fit {alpha * 1e3:.2f} ms + {beta * 1e6:.1f} us x M)", flush=True)
-    if gpu is None:
-        print(f"no accelerator profile of this model under {PROFILES}: GPU-priced time is nan "
-              "(store one with --measure-profile on a GPU)")
-        gpu_points = None
-    else:
-        gpu_points = [tuple(p) for p in gpu["points"]]
-        print(f"accelerator profile {os.path.basename(gpu_path)} ({gpu['device']}, "
-              f"{gpu['date']}): " + ", ".join(f"{b}: {t * 1e3:.3f}" for b, t in gpu_points)
-              + " ms")
-
-    evaluate = make_eval(data[1], ByteLM(cfg, nnx.Rngs(0)))
-    small, large = args.sizes[0], args.sizes[-1]
-    runs = {f"fixed-{b}": [] for b in args.fixed}
-    runs.update({v: [] for v in args.variants})
-    for seed in range(args.seeds):
-        common = dict(devices=devices, seed=seed, budget=budget, evaluate=evaluate)
-        for b in args.fixed:
-            r = train(data, cfg, batch=b, lr=args.lr * math.sqrt(b / small), **common)
-            runs[f"fixed-{b}"].append(r)
-            print(f"seed {seed} fixed-{b}: {len(r['sizes'])} steps, final val loss "
-                  f"{r['final']:.4f}, {r['wall']:.0f} s", flush=True)
-        for name in args.variants:
-            policy = variant_policy(name, large)
-            r = train(data, cfg, batch=small, lr=args.lr, policies=[policy], **common)
-            runs[name].append(r)
-            print(f"seed {seed} {name}: {len(r['sizes'])} steps, final val loss "
-                  f"{r['final']:.4f}, {r['wall']:.0f} s; batches {used(r['sizes'])}", flush=True)
-
-    names = list(runs)
-    summary = print_tables(runs, names, cpu_points, gpu_points, cfg)
-    fixed = [n for n in names if n.startswith("fixed-")]
-    if not fixed:
-        return
-    best = min(fixed, key=lambda n: summary[n]["final"])
-    print(f"\nbest fixed by mean final validation loss: {best} ({summary[best]['final']:.4f})")
-    for name in args.variants:
-        s, f = summary[name], summary[best]
-        print(f"{name}: loss {s['final'] / f['final'] - 1:+.2%}, "
-              f"steps x{s['steps'] / f['steps']:.3f}, "
-              f"wall x{s['wall'] / f['wall']:.3f}, cpu T(M) x{s['cpu'] / f['cpu']:.3f}, "
-              f"gpu T(M) x{s['gpu'] / f['gpu']:.3f}")
-    s, f = summary[args.variants[0]], summary[best]
-    print(
-        f"adaptive_loss_gap={s['final'] / f['final'] - 1:.4f} "
-        f"adaptive_steps_ratio={s['steps'] / f['steps']:.4f} "
-        f"adaptive_cpu_time_ratio={s['cpu'] / f['cpu']:.4f} "
-        f"adaptive_gpu_time_ratio={s['gpu'] / f['gpu']:.4f} "
-        "cbs_probe_vs_noise_scale=nan"
-    )
+    cpu_points, gpu_points = profiles(data, cfg, args, devices)
+    runs = run_all(data, cfg, args, devices, budget)
+    summary = print_tables(runs, list(runs), cpu_points, gpu_points, cfg)
+    compare(summary, args.variants)
 
 
 if __name__ == "__main__":

@@ -41,31 +41,34 @@ class BatchSizeWarmup(BatchSizePolicy):
        measured depends on the batch the run trains at;
     2. once it has ``window`` of them, sets the target T = ``fraction`` ×
        their median;
-    3. doubles the batch M when 2M ≤ T (at most to ``max_batch_size``) and
-       halves it when T < M/2 (never below ``min_batch_size``), one step at a
-       time: a reading taken at M says little about 4M, so the next move waits
-       for ``window`` readings at the new batch. Each batch holds while
-       M/2 ≤ T < 2M, a band a factor 4 wide, so a reading wandering around a
-       threshold does not move the batch back and forth;
+    3. doubles the batch M when 2M ≤ T (at most to ``max_batch_size``) and,
+       with ``shrink``, halves it when T < M/2 (never below
+       ``min_batch_size``), one step at a time: a reading taken at M says
+       little about 4M, so the next move waits for ``window`` readings at the
+       new batch. Each batch holds while M/2 ≤ T < 2M, a band a factor 4
+       wide, so a reading wandering around a threshold does not move the batch
+       back and forth;
     4. moves the learning rate with the batch by ``lr_rule``: base_lr ×
        rule(M/M₀), M₀ the batch of the first decision.
 
     **Defaults, from ``benchmarks/adaptive_batch.py``** (``examples/lm.py``'s
-    byte-level LM, 135k parameters, Adam at 2e-3 from batch 8, 3.2M tokens):
-    ``fraction=0.5``, ``window=5``, ``lr_rule="none"``. There the noise scale
-    measured at batch 8 rises to 30-50 within the first few hundred steps and
-    the policy doubles to 32 within the first ~7% of the tokens; after that the
-    run sits in the learning rate's noise ball, where the simple noise scale
-    measures the iterate's own noise and tracks the batch over the learning
-    rate (B_simple ≈ 1.7 × M at 2e-3 for M = 8 to 32, and falling slowly as
-    the loss sharpens), not the critical batch, so the batch holds. With
-    ``fraction=1`` the same readings push the batch on to 128 and the run ends
-    1.5% worse; with the square-root rule the learning rate that rises with the
-    batch lowers B_simple / M in proportion and the batch falls back to 8. The
-    learning rate kept (``"none"``) ended 0.6% above the best fixed batch in
-    44% fewer steps (one seed; see the benchmark for both seeds). For the
-    critical batch itself, follow ``"critical_batch"`` from
-    :class:`CriticalBatchProbe`, which measures it by branching.
+    byte-level LM, 135k parameters, Adam at 2e-3 from batch 8, 3.2M tokens, two
+    seeds): ``fraction=0.5``, ``window=5``, ``lr_rule="none"``, no shrinking.
+    There the noise scale measured at batch 8 rises to 30-50 in the first few
+    hundred steps and the batch doubles to 32 (one seed later to 64); the
+    runs ended 0.4% above the best fixed batch (16) in half its steps. Once a
+    run sits in its learning rate's noise ball, the simple noise scale
+    measures the iterate's own noise: it tracks the batch over the learning
+    rate (B_simple ≈ 1.7 × M at 2e-3 for every M from 8 to 64) rather than the
+    critical batch, so it neither keeps growing nor means "smaller" when it
+    dips. Following it further does harm: with ``fraction=1`` the batch ran
+    to 128 (+1.5% loss); with ``shrink`` a dip cascaded the batch from 64 back
+    to 8, where Adam's second moment, averaged at the large batch, made the
+    steps too long (+6%); the square-root rule, whose rising learning rate
+    lowers B_simple / M, stopped the warm-up at 16 (0.3% below the best fixed
+    loss, but 6% fewer steps only). For the critical batch itself, follow
+    ``"critical_batch"`` from :class:`CriticalBatchProbe`, which measures it
+    by branching.
 
     Args:
       max_batch_size: the largest global batch to propose, >= 1.
@@ -81,6 +84,8 @@ class BatchSizeWarmup(BatchSizePolicy):
       lr_key: the hyperparameter holding the learning rate.
       multiple_of: proposals are multiples of this and of
         ``ctx.devices * ctx.microbatches`` (the default).
+      shrink: halve the batch when the target falls below half of it (off by
+        default: see above).
 
     References:
       McCandlish et al., "An Empirical Model of Large-Batch Training", 2018;
@@ -107,6 +112,7 @@ class BatchSizeWarmup(BatchSizePolicy):
     optimizer_kind: str = dataclasses.field(default="adam", kw_only=True)
     lr_key: str = dataclasses.field(default="learning_rate", kw_only=True)
     multiple_of: int | None = dataclasses.field(default=None, kw_only=True)
+    shrink: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         owner = "BatchSizeWarmup"
@@ -135,6 +141,8 @@ class BatchSizeWarmup(BatchSizePolicy):
             "multiple_of",
             check_optional_int(self.multiple_of, owner=owner, name="multiple_of", minimum=1),
         )
+        if not isinstance(self.shrink, bool):
+            raise TypeError(f"{owner}: shrink must be True or False, got {self.shrink!r}")
         super().__post_init__()
 
     def _initial_state(self) -> dict:
@@ -153,12 +161,12 @@ class BatchSizeWarmup(BatchSizePolicy):
         )
 
     def _next_batch(self, target: float, ctx: Context) -> int:
-        """One doubling when 2M <= T, one halving when T < M/2 (within the bounds), else M."""
+        """One doubling when 2M <= T, one halving (``shrink``) when T < M/2, else M."""
         step, low, high = self._bounds(ctx)
         batch = ctx.batch_size
         if 2 * batch <= target and 2 * batch <= high:
             return 2 * batch // step * step
-        if target < batch / 2 and batch // 2 >= low:
+        if self.shrink and target < batch / 2 and batch // 2 >= low:
             return max(batch // 2 // step * step, low)
         return batch
 
@@ -190,9 +198,10 @@ class BatchSizeWarmup(BatchSizePolicy):
         return self._propose(batch, median, metrics, ctx, why)
 
     def upcoming(self, ctx: Context) -> list[Action]:
-        """The next doubling (and halving, above the minimum), compiled ahead by the controller."""
+        """The next doubling (and halving, with ``shrink``), compiled ahead by the controller."""
         step, low, high = self._bounds(ctx)
-        sizes = (2 * ctx.batch_size // step * step, ctx.batch_size // 2 // step * step)
+        sizes = (2 * ctx.batch_size // step * step,
+                 ctx.batch_size // 2 // step * step if self.shrink else 0)
         return [
             SetBatchSize(m, reason="BatchSizeWarmup: a likely next batch")
             for m in dict.fromkeys(sizes) if low <= m <= high and m != ctx.batch_size

@@ -14,8 +14,9 @@ def ctx(batch=8, *, step=0, lr=1e-3, devices=2, microbatches=1):
 
 
 def warmup(max_batch_size, **kw):
-    """The policy with fraction 1 unless given: the target is the noise scale itself."""
-    return ajp.BatchSizeWarmup(max_batch_size=max_batch_size, **{"fraction": 1.0, **kw})
+    """Fraction 1 (the target is the noise scale itself) and shrinking on, unless given."""
+    return ajp.BatchSizeWarmup(max_batch_size=max_batch_size,
+                               **{"fraction": 1.0, "shrink": True, **kw})
 
 
 def drive(policy, readings, batch=8, **kw):
@@ -64,6 +65,9 @@ def test_a_falling_noise_scale_never_shrinks_below_the_minimum():
     assert batches == [16, 32, 64, 128, 256, 512, 256, 128, 64, 32, 16, 8, 8, 8]
     policy = warmup(512, min_batch_size=32, window=1)
     assert drive(policy, [0.0] * 3, batch=128) == [64, 32, 32]
+    # by default the warm-up only grows: the same fall leaves the batch where it got to
+    policy = warmup(512, window=1, shrink=False)
+    assert drive(policy, [1e4] * 3 + [0.0] * 3) == [16, 32, 64, 64, 64, 64]
 
 
 def test_hysteresis_a_reading_inside_the_band_moves_nothing():
@@ -163,6 +167,8 @@ def test_upcoming_announces_the_next_doubling_and_halving():
     drive(policy, [100.0] * 5, batch=8)  # M0 = 8, now at 64
     assert ajp.upcoming(policy, ctx(32)) == [ajp.SetBatchSize(64), ajp.SetBatchSize(16)]
     assert ajp.upcoming(policy, ctx(64)) == [ajp.SetBatchSize(32)]
+    # without shrinking only the doubling
+    assert ajp.upcoming(warmup(64, shrink=False), ctx(32)) == [ajp.SetBatchSize(64)]
 
 
 def test_a_resumed_policy_decides_as_the_uninterrupted_one():
@@ -196,10 +202,12 @@ def test_a_resumed_policy_decides_as_the_uninterrupted_one():
         ({"max_batch_size": 64, "lr_rule": "cubic"},
          "BatchSizeWarmup: unknown lr_rule 'cubic'; use one of 'adascale', 'sqrt'"),
         ({"max_batch_size": 64, "metric": ""}, "BatchSizeWarmup: metric must be"),
+        ({"max_batch_size": 64, "shrink": 1},
+         "BatchSizeWarmup: shrink must be True or False, got 1"),
     ],
 )
 def test_bad_arguments(kwargs, message):
-    with pytest.raises(ValueError) as error:
+    with pytest.raises((ValueError, TypeError)) as error:
         ajp.BatchSizeWarmup(**kwargs)
     assert str(error.value).startswith(message)
     assert "\n" not in str(error.value)
