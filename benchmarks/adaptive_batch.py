@@ -1,41 +1,52 @@
-"""Adaptive batch size vs fixed batch sizes on the byte-level LM: time to a target loss.
+"""Adaptive batch size against fixed batches on the byte-level LM, at an equal token budget.
 
-The main job's workload (``examples/lm.py``): a byte-level decoder-only
-transformer on this Python's standard-library ``.py`` sources (train and
-validation split by file), Adam, ``--devices`` simulated CPU devices, the
-adaptjax controller. Sized small (``--layers``, ``--width``, ``--context``) so
-the whole benchmark runs in about 15 minutes on 2 CPU cores. In one run, for
-each seed (model init and data order):
+The claim under test (Merrill et al. 2025; McCandlish et al. 2018): warming the
+batch up as the gradient noise scale grows reaches the loss of the best fixed
+batch in far fewer optimizer steps, on the same number of tokens. Fewer steps
+of a larger batch are time on hardware whose step time is nearly flat in the
+batch (an accelerator), and must cost nothing where it is linear (a CPU).
 
-* ``fixed-<b>``: the controller with no policy at a fixed global batch ``b``
-  for each of ``--sizes`` (default 32 64 128 256 512), learning rate
-  ``--lr`` x sqrt(b / smallest) (the square-root rule for Adam);
-* ``adaptive``: starts at the smallest size with ``--lr`` and
-  ``cooldown(AdaptiveBatchSize(max_batch_size=largest, lr_rule='sqrt',
-  multiple_of=8, prior_overhead=<measured>), steps=--cooldown)`` asked every 10
-  steps: the same square-root rule.
+Workload: ``examples/lm.py``'s byte-level transformer (``--layers``, ``--width``,
+``--context``; no dropout) on this Python's standard-library ``.py`` sources,
+Adam, ``--devices`` simulated CPU devices, the adaptjax controller with its
+default monitors. For each of ``--seeds`` seeds (model init and data order):
 
-Every run evaluates the validation loss (``--val-windows`` windows, no dropout)
-every ``--eval-every`` steps and stops at the first evaluation at or below
-``--target`` (or at the ``--budget`` sample cap). Per run it reports steps,
-samples and *measured wall time* to the target (compilation included, the
-evaluations themselves excluded), and *modelled time*: the sum over the run's
-steps of T(M) = α + β·M fitted (``adaptjax.policies.fit_throughput``) to a bare
-loop of the controller's compiled step at each size, timed round-robin before
-training.
+* ``fixed-<b>`` for each of ``--sizes`` (default 8 16 32 64 128): batch ``b``
+  all along, learning rate ``--lr`` x sqrt(b / smallest) (the square-root rule
+  for Adam);
+* ``adaptive``: starts at the smallest size with ``--lr``;
+  ``BatchSizeWarmup(max_batch_size=largest)`` with its defaults (or the
+  ``--variants`` given: ``warmup-<rule>[-<fraction>]`` with learning-rate rule
+  none/sqrt/linear/adascale, ``goodput-<rule>`` for ``AdaptiveBatchSize``, e.g.
+  ``--variants warmup warmup-sqrt warmup-none-1 goodput-sqrt`` to compare);
 
-Warm-up: the adaptive run's steps to the target against the fixed batch its
-schedule ends at (the noise-scale-driven warm-up's saving; published: 43% fewer
-steps for a 1B LM, McCandlish et al. / Pollux-style warm-up).
+every run for ``--tokens`` tokens (rounded up to whole steps). Per run: the
+final validation loss (``--val-windows`` windows, and the curve at tenths of
+the budget), optimizer steps, tokens, wall time on this machine (training only:
+evaluations excluded, compiles included), the time its steps would take on the
+step-time profile T(M) of this machine and of an accelerator, the batch sizes
+it used, and the noise scale it measured along the way.
+
+**Profiles.** ``--measure-profile`` times the controller's step at each size
+on this machine (the accelerator, where there is one: ``devices`` = the
+accelerators, up to ``--devices``) and writes ``benchmarks/profiles/
+lm-<platform>-<device>-<date>.json`` with the command, device, date, model and
+the (M, seconds) points, then exits. A run prices steps with the newest
+stored non-CPU profile of the same model (``--gpu-profile`` names one; ``nan``
+without) and with this machine's own T(M), measured at its start the same way.
 
 Usage:
-  python benchmarks/adaptive_batch.py [--seeds 3] [--sizes 32 64 128 256 512]
-      [--target 2.35] [--budget 16000]
+  python benchmarks/adaptive_batch.py              # the full benchmark (<= 45 min, 2 idle cores)
+  python benchmarks/adaptive_batch.py --quick      # a short look (one seed, 3 sizes, few tokens)
+  python benchmarks/adaptive_batch.py --measure-profile   # on a GPU: store its T(M)
 
-Ends with ``adaptive_vs_best_fixed_time=<x> adaptive_vs_median_fixed_time=<y>``:
-the adaptive runs' mean measured wall time to the target over the best and the
-median fixed batch's (a fixed size that misses the target counts as the budget
-time, which favours it). Targets: x <= 1.0, y <= 0.7.
+The last line is ``adaptive_loss_gap=<x> adaptive_steps_ratio=<y>
+adaptive_cpu_time_ratio=<z> adaptive_gpu_time_ratio=<w> cbs_probe_vs_noise_scale=<v>``:
+the adaptive run's mean final validation loss relative to the best fixed
+batch's (by mean final loss), its steps, and its time priced on this machine's
+and the accelerator's profile, each over the best fixed batch's; the last is
+``nan`` until the controller can run ``CriticalBatchProbe``. Targets: x <= 0.005,
+y <= 0.7, z <= 1.05, w <= 0.75.
 """
 
 import os
@@ -45,8 +56,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
 import shutil  # noqa: E402
+import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -63,266 +80,373 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import lm_data  # noqa: E402
 from lm import ByteLM, LMConfig, loss_fn, make_eval  # noqa: E402
 
+PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 POLICY_EVERY = 10
-BLOCK = 5  # steps per timing block
+CURVE_POINTS = 10  # validation losses at tenths of the token budget
+LR_RULES = ("none", "sqrt", "linear", "adascale")
 
 
+# ----------------------------------------------------------------------------- training
 class Recorder:
-    """``on_step`` hook: each step's batch size and end time; stops at the target or budget."""
+    """``on_step`` hook: batch size and time of every step, noise-scale readings, the
+    validation curve at fixed token counts, and a stop at the budget."""
 
-    def __init__(self, budget, target):
-        self.budget, self.target = budget, target
-        self.sizes, self.times, self.noise_scale = [], [], []
+    def __init__(self, budget, evaluate, checkpoints):
+        self.budget, self.evaluate = budget, evaluate
+        self.checkpoints = list(checkpoints)  # samples at which to evaluate
+        self.sizes, self.readings, self.curve = [], [], []
+        self.eval_seconds = 0.0
         self.t0 = time.perf_counter()
 
     def __call__(self, ctrl):
         # Configuration changes happen after this hook, so this is the step's own batch.
         self.sizes.append(ctrl.config.batch_size)
-        self.times.append(time.perf_counter() - self.t0)
-        self.noise_scale.append(ctrl.latest_metrics.get("noise_scale", math.nan))
-        if ctrl.latest_metrics.get("eval_loss", math.inf) <= self.target:
-            ctrl.apply([ajp.Stop("target reached")])
-        elif ctrl.samples_seen >= self.budget:
-            ctrl.apply([ajp.Stop("sample budget reached")])
+        metrics = ctrl.latest_metrics  # of the step before (read one step behind)
+        if ctrl.step % POLICY_EVERY == 0:
+            self.readings.append((ctrl.step, ctrl.samples_seen, ctrl.config.batch_size,
+                                  float(metrics.get("noise_scale", math.nan)),
+                                  float(metrics.get("noise_scale_valid", 1.0))))
+        if self.checkpoints and ctrl.samples_seen >= self.checkpoints[0]:
+            self.checkpoints.pop(0)
+            t0 = time.perf_counter()
+            self.curve.append((ctrl.samples_seen, self.evaluate(ctrl.model)["loss"]))
+            self.eval_seconds += time.perf_counter() - t0
+        if ctrl.samples_seen >= self.budget:
+            self.wall = time.perf_counter() - self.t0 - self.eval_seconds
+            ctrl.apply([ajp.Stop("token budget reached")])
 
 
-def train(data, cfg, *, devices, batch, lr, seed, budget, target, eval_every, policies=()):
-    train_windows, val_windows = data
-    evaluate = make_eval(val_windows, ByteLM(cfg, nnx.Rngs(0)))
-    recorder = Recorder(budget, target)
-    run_dir = tempfile.mkdtemp(prefix="adaptive_batch_")
+def make_controller(data, cfg, *, devices, batch, lr, seed, policies=(), on_step=None):
+    train_windows, _ = data
+    return adaptjax.Controller(
+        model=ByteLM(cfg, nnx.Rngs(params=seed, dropout=seed + 1)),
+        loss_fn=loss_fn,
+        optimizer=optax.adam,
+        hyperparams={"learning_rate": lr},
+        data=adaptjax.ArrayDataset({"tokens": train_windows}, seed=seed),
+        devices=devices,
+        batch_size=batch,
+        policies=list(policies),
+        policy_every=POLICY_EVERY,
+        run_dir=tempfile.mkdtemp(prefix="adaptive_batch_"),
+        progress=False,
+        tensorboard=False,
+        # Every run pays for its own compiles: no persistent cache shared between runs.
+        compilation_cache_dir=None,
+        on_step=on_step,
+    )
+
+
+def train(data, cfg, *, budget, evaluate, **kwargs):
+    """One run to ``budget`` samples; returns what the table needs."""
+    checkpoints = [budget * (i + 1) // CURVE_POINTS for i in range(CURVE_POINTS)]
+    recorder = Recorder(budget, evaluate, checkpoints)
+    ctrl = make_controller(data, cfg, on_step=recorder, **kwargs)
+    run_dir = ctrl.run_dir
     try:
-        ctrl = adaptjax.Controller(
-            model=ByteLM(cfg, nnx.Rngs(params=seed, dropout=seed + 1)),
-            loss_fn=loss_fn,
-            optimizer=optax.adam,
-            hyperparams={"learning_rate": lr},
-            data=adaptjax.ArrayDataset({"tokens": train_windows}, seed=seed),
-            devices=devices,
-            batch_size=batch,
-            policies=list(policies),
-            policy_every=POLICY_EVERY,
-            eval_fn=evaluate,
-            eval_every=eval_every,
-            run_dir=run_dir,
-            progress=False,
-            tensorboard=False,
-            on_step=recorder,
-        )
         recorder.t0 = time.perf_counter()
-        ctrl.run(10**9)  # the recorder stops it at the target or the sample budget
+        ctrl.run(10**9)  # the recorder stops it at the token budget
         events = ctrl.log.events
+        samples = ctrl.samples_seen
         ctrl.close()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    evals = [(e["step"], e["eval_loss"], e["latency_s"]) for e in events if e["kind"] == "eval"]
+    compiles = [e for e in events if e["kind"] == "compile"]
     return {
         "sizes": recorder.sizes,
-        "times": recorder.times,
-        "noise_scale": recorder.noise_scale,
-        "evals": evals,
-        "final": evals[-1][1] if evals else math.nan,
-        "compile_s": sum(e["latency_s"] for e in events if e["kind"] == "compile"),
+        "samples": samples,
+        "curve": recorder.curve,
+        "final": recorder.curve[-1][1],
+        "wall": recorder.wall,
+        "readings": recorder.readings,
+        "compile_s": sum(e["latency_s"] for e in compiles),
         "decisions": [(e["step"], e["actions"]) for e in events if e["kind"] == "decision"],
     }
 
 
-def time_steps(data, cfg, devices, sizes, rounds):
-    """Seconds per step of the controller's compiled step at each batch size (bare loop)."""
-    train_windows, _ = data
-    run_dir = tempfile.mkdtemp(prefix="adaptive_batch_timing_")
-    try:
-        ctrl = adaptjax.Controller(
-            model=ByteLM(cfg, nnx.Rngs(0)),
-            loss_fn=loss_fn,
-            optimizer=optax.adam,
-            hyperparams={"learning_rate": 1e-3},
-            data=adaptjax.ArrayDataset({"tokens": train_windows}, seed=0),
-            devices=devices,
-            batch_size=min(sizes),
-            run_dir=run_dir,
-            progress=False,
-            tensorboard=False,
-        )
-        stream = adaptjax.ArrayDataset({"tokens": train_windows}, seed=1)
-        steps = {b: ctrl.steps.step(adaptjax.RunConfig(devices=devices, batch_size=b))
-                 for b in sizes}
-        state = ctrl.state
-        for b, fn in steps.items():  # compile and warm up
-            for _ in range(2):
-                state, _ = fn(state, stream.next_batch(b))
-        jax.block_until_ready(state)
-        times = {b: [] for b in sizes}
-        order = list(sizes)
-        for r in range(rounds):
-            for b in order[r % len(order):] + order[: r % len(order)]:
-                fn = steps[b]
-                t0 = time.perf_counter()
-                for _ in range(BLOCK):
-                    state, _ = fn(state, stream.next_batch(b))
-                jax.block_until_ready(state)
-                times[b].append((time.perf_counter() - t0) / BLOCK)
-        ctrl.close()
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    return {b: float(np.median(t)) for b, t in times.items()}
+# ----------------------------------------------------------------------------- profiles
+def measure_step_times(data, cfg, sizes, *, devices, steps, rounds=4):
+    """Seconds per step of the controller at each batch size (steady state, after compiling).
 
-
-def to_target(run, alpha, beta, target):
-    """(steps, samples, wall s, modelled s) to the first evaluation <= target, else infs.
-
-    Wall time runs from the start of ``run()`` to the end of the step that reached the
-    target, compilation included, minus the evaluations before it.
+    The controller reads metrics one step behind, so in steady state the
+    interval between two dispatches is the step's time on the device. The
+    sizes take turns in ``rounds`` blocks (a slow spell of the machine falls on
+    all of them); the median interval is kept.
     """
-    cum_samples = np.cumsum(run["sizes"])
-    cum_model = np.cumsum([alpha + beta * b for b in run["sizes"]])
-    spent_eval = 0.0
-    for step, loss, latency in run["evals"]:
-        if loss <= target:
-            wall = run["times"][step - 1] - spent_eval
-            return step, int(cum_samples[step - 1]), wall, float(cum_model[step - 1])
-        spent_eval += latency
-    return math.inf, math.inf, math.inf, math.inf
+    ctrls, stamps = {}, {b: [] for b in sizes}
+    intervals = {b: [] for b in sizes}
+    block = max(steps // rounds, 3)
+    try:
+        for b in sizes:
+            ctrls[b] = make_controller(data, cfg, devices=devices, batch=b, lr=1e-3, seed=0,
+                                       on_step=lambda c, s=stamps[b]: s.append(time.perf_counter()))
+            ctrls[b].run(3)  # compile and warm up
+        for r in range(rounds):
+            for b in sizes[r % len(sizes):] + sizes[: r % len(sizes)]:
+                stamps[b].clear()
+                ctrls[b].run(ctrls[b].step + block)
+                intervals[b] += list(np.diff(stamps[b]))
+    finally:
+        for ctrl in ctrls.values():
+            run_dir = ctrl.run_dir
+            ctrl.close()
+            shutil.rmtree(run_dir, ignore_errors=True)
+    return {b: float(np.median(intervals[b])) for b in sizes}
 
 
-def spread(values, fmt):
-    finite = [v for v in values if math.isfinite(v)]
-    if len(finite) < len(values):
-        return f"{len(values) - len(finite)}/{len(values)} never"
-    mean = float(np.mean(values))
-    return f"{fmt.format(mean)} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+def device_name() -> tuple[str, str]:
+    device = jax.devices()[0]
+    return device.platform, getattr(device, "device_kind", device.platform)
 
 
-def main():
+def write_profile(cfg, devices, times) -> str:
+    platform, kind = device_name()
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H%M%SZ")
+    profile = {
+        "command": " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *sys.argv]),
+        "device": kind,
+        "platform": platform,
+        "devices": devices,
+        "date": date,
+        "jax": jax.__version__,
+        "model": dataclasses.asdict(cfg),
+        "points": [[b, times[b]] for b in sorted(times)],
+    }
+    os.makedirs(PROFILES, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", kind).strip("-").lower()
+    path = os.path.join(PROFILES, f"lm-{platform}-{slug}-{date}.json")
+    with open(path, "w") as f:
+        json.dump(profile, f, indent=1)
+        f.write("\n")
+    return path
+
+
+def find_gpu_profile(cfg, path=None):
+    """The named profile, else the newest stored non-CPU one measured on this model."""
+    paths = [path] if path else sorted(glob.glob(os.path.join(PROFILES, "*.json")))
+    found = []
+    for p in paths:
+        with open(p) as f:
+            profile = json.load(f)
+        if path is None and (profile["platform"] == "cpu"
+                             or profile["model"] != dataclasses.asdict(cfg)):
+            continue
+        found.append((profile["date"], p, profile))
+    return max(found)[1:] if found else (None, None)
+
+
+def price(sizes, points) -> float:
+    """Seconds the steps of batch ``sizes`` take on the profile (interpolated in M)."""
+    if points is None:
+        return math.nan
+    ms, ts = zip(*sorted(points), strict=True)
+    counts = np.bincount(np.asarray(sizes))
+    used = np.nonzero(counts)[0]
+    if used.min() < ms[0] or used.max() > ms[-1]:
+        raise SystemExit(f"the profile covers batches {ms[0]}..{ms[-1]}, the run used {used}")
+    return float(np.sum(counts[used] * np.interp(used, ms, ts)))
+
+
+# ----------------------------------------------------------------------------- report
+def used(sizes):
+    """``8x1200 16x400 ...``: each batch size and its steps, in order of first use."""
+    counts = {}
+    for b in sizes:
+        counts[b] = counts.get(b, 0) + 1
+    return " ".join(f"{b}x{n}" for b, n in counts.items())
+
+
+def noise_trajectory(run, parts=5):
+    """The median valid noise-scale reading and the batch in each fifth of the run."""
+    readings, total = run["readings"], run["samples"]
+    out = []
+    for i in range(parts):
+        lo, hi = total * i / parts, total * (i + 1) / parts
+        part = [r for r in readings if lo <= r[1] < hi]
+        valid = [r[3] for r in part if r[4] > 0 and math.isfinite(r[3])]
+        ns = f"{statistics.median(valid):.0f}" if valid else "-"
+        batch = part[-1][2] if part else "-"
+        out.append(f"{ns}@{batch}")
+    return " ".join(out)
+
+
+def variant_policy(name, largest):
+    """The policy of an adaptive run: ``warmup`` (``BatchSizeWarmup``'s defaults),
+    ``warmup-<rule>[-<fraction>]`` or ``goodput-<rule>`` (``AdaptiveBatchSize``)."""
+    kind, *rest = name.split("-")
+    if kind == "warmup":
+        extra = dict(zip(("lr_rule", "fraction"), rest, strict=False))
+        if "fraction" in extra:
+            extra["fraction"] = float(extra["fraction"])
+        return ajp.BatchSizeWarmup(max_batch_size=largest, **extra)
+    if kind != "goodput" or len(rest) != 1:
+        raise ValueError(name)
+    return ajp.AdaptiveBatchSize(max_batch_size=largest, lr_rule=rest[0], optimizer_kind="adam")
+
+
+def print_tables(runs, names, cpu_points, gpu_points, cfg):
+    print(f"\n{'run':>14} {'seed':>4} | {'final val':>9} | {'steps':>6} | {'tokens':>9} | "
+          f"{'wall s':>7} | {'cpu T(M) s':>10} | {'gpu T(M) s':>10} | {'compile s':>9} | "
+          "batch x steps")
+    summary = {}
+    for name in names:
+        for seed, r in enumerate(runs[name]):
+            r["cpu"], r["gpu"] = price(r["sizes"], cpu_points), price(r["sizes"], gpu_points)
+            print(f"{name:>14} {seed:>4} | {r['final']:>9.4f} | {len(r['sizes']):>6} | "
+                  f"{r['samples'] * cfg.context:>9} | {r['wall']:>7.1f} | {r['cpu']:>10.2f} | "
+                  f"{r['gpu']:>10.3f} | {r['compile_s']:>9.1f} | {used(r['sizes'])}")
+        rs = runs[name]
+        summary[name] = {k: float(np.mean([r[k] for r in rs])) for k in ("final", "cpu", "gpu")}
+        summary[name]["steps"] = float(np.mean([len(r["sizes"]) for r in rs]))
+        summary[name]["wall"] = float(np.mean([r["wall"] for r in rs]))
+    print("\nvalidation loss at tenths of the token budget (mean over seeds):")
+    for name in names:
+        curve = np.mean([[loss for _, loss in r["curve"]] for r in runs[name]], axis=0)
+        print(f"{name:>14}: " + " ".join(f"{x:.3f}" for x in curve))
+    print("\nnoise scale measured (median valid reading @ batch, per fifth of the run; seed 0):")
+    for name in names:
+        print(f"{name:>14}: {noise_trajectory(runs[name][0])}")
+    return summary
+
+
+# ----------------------------------------------------------------------------- main
+def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[32, 64, 128, 256, 512])
-    parser.add_argument("--target", type=float, default=2.35, help="validation loss, nats/byte")
-    parser.add_argument("--budget", type=int, default=16_000, help="sample cap of every run")
+    parser.add_argument("--quick", action="store_true", help="one seed, sizes 8 32 128, 1/4 tokens")
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    parser.add_argument("--fixed", type=int, nargs="*", default=None,
+                        help="the fixed batches to run (default: every size; for a study)")
+    parser.add_argument("--tokens", type=int, default=3_200_000, help="token budget of every run")
     parser.add_argument("--lr", type=float, default=2e-3, help="learning rate at the smallest")
-    parser.add_argument("--eval-every", type=int, default=5)
-    parser.add_argument("--val-windows", type=int, default=64)
-    parser.add_argument("--cooldown", type=int, default=20, help="steps between batch changes")
+    parser.add_argument("--variants", nargs="+", default=["warmup"],
+                        help="adaptive runs: warmup (BatchSizeWarmup's defaults), "
+                        "warmup-<rule>[-<fraction>] or goodput-<rule> (AdaptiveBatchSize); the "
+                        "first is 'adaptive' in the last line")
+    parser.add_argument("--val-windows", type=int, default=512)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--context", type=int, default=32)
-    parser.add_argument("--timing-rounds", type=int, default=4)
-    args = parser.parse_args()
-    sizes = sorted(set(args.sizes))
-    if sizes[0] % args.devices or len(sizes) < 2:
-        parser.error(f"--sizes: give 2+ sizes, the smallest a multiple of --devices={args.devices}")
-    if min(args.seeds, args.eval_every, args.timing_rounds, args.budget) < 1:
-        parser.error("--seeds, --eval-every, --timing-rounds and --budget must be positive")
+    parser.add_argument("--max-train-bytes", type=int, default=8_000_000)
+    parser.add_argument("--profile-steps", type=int, default=40, help="timed steps per size")
+    parser.add_argument("--measure-profile", action="store_true",
+                        help="time T(M) on this machine, store it under benchmarks/profiles/, exit")
+    parser.add_argument("--gpu-profile", default=None, help="a stored profile to price with")
+    return parser
 
+
+def check_args(parser, args):
+    if args.quick:
+        args.seeds, args.sizes, args.tokens = 1, [8, 32, 128], args.tokens // 4
+    args.sizes = sorted(set(args.sizes))
+    args.fixed = args.sizes if args.fixed is None else sorted(set(args.fixed))
+    if len(args.sizes) < 2 or args.sizes[0] % args.devices:
+        parser.error(f"--sizes: give 2+ sizes, the smallest a multiple of --devices={args.devices}")
+    if min(args.seeds, args.tokens, args.val_windows, args.profile_steps) < 1:
+        parser.error("--seeds, --tokens, --val-windows and --profile-steps must be positive")
+    for name in args.variants:
+        try:
+            variant_policy(name, args.sizes[-1])
+        except (ValueError, TypeError):
+            parser.error(f"--variants: {name!r} is not warmup, warmup-<rule>[-<fraction>] or "
+                         f"goodput-<rule> with a rule in {', '.join(LR_RULES)}")
+
+
+def profiles(data, cfg, args, devices):
+    """This machine's (M, seconds) points, measured now, and the stored accelerator's or None."""
+    cpu_times = measure_step_times(data, cfg, args.sizes, devices=devices,
+                                   steps=args.profile_steps)
+    cpu_points = sorted(cpu_times.items())
+    alpha, beta = ajp.fit_throughput(*zip(*cpu_points, strict=True))
+    print("this machine's T(M), ms: " + ", ".join(f"{b}: {t * 1e3:.2f}" for b, t in cpu_points)
+          + f" (fit {alpha * 1e3:.2f} ms + {beta * 1e6:.1f} us x M)", flush=True)
+    gpu_path, gpu = find_gpu_profile(cfg, args.gpu_profile)
+    if gpu is None:
+        print(f"no accelerator profile of this model under {PROFILES}: GPU-priced time is nan "
+              "(store one with --measure-profile on a GPU)")
+        return cpu_points, None
+    gpu_points = [tuple(p) for p in gpu["points"]]
+    print(f"accelerator profile {os.path.basename(gpu_path)} ({gpu['device']}, {gpu['date']}): "
+          + ", ".join(f"{b}: {t * 1e3:.3f}" for b, t in gpu_points) + " ms")
+    return cpu_points, gpu_points
+
+
+def run_all(data, cfg, args, devices, budget):
+    """Every seed's fixed and adaptive runs: ``{name: [run per seed]}``."""
+    evaluate = make_eval(data[1], ByteLM(cfg, nnx.Rngs(0)))
+    small, large = args.sizes[0], args.sizes[-1]
+    runs = {f"fixed-{b}": [] for b in args.fixed}
+    runs.update({v: [] for v in args.variants})
+    for seed in range(args.seeds):
+        common = dict(devices=devices, seed=seed, budget=budget, evaluate=evaluate)
+        for b in args.fixed:
+            r = train(data, cfg, batch=b, lr=args.lr * math.sqrt(b / small), **common)
+            runs[f"fixed-{b}"].append(r)
+            print(f"seed {seed} fixed-{b}: {len(r['sizes'])} steps, final val loss "
+                  f"{r['final']:.4f}, {r['wall']:.0f} s", flush=True)
+        for name in args.variants:
+            policy = variant_policy(name, large)
+            r = train(data, cfg, batch=small, lr=args.lr, policies=[policy], **common)
+            runs[name].append(r)
+            print(f"seed {seed} {name}: {len(r['sizes'])} steps, final val loss "
+                  f"{r['final']:.4f}, {r['wall']:.0f} s; batches {used(r['sizes'])}", flush=True)
+    return runs
+
+
+def compare(summary, variants):
+    """Each adaptive run against the best fixed batch by mean final loss; the last line."""
+    fixed = [n for n in summary if n.startswith("fixed-")]
+    if not fixed:
+        return
+    best = min(fixed, key=lambda n: summary[n]["final"])
+    f = summary[best]
+    print(f"\nbest fixed by mean final validation loss: {best} ({f['final']:.4f})")
+    for name in variants:
+        s = summary[name]
+        print(f"{name}: loss {s['final'] / f['final'] - 1:+.2%}, "
+              f"steps x{s['steps'] / f['steps']:.3f}, "
+              f"wall x{s['wall'] / f['wall']:.3f}, cpu T(M) x{s['cpu'] / f['cpu']:.3f}, "
+              f"gpu T(M) x{s['gpu'] / f['gpu']:.3f}")
+    s = summary[variants[0]]
+    print(
+        f"adaptive_loss_gap={s['final'] / f['final'] - 1:.4f} "
+        f"adaptive_steps_ratio={s['steps'] / f['steps']:.4f} "
+        f"adaptive_cpu_time_ratio={s['cpu'] / f['cpu']:.4f} "
+        f"adaptive_gpu_time_ratio={s['gpu'] / f['gpu']:.4f} "
+        "cbs_probe_vs_noise_scale=nan"
+    )
+
+
+def main():
+    parser = build_parser()
+    args = parser.parse_args()
+    check_args(parser, args)
     cfg = LMConfig(layers=args.layers, width=args.width, heads=4, context=args.context,
                    dropout=0.0)
-    train_w, val_w, info = lm_data.load_corpus(
-        context=cfg.context, max_train_bytes=4_000_000,
-    )
+    train_w, val_w, info = lm_data.load_corpus(context=cfg.context,
+                                               max_train_bytes=args.max_train_bytes)
     data = (train_w, lm_data.evenly_spaced(val_w, args.val_windows))
+    devices = min(args.devices, len(jax.devices()))
+    if args.measure_profile:
+        times = measure_step_times(data, cfg, args.sizes, devices=devices,
+                                   steps=args.profile_steps)
+        path = write_profile(cfg, devices, times)
+        print("T(M), ms: " + ", ".join(f"{b}: {t * 1e3:.3f}" for b, t in times.items()))
+        print(f"profile written to {path}")
+        return
+    budget = -(-args.tokens // cfg.context)  # samples
+    budget = -(-budget // args.sizes[-1]) * args.sizes[-1]  # whole steps of every size
     params = sum(int(np.prod(p.shape)) for p in
                  jax.tree.leaves(nnx.state(ByteLM(cfg, nnx.Rngs(0)), nnx.Param)))
-    small, large = sizes[0], sizes[-1]
-
-    step_time = time_steps(data, cfg, args.devices, sizes, args.timing_rounds)
-    alpha, beta = ajp.fit_throughput(sizes, [step_time[b] for b in sizes])
-    prior = min(alpha / (alpha + beta * small), 0.95)
-    print(
-        f"model: {dataclasses.asdict(cfg)} ({params} parameters); corpus {info['root']}: "
-        f"{len(train_w)} train windows of {cfg.context + 1} bytes, {len(data[1])} validation; "
-        f"devices={args.devices} target={args.target} budget={args.budget} samples "
-        f"eval_every={args.eval_every} seeds={args.seeds}",
-        flush=True,
-    )
-    print(
-        "step time (bare loop, median ms): "
-        + ", ".join(f"{b}: {step_time[b] * 1e3:.1f}" for b in sizes)
-        + f"; fit T(M) = {alpha * 1e3:.2f} ms + {beta * 1e6:.1f} us x M -> fixed fraction at "
-        f"{small}: {prior:.2f} (the adaptive policy's prior)",
-        flush=True,
-    )
-
-    configs = [(f"fixed-{b}", b, args.lr * math.sqrt(b / small)) for b in sizes]
-    runs = {name: [] for name, *_ in configs}
-    runs["adaptive"] = []
-    common = dict(devices=args.devices, seed=0, budget=args.budget, target=args.target,
-                  eval_every=args.eval_every)
-    for seed in range(args.seeds):
-        common["seed"] = seed
-        for name, batch, lr in configs:
-            t0 = time.perf_counter()
-            runs[name].append(train(data, cfg, batch=batch, lr=lr, **common))
-            r = runs[name][-1]
-            print(f"seed {seed} {name}: {len(r['sizes'])} steps, final val loss "
-                  f"{r['final']:.3f}, {time.perf_counter() - t0:.0f} s", flush=True)
-        policy = ajp.cooldown(
-            ajp.AdaptiveBatchSize(max_batch_size=large, lr_rule="sqrt", optimizer_kind="adam",
-                                  multiple_of=8, prior_overhead=prior),
-            steps=args.cooldown,
-        )
-        t0 = time.perf_counter()
-        run = train(data, cfg, batch=small, lr=args.lr, policies=[policy], **common)
-        runs["adaptive"].append(run)
-        changes = [(s, a[0].split("=")[1].split(",")[0]) for s, a in run["decisions"]]
-        print(f"seed {seed} adaptive: {len(run['sizes'])} steps, final val loss "
-              f"{run['final']:.3f}, {time.perf_counter() - t0:.0f} s; batch changes "
-              f"(step, batch): {changes}", flush=True)
-
-    print(
-        f"{'run':>10} | {'steps to target':>16} | {'samples to target':>22} | "
-        f"{'wall s to target':>18} | {'modelled s':>18} | {'final val loss':>20} | compile s"
-    )
-    wall, modelled = {}, {}
-    for name, rs in runs.items():
-        hits = [to_target(r, alpha, beta, args.target) for r in rs]
-        steps, samples, seconds, model_s = (list(x) for x in zip(*hits, strict=True))
-        # A run that missed counts as its whole wall time (a lower bound on its time to target).
-        wall[name] = float(np.mean([s if math.isfinite(s) else r["times"][-1]
-                                    for s, r in zip(seconds, rs, strict=True)]))
-        modelled[name] = float(np.mean([m if math.isfinite(m) else math.inf for m in model_s]))
-        print(
-            f"{name:>10} | {spread(steps, '{:.0f}'):>16} | {spread(samples, '{:.0f}'):>22} | "
-            f"{spread(seconds, '{:.1f}'):>18} | {spread(model_s, '{:.1f}'):>18} | "
-            f"{spread([r['final'] for r in rs], '{:.3f}'):>20} | "
-            f"{np.mean([r['compile_s'] for r in rs]):.1f}",
-            flush=True,
-        )
-    fixed = {n: t for n, t in wall.items() if n != "adaptive"}
-    best = min(fixed, key=fixed.get)
-    median = float(np.median(list(fixed.values())))
-    fixed_m = {n: t for n, t in modelled.items() if n != "adaptive"}
-    best_m = min(fixed_m, key=fixed_m.get)
-    print(
-        f"best fixed by wall time: {best} ({fixed[best]:.1f} s); median fixed {median:.1f} s; "
-        f"adaptive {wall['adaptive']:.1f} s. Modelled: best fixed {best_m} "
-        f"({fixed_m[best_m]:.1f} s), median {np.median(list(fixed_m.values())):.1f} s, adaptive "
-        f"{modelled['adaptive']:.1f} s -> {modelled['adaptive'] / fixed_m[best_m]:.3f} x best, "
-        f"{modelled['adaptive'] / np.median(list(fixed_m.values())):.3f} x median"
-    )
-    # Warm-up: adaptive steps to target against the fixed batch its schedule ended at.
-    saved = []
-    for seed, run in enumerate(runs["adaptive"]):
-        hit = to_target(run, alpha, beta, args.target)[0]
-        if not math.isfinite(hit):
-            continue
-        end = run["sizes"][hit - 1]
-        if f"fixed-{end}" not in runs:
-            print(f"seed {seed}: adaptive ended at batch {end}, not among --sizes")
-            continue
-        fixed_steps = to_target(runs[f"fixed-{end}"][seed], alpha, beta, args.target)[0]
-        saved.append((seed, end, hit, fixed_steps))
-    if saved:
-        text = ", ".join(
-            f"seed {i}: ends at {e}, {h} vs {f} steps"
-            + (f" ({1 - h / f:.0%} fewer)" if math.isfinite(f) else " (fixed never reached)")
-            for i, e, h, f in saved
-        )
-        print(f"warm-up (adaptive vs the fixed batch it ends at): {text}")
-    print(
-        f"adaptive_vs_best_fixed_time={wall['adaptive'] / fixed[best]:.4f} "
-        f"adaptive_vs_median_fixed_time={wall['adaptive'] / median:.4f}"
-    )
+    print(f"model: {dataclasses.asdict(cfg)} ({params} parameters); corpus {info['root']}: "
+          f"{len(train_w)} train windows of {cfg.context + 1} bytes, {len(data[1])} validation; "
+          f"devices={devices}; budget {budget} samples = {budget * cfg.context} tokens; "
+          f"seeds={args.seeds}; lr {args.lr} at batch {args.sizes[0]}", flush=True)
+    cpu_points, gpu_points = profiles(data, cfg, args, devices)
+    runs = run_all(data, cfg, args, devices, budget)
+    summary = print_tables(runs, list(runs), cpu_points, gpu_points, cfg)
+    compare(summary, args.variants)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,11 @@ _NAMES = {
     "Stop": "adaptjax.policies._actions",
     "with_reason": "adaptjax.policies._actions",
     "AdaptiveBatchSize": "adaptjax.policies._batch_size",
+    "Probe": "adaptjax.policies._actions",
+    "CriticalBatchFit": "adaptjax.policies._critical_batch",
+    "CriticalBatchProbe": "adaptjax.policies._critical_batch",
+    "fit_critical_batch": "adaptjax.policies._critical_batch",
+    "BatchSizeWarmup": "adaptjax.policies._warmup",
     "read_metric": "adaptjax.policies._checks",
     "any_of": "adaptjax.policies._combinators",
     "cooldown": "adaptjax.policies._combinators",
@@ -74,6 +79,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
         ACTION_TYPES,
         Action,
         Checkpoint,
+        Probe,
         Rescale,
         Rollback,
         SetBatchSize,
@@ -88,6 +94,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax.policies._checks import read_metric
     from adaptjax.policies._combinators import any_of, cooldown, hysteresis, when
     from adaptjax.policies._context import Context
+    from adaptjax.policies._critical_batch import (
+        CriticalBatchFit,
+        CriticalBatchProbe,
+        fit_critical_batch,
+    )
     from adaptjax.policies._elastic import ElasticScale
     from adaptjax.policies._goodput import (
         adascale_gain,
@@ -103,19 +114,24 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax.policies._schedule import Schedule
     from adaptjax.policies._switch_compression import SwitchCompression
     from adaptjax.policies._switch_sync import SwitchSync
+    from adaptjax.policies._warmup import BatchSizeWarmup
 
 __all__ = [
     "ACTION_TYPES",
     "Action",
     "AdaptiveBatchSize",
+    "BatchSizeWarmup",
     "Candidate",
     "Checkpoint",
     "Context",
+    "CriticalBatchFit",
+    "CriticalBatchProbe",
     "EarlyStop",
     "ElasticScale",
     "Predictor",
     "Policy",
     "PrecisionPolicy",
+    "Probe",
     "ReduceLROnPlateau",
     "Rescale",
     "Rollback",
@@ -131,6 +147,7 @@ __all__ = [
     "adascale_gain",
     "any_of",
     "cooldown",
+    "fit_critical_batch",
     "fit_throughput",
     "goodput",
     "hysteresis",

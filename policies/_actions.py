@@ -21,6 +21,7 @@ action              what the controller does
 ``SetCodec``        switches gradient compression on (a codec) or off (None)
 ``SetSync``         switches the synchronisation strategy (S-SGD, DiLoCo, ...)
 ``SetPrecision``    switches the compute precision (float32, bfloat16, ...)
+``Probe``           measures the critical batch by branching training from the live state
 ``Checkpoint``      saves a checkpoint now
 ``Stop``            ends training
 ``Rollback``        restores the last checkpoint
@@ -290,6 +291,62 @@ class Rollback:
         check_str(self.reason, owner="Rollback", name="reason")
 
 
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """Measure the critical batch size by branching training from the live state.
+
+    The controller copies the state in memory and, for each batch size B,
+    trains ``steps`` x max(batch_sizes) / B optimizer steps at B (every branch
+    on the same samples, read ahead of the data cursor without moving it), the
+    learning rate scaled from the current one by ``lr_rule`` for B / current
+    batch. It evaluates each branch's loss on data common to all of them, fits
+    ``fit_critical_batch`` to the drops, logs the metric ``critical_batch`` and
+    goes on from the copy: no step, sample or random draw of the main run changes.
+
+    Args:
+      batch_sizes: the branches' global batch sizes, 3 or more distinct, each >= 1
+        (kept sorted).
+      steps: optimizer steps of the largest branch, >= 1.
+      lr_rule: ``"sqrt"`` (Adam), ``"linear"`` (SGD), ``"none"`` or
+        ``"adascale"`` (see ``lr_scale``).
+
+    Example:
+      >>> Probe(batch_sizes=[128, 32, 64], steps=20)
+      Probe(batch_sizes=(32, 64, 128), steps=20, lr_rule='sqrt')
+    """
+
+    batch_sizes: tuple[int, ...]
+    steps: int = 10
+    lr_rule: str = "sqrt"
+    reason: str = dataclasses.field(default="", compare=False, repr=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        owner = "Probe"
+        check_str(self.reason, owner=owner, name="reason")
+        if isinstance(self.batch_sizes, str | bytes) or not hasattr(self.batch_sizes, "__iter__"):
+            raise ValueError(
+                f"{owner}: batch_sizes must be a tuple of ints, got {short_repr(self.batch_sizes)}"
+            )
+        sizes = sorted(
+            {check_int(b, owner=owner, name="every batch size", minimum=1)
+             for b in self.batch_sizes}
+        )
+        if len(sizes) < 3:
+            raise ValueError(
+                f"{owner}: batch_sizes needs 3 or more distinct sizes to fit the critical batch, "
+                f"got {sizes}; add sizes"
+            )
+        object.__setattr__(self, "batch_sizes", tuple(sizes))
+        object.__setattr__(self, "steps", check_int(self.steps, owner=owner, name="steps",
+                                                    minimum=1))
+        rules = ("adascale", "sqrt", "linear", "none")  # policies._goodput.LR_RULES
+        if self.lr_rule not in rules:
+            allowed = ", ".join(repr(r) for r in rules)
+            raise ValueError(
+                f"{owner}: unknown lr_rule {short_repr(self.lr_rule)}; use one of {allowed}"
+            )
+
+
 ACTION_TYPES: tuple[type, ...] = (
     SetHyperparams,
     SetBatchSize,
@@ -300,6 +357,7 @@ ACTION_TYPES: tuple[type, ...] = (
     Rollback,
     SetSync,
     SetPrecision,
+    Probe,
 )
 
 Action: TypeAlias = (
@@ -312,6 +370,7 @@ Action: TypeAlias = (
     | Rollback
     | SetSync
     | SetPrecision
+    | Probe
 )
 
 

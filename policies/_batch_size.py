@@ -5,7 +5,8 @@ import math
 import statistics
 from collections.abc import Mapping
 
-from adaptjax.policies._actions import Action, SetBatchSize, SetHyperparams
+from adaptjax.policies._actions import Action, SetBatchSize
+from adaptjax.policies._batch_rules import BatchSizePolicy, batch_bounds, noise_reading
 from adaptjax.policies._checks import (
     check_choice,
     check_float,
@@ -21,15 +22,13 @@ from adaptjax.policies._goodput import (
     OPTIMIZER_KINDS,
     fit_throughput,
     goodput,
-    lr_scale,
     statistical_efficiency,
 )
 from adaptjax.policies._planner import current, observe, predict
-from adaptjax.policies._policy import StatefulPolicy
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class AdaptiveBatchSize(StatefulPolicy):
+class AdaptiveBatchSize(BatchSizePolicy):
     """Proposes the batch size with the best predicted goodput, and rescales the LR with it.
 
     At every evaluation the policy
@@ -70,6 +69,13 @@ class AdaptiveBatchSize(StatefulPolicy):
     Early in a run, when a compile is a large part of the time so far, the
     policy moves only for a large gain; hours in, the factor is ~1. Without the
     two metrics (e.g. outside the controller) nothing is discounted.
+
+    **Moves that wait for no compile.** :meth:`upcoming` announces half and
+    double the current batch, the moves the one-size model proposes first and
+    the neighbours of a fitted peak, so the controller compiles them in the
+    background. A batch the context reports compiled (``ctx.compiled_batch_sizes``,
+    where the controller fills it: run, compiled ahead or compiled in the
+    background) counts as compiled here too: a candidate at no compile cost.
 
     With a ``planner`` (e.g. ``adaptjax.costs.Planner``) step 2 asks it for the
     step time T(M) of each candidate instead of fitting α + βM from this run's
@@ -175,25 +181,12 @@ class AdaptiveBatchSize(StatefulPolicy):
 
     def _initial_state(self) -> dict:
         return {
-            "base_batch_size": None,  # M₀
-            "base_lr": None,  # the learning rate at M₀
-            "lr_factor": 1.0,  # rule(S) of the batch size in effect
-            "last_lr": None,  # the learning rate this policy expects in effect
-            "pending": None,  # last proposal: {"batch_size", "lr", "lr_factor"}
+            **self._lr_state(),
             "observations": [],  # [{"devices", "microbatches", "compressed", "batch_size",
             #                        "step_times": [...]}]
         }
 
     # --- helpers -------------------------------------------------------------------------
-
-    def _current_lr(self, ctx: Context) -> float:
-        if self.lr_key not in ctx.hyperparams:
-            raise ValueError(
-                f"AdaptiveBatchSize(lr_rule={self.lr_rule!r}): ctx.hyperparams has no "
-                f"{self.lr_key!r} (has {sorted(ctx.hyperparams)}); pass lr_key=... "
-                "or lr_rule='none'"
-            )
-        return ctx.hyperparams[self.lr_key]
 
     def _record(self, metrics: Mapping[str, float], ctx: Context) -> None:
         step_time = read_metric(metrics, "step_time")
@@ -223,12 +216,18 @@ class AdaptiveBatchSize(StatefulPolicy):
         del times[: max(len(times) - self.window, 0)]
 
     def _compiled(self, ctx: Context) -> set[int]:
-        """Batch sizes run (so compiled) in the current configuration."""
+        """Batch sizes whose step is compiled in the current configuration.
+
+        Those this policy saw run here, and those the controller reports
+        compiled in ``ctx.compiled_batch_sizes`` where the context has it (run,
+        compiled ahead, or compiled in the background after :meth:`upcoming`).
+        """
         key = self._config(ctx)
-        return {e["batch_size"] for e in self._state["observations"] if _config_of(e) == key}
+        ran = {e["batch_size"] for e in self._state["observations"] if _config_of(e) == key}
+        return ran | set(getattr(ctx, "compiled_batch_sizes", None) or ())
 
     def _compiled_candidates(self, ctx: Context, low: int, high: int, step: int) -> set[int]:
-        """The valid batch sizes already run here, candidates at no compile cost."""
+        """The valid batch sizes already compiled here, candidates at no compile cost."""
         if not self.count_compiles:
             return set()
         return {m for m in self._compiled(ctx) if low <= m <= high and m % step == 0}
@@ -264,59 +263,43 @@ class AdaptiveBatchSize(StatefulPolicy):
         alpha, beta = fit_throughput([p[0] for p in points], [p[1] for p in points])
         return alpha, beta, False
 
-    @staticmethod
-    def _noise_scale(metrics: Mapping[str, float]) -> float | None:
-        if metrics is not None and "noise_scale_valid" in metrics:
-            valid = read_metric(metrics, "noise_scale_valid")
-            if valid is None or valid <= 0.0:
-                return None  # a held (stale) or meaningless reading: act on nothing
-        phi = read_metric(metrics, "noise_scale")
-        if phi is None:
-            variance = read_metric(metrics, "grad_variance")
-            sqnorm = read_metric(metrics, "grad_sqnorm")
-            if variance is None or sqnorm is None or sqnorm <= 0.0:
-                return None
-            phi = variance / sqnorm
-        return max(phi, 0.0)
-
-    def _lr_factor(self, scale: float, phi: float, metrics: Mapping[str, float]) -> float:
-        base = self._state["base_batch_size"]
-        variance = read_metric(metrics, "grad_variance")
-        sqnorm = read_metric(metrics, "grad_sqnorm")
-        if variance is not None and sqnorm is not None:
-            sigma_sq, mu_sq = variance / base, sqnorm
-        else:  # σ²/μ² = φ/M₀ is all the gain depends on.
-            sigma_sq, mu_sq = phi / base, 1.0
-        return lr_scale(
-            self.lr_rule, scale, optimizer_kind=self.optimizer_kind, sigma_sq=sigma_sq,
-            mu_sq=mu_sq,
+    def _bounds(self, ctx: Context) -> tuple[int, int, int]:
+        base = self._state["base_batch_size"] or ctx.base_batch_size or ctx.batch_size
+        return batch_bounds(
+            ctx, low=self.min_batch_size or base, high=self.max_batch_size,
+            multiple_of=self.multiple_of,
         )
+
+    def upcoming(self, ctx: Context) -> list[Action]:
+        """Half and double the current batch (within the bounds), once a step time is known.
+
+        The moves a one-size model proposes first and a fitted one passes
+        through; the controller compiles them in the background, so that when
+        one comes its step is ready and (where the context reports compiled
+        sizes, ``ctx.compiled_batch_sizes``) no compile discount holds it back.
+        Nothing before a step time was measured: the policy cannot move yet.
+        """
+        if self._model(ctx) is None:
+            return []
+        step, low, high = self._bounds(ctx)
+        sizes = (ctx.batch_size // 2 // step * step, 2 * ctx.batch_size // step * step)
+        return [
+            SetBatchSize(m, reason="AdaptiveBatchSize: a likely next batch")
+            for m in dict.fromkeys(sizes) if low <= m <= high and m != ctx.batch_size
+        ]
 
     # --- decision ------------------------------------------------------------------------
 
     def decide(self, metrics: Mapping[str, float], ctx: Context) -> list[Action]:
         """Returns ``[SetBatchSize, SetHyperparams]`` when a change pays, else ``[]``."""
-        state = self._state
-        if state["base_batch_size"] is None:
-            state["base_batch_size"] = ctx.base_batch_size or ctx.batch_size
-            if self.lr_rule != "none":
-                state["base_lr"] = state["last_lr"] = self._current_lr(ctx)
-        pending = state["pending"]
-        if pending is not None and pending["batch_size"] == ctx.batch_size:
-            state["lr_factor"], state["last_lr"] = pending["lr_factor"], pending["lr"]
-            state["pending"] = None
-
+        self._begin(ctx)
         self._record(metrics, ctx)
         if self.planner is not None:
             observe(self.planner, metrics, ctx)
-        phi = self._noise_scale(metrics)
+        phi = noise_reading(metrics)
         model = self._model(ctx)
-        base = state["base_batch_size"]
-        step = ctx.devices * ctx.microbatches
-        if self.multiple_of is not None:
-            step = math.lcm(step, self.multiple_of)
-        low = -(-(self.min_batch_size or base) // step) * step
-        high = self.max_batch_size // step * step
+        base = self._state["base_batch_size"]
+        step, low, high = self._bounds(ctx)
         discount = self._compile_discount(metrics, ctx)
         if phi is not None and low <= high and self.planner is not None:
             planned = self._planned(ctx, phi, low, high, step, discount)
@@ -396,29 +379,6 @@ class AdaptiveBatchSize(StatefulPolicy):
             return 0
         best_score, best = max(scored, key=lambda sm: (sm[0], -sm[1]))
         return best if best_score >= (1.0 + self.gain_threshold) * now else 0
-
-    def _propose(self, best: int, phi: float, metrics: Mapping[str, float],
-                 ctx: Context, why: str) -> list[Action]:
-        state = self._state
-        actions: list[Action] = [SetBatchSize(best, reason=why)]
-        if self.lr_rule != "none":
-            lr = self._current_lr(ctx)
-            if lr != state["last_lr"]:  # changed by someone else: keep their change
-                state["base_lr"] = lr / state["lr_factor"]
-                state["last_lr"] = lr
-            base = state["base_batch_size"]
-            factor = self._lr_factor(best / base, phi, metrics)
-            new_lr = state["base_lr"] * factor
-            state["pending"] = {"batch_size": best, "lr": new_lr, "lr_factor": factor}
-            actions.append(
-                SetHyperparams(
-                    {self.lr_key: new_lr},
-                    reason=f"AdaptiveBatchSize: {self.lr_rule} learning-rate rule for batch "
-                    f"{best} = {best / base:.3g} x {base}: factor {factor:.3g} on base "
-                    f"{state['base_lr']:.3g}",
-                )
-            )
-        return actions
 
 
 def _compile_note(factor: float, metrics: Mapping[str, float]) -> str:

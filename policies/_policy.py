@@ -133,7 +133,7 @@ def validate_actions(actions: Any, *, source: Any = None) -> list[Action]:
       >>> validate_actions(["stop"])
       Traceback (most recent call last):
       ...
-      ValueError: a policy returned an action of type str ('stop'); allowed: SetHyperparams, SetBatchSize, Rescale, SetCodec, Checkpoint, Stop, Rollback, SetSync, SetPrecision
+      ValueError: a policy returned an action of type str ('stop'); allowed: SetHyperparams, SetBatchSize, Rescale, SetCodec, Checkpoint, Stop, Rollback, SetSync, SetPrecision, Probe
     """  # noqa: E501
     who = "a policy" if source is None else type(source).__name__
     if not isinstance(actions, list | tuple):

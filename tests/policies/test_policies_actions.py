@@ -19,6 +19,7 @@ def test_action_types_and_union():
         ajp.Rollback,
         ajp.SetSync,
         ajp.SetPrecision,
+        ajp.Probe,
     )
     assert set(ajp.Action.__args__) == set(ajp.ACTION_TYPES)
 
@@ -143,7 +144,7 @@ def test_validate_actions_accepts_lists_and_tuples():
 def test_validate_actions_names_the_offending_type_and_the_allowed_ones():
     allowed = (
         "SetHyperparams, SetBatchSize, Rescale, SetCodec, Checkpoint, Stop, Rollback, SetSync, "
-        "SetPrecision"
+        "SetPrecision, Probe"
     )
     with pytest.raises(ValueError) as info:
         ajp.validate_actions([ajp.Checkpoint(), {"batch_size": 128}])

@@ -1,5 +1,6 @@
 """AdaptiveBatchSize: decisions checked against the goodput model they are defined by."""
 
+import dataclasses
 import math
 
 import pytest
@@ -416,3 +417,43 @@ def test_with_a_planner_the_sizes_already_run_are_candidates_too():
     young = {"noise_scale": 1e4, "compile_seconds": 5.0, "train_seconds": 4.0}
     # off the planner's grid of powers of two times 64, and the only move a young run affords
     assert policy.decide(young, ctx(64))[0] == ajp.SetBatchSize(96)
+
+
+# ------------------------------------------------------- announced sizes, compiled ahead
+@dataclasses.dataclass(frozen=True)
+class CompiledContext(ajp.Context):
+    """A context that reports the batch sizes whose step is compiled (the controller's part)."""
+
+    compiled_batch_sizes: frozenset = frozenset()
+
+
+def test_upcoming_announces_half_and_double_once_a_step_time_is_known():
+    policy = ajp.AdaptiveBatchSize(1024, min_batch_size=16)
+    assert ajp.upcoming(policy, ctx(64)) == []  # nothing measured: it cannot move yet
+    policy.decide({"step_time": 0.2}, ctx(64))
+    assert ajp.upcoming(policy, ctx(64)) == [ajp.SetBatchSize(32), ajp.SetBatchSize(128)]
+    # within the bounds: not below min_batch_size, not above max_batch_size
+    assert ajp.upcoming(policy, ctx(16)) == [ajp.SetBatchSize(32)]
+    assert ajp.upcoming(policy, ctx(1024)) == [ajp.SetBatchSize(512)]
+    # the default minimum is M0, the batch of the first decision
+    policy = ajp.AdaptiveBatchSize(1024)
+    policy.decide({"step_time": 0.2}, ctx(64))
+    assert ajp.upcoming(policy, ctx(64)) == [ajp.SetBatchSize(128)]
+
+
+def test_a_batch_compiled_ahead_is_not_held_back_by_the_compile_discount():
+    # The run is younger than a compile: a move to a batch never compiled keeps nothing of
+    # the next A seconds, so the policy stays (see the test above). Compiled ahead (in the
+    # background, from upcoming), the same move costs no compile and the gain decides.
+    metrics = {"noise_scale": 1e4, "step_time": 0.2, "compile_seconds": 5.0,
+               "train_seconds": 4.0}
+    policy = ajp.AdaptiveBatchSize(1024)
+    assert policy.decide(metrics, ctx(64)) == []
+    fields = dict(step=0, batch_size=64, microbatches=1, devices=8, max_devices=8,
+                  hyperparams={"learning_rate": 0.1}, base_batch_size=64)
+    ahead = CompiledContext(**fields, compiled_batch_sizes=frozenset({128}))
+    policy = ajp.AdaptiveBatchSize(1024)
+    got = policy.decide(metrics, ahead)
+    assert got[0] == ajp.SetBatchSize(128) and "after its compile" not in got[0].reason
+    # the same decision as when compiles are not counted at all
+    assert got == ajp.AdaptiveBatchSize(1024, count_compiles=False).decide(metrics, ctx(64))
