@@ -492,10 +492,41 @@ def _loss_and_model_state(config: _StepConfig, model_state, graphdef, batch, sca
     The first item is what is differentiated (the loss itself without a ``scale``).
     """
     model = merge_model(graphdef, params, fold_replica_into_keys(model_state, config.axis_name))
-    out = config.loss_fn(model, batch)
-    loss, aux = out if config.has_aux else (out, ())
+    loss, aux = _loss_and_aux(config.has_aux, config.loss_fn(model, batch))
     scaled = loss if scale is None else loss.astype(jnp.float32) * scale
     return scaled, (loss, aux, model_state_after(model, model_state))
+
+
+def _loss_and_aux(has_aux: bool, out):
+    """``(loss, aux)`` from what ``loss_fn`` returned; one-line errors at trace time."""
+    pair = isinstance(out, tuple | list)
+    if has_aux and not (pair and len(out) == 2):
+        raise ValueError(
+            f"has_aux=True, but loss_fn returned {_described(out)}; return (loss, aux), or "
+            "build the step with has_aux=False"
+        )
+    if not has_aux and pair:
+        raise ValueError(
+            f"loss_fn returned {_described(out)}; build the step with has_aux=True if it "
+            "returns (loss, aux)"
+        )
+    loss, aux = out if has_aux else (out, ())
+    if jnp.shape(loss) != ():
+        raise ValueError(
+            f"loss_fn's loss is {_described(loss)}, not a scalar; reduce it over the batch "
+            "(e.g. jnp.mean)"
+        )
+    return loss, aux
+
+
+def _described(out) -> str:
+    """What ``loss_fn`` returned, in a few words (``a float32 scalar``, ``a tuple of 3``)."""
+    if isinstance(out, tuple | list):
+        return f"a {type(out).__name__} of {len(out)}"
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if shape is None or dtype is None:
+        return f"a {type(out).__name__}"
+    return f"a {dtype} scalar" if shape == () else f"a {dtype} array of shape {tuple(shape)}"
 
 
 def _replica_grads(config: _StepConfig, layout, state: TrainState, params, batch):

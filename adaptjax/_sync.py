@@ -545,6 +545,7 @@ def _update_with_sums(
     config: _SyncConfig, updates, state, params=None, extra_sums=None, *, deferred=False, **extra
 ):
     """``update_with_sums`` of :class:`SyncGradients` (see there for what it returns)."""
+    check_axes_bound(config.axis_name, f"sync_gradients({config.axis_name!r})")
     check_float_tree(updates)
     _check_per_replica(updates, config.axis_name)
     k = int(extra.get("microbatches", 1) or 1)
