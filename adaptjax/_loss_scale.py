@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from adaptjax._data import check_count
+from adaptjax._sync import check_axes_bound
 
 
 class LossScaleState(NamedTuple):
@@ -89,13 +90,23 @@ def current_loss_scale(opt_state) -> jax.Array:
     return found[0].scale
 
 
+def adjust_in(opt_state, loss_scale: LossScaled, finite):
+    """``opt_state`` with each :class:`LossScaleState` in it moved by ``loss_scale.adjust``."""
+    return jax.tree.map(
+        lambda n: loss_scale.adjust(n, finite) if _is_state(n) else n, opt_state, is_leaf=_is_state
+    )
+
+
 class LossScaled(optax.GradientTransformationExtraArgs):
     """What :func:`dynamic_loss_scale` returns: the transformation, plus its parts.
 
     ``inner`` is the wrapped transformation and :meth:`adjust` the state
     machine alone, so a step that checks finiteness itself (e.g.
-    :func:`adaptjax.data_parallel_step`'s guard) can run ``inner`` on the
-    unscaled gradients and then move the scale with the same rules.
+    :func:`adaptjax.data_parallel_step`'s guard, given ``loss_scale=``) can
+    run ``inner`` on the unscaled gradients and then move the scale with the
+    same rules: ``update(..., loss_scaled=True)`` (an extra argument) runs
+    only ``inner``, on gradients the caller has unscaled already, and leaves
+    the scale and the count to the caller's :meth:`adjust`.
 
     Example:
       >>> import jax.numpy as jnp, optax, adaptjax
@@ -193,6 +204,16 @@ def dynamic_loss_scale(
     sees true-scale gradients. ``inner``'s update runs inside ``lax.cond``:
     a skipped step sends no gradient.
 
+    In :func:`adaptjax.data_parallel_step` pass it as ``loss_scale=`` too:
+    the step then scales the loss, unscales each micro-batch's gradients in
+    float32 (so its non-finite guard, ``micro_sqnorm`` and the monitors see
+    true-scale values), skips a non-finite step on every replica, and moves
+    the scale after the skip-or-apply branch; ``update`` receives
+    ``loss_scaled=True`` and runs only ``inner``. Wrap just the optimizer
+    link there (``adaptjax.chain(sync_gradients("data"),
+    dynamic_loss_scale(opt))``), so the guard rides the gradients'
+    all-reduce.
+
     Args:
       inner: the transformation to wrap (the sync and the optimizer).
       axis_name: the data-parallel axis; ``None`` outside ``shard_map``.
@@ -236,7 +257,13 @@ def dynamic_loss_scale(
             good_steps=jnp.where(finite & ~due, state.good_steps + 1, 0).astype(jnp.int32),
         )
 
-    def update(updates, state: LossScaleState, params=None, **extra):
+    def update(updates, state: LossScaleState, params=None, *, loss_scaled=False, **extra):
+        if loss_scaled:
+            # The step unscaled the gradients, checked them and moves the scale itself.
+            new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
+            return new_updates, state._replace(inner_state=inner_state)
+        if axis_name is not None:
+            check_axes_bound(axis_name, f"dynamic_loss_scale(axis_name={axis_name!r})")
         inv = 1.0 / state.scale
         grads = jax.tree.map(lambda g: (g * inv).astype(g.dtype), updates)
         finite = _all_finite(updates)

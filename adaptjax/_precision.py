@@ -99,8 +99,9 @@ class Precision:
     hash alike (it keys compiled steps). Master weights and optimizer state are
     float32 always: ``params`` accepts nothing else, it exists so the three
     dtypes read as in ``jmp.Policy``. ``compute="float16"`` needs dynamic loss
-    scaling (:func:`adaptjax.dynamic_loss_scale`; :func:`check_precision`
-    refuses it without).
+    scaling: wrap the optimizer in :func:`adaptjax.dynamic_loss_scale` and pass
+    it to :func:`adaptjax.data_parallel_step` as ``loss_scale=``
+    (:func:`check_precision` and the step refuse float16 without).
 
     Args:
       compute: the dtype the forward and backward passes run in.

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from adaptjax._chain import guarded_sync
+from adaptjax._loss_scale import LossScaled, adjust_in, current_loss_scale, has_loss_scale
 from adaptjax._mesh import check_mesh, is_sharded
 from adaptjax._metric_vector import Metrics
 from adaptjax._metrics import collect_metrics
@@ -117,6 +118,7 @@ def data_parallel_step(
     skip_nonfinite: bool = True,
     sync=None,
     sharding=None,
+    loss_scale: LossScaled | None = None,
 ) -> DataParallelStep:
     """Builds ``step(state, batch) -> (state, metrics)``, jitted over ``mesh``.
 
@@ -139,6 +141,20 @@ def data_parallel_step(
     state through in place, and a finite step computes exactly what it would
     without the guard. A ``tx`` that turns finite gradients into non-finite
     updates is not caught (wrap it in ``optax.apply_if_finite``).
+
+    **float16** (``loss_fn = adaptjax.with_precision(loss, "float16")``) needs
+    dynamic loss scaling: put ``ls = adaptjax.dynamic_loss_scale(optimizer)``
+    in ``tx`` (``adaptjax.chain(adaptjax.sync_gradients("data"), ls)``) and
+    pass ``loss_scale=ls``. The step differentiates the loss times the
+    state's current scale (:func:`adaptjax.current_loss_scale`), divides each
+    micro-batch's gradients by it in float32, so the guard, ``micro_sqnorm``
+    and the monitors see true-scale values, and an overflow (``inf``/``NaN``
+    in the scaled backward pass) is a non-finite step that every replica
+    skips; after the skip-or-apply branch the scale moves by ``ls``'s rules
+    (shrink on a skipped step, grow after ``period`` finite ones). ``tx``'s
+    ``update`` receives ``loss_scaled=True``, so ``ls`` runs only the
+    optimizer it wraps. The scale is part of the optimizer state, so it is
+    checkpointed with the rest.
 
     Flax NNX models with state (call ``model.train()`` before
     :func:`adaptjax.init_state`): the step merges the module inside the
@@ -200,7 +216,8 @@ def data_parallel_step(
 
     ``metrics`` is an :class:`adaptjax.Metrics` mapping (all scalars in one
     float32 vector, one buffer per device): ``loss`` (mean over the global
-    batch), ``nonfinite`` (1.0 when this step was skipped), every monitor value
+    batch), ``nonfinite`` (1.0 when this step was skipped), with ``loss_scale``
+    the scale the next step uses (``loss_scale``), every monitor value
     (see :func:`adaptjax.read_metrics`) and, with ``has_aux``, the aux outputs
     averaged over replicas under ``aux``. Read them with one
     ``jax.device_get(metrics)``.
@@ -229,6 +246,11 @@ def data_parallel_step(
         :class:`adaptjax.FSDP` rule), an :class:`adaptjax.FSDP`, a tree of
         ``PartitionSpec``s or a function; see :func:`adaptjax.param_specs`.
         Ignored on a mesh of data axes only.
+      loss_scale: the :func:`adaptjax.dynamic_loss_scale` inside ``tx``
+        (``tx`` itself when ``tx`` is one; that is the default then): the
+        step scales the loss by it and moves the scale (see above). Needs
+        ``skip_nonfinite``; the optimizer state must hold exactly one
+        :class:`adaptjax.LossScaleState`.
 
     Returns:
       A :class:`DataParallelStep`.
@@ -251,8 +273,10 @@ def data_parallel_step(
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     if sync is not None:
         resolve_sync(sync).check(n)
+    loss_scale = _check_loss_scale(loss_fn, tx, loss_scale, skip_nonfinite)
     config = _StepConfig(
-        loss_fn, tx, mesh, axis_name, n, microbatches, has_aux, skip_nonfinite, sharding
+        loss_fn, tx, mesh, axis_name, n, microbatches, has_aux, skip_nonfinite, sharding,
+        loss_scale,
     )
     jitted = jax.jit(
         config.step,
@@ -269,6 +293,48 @@ def data_parallel_step(
     )
 
 
+def _check_loss_scale(loss_fn, tx, loss_scale, skip_nonfinite: bool) -> LossScaled | None:
+    """``loss_scale`` checked (``tx`` itself when it is a :class:`adaptjax.LossScaled`)."""
+    if loss_scale is None and isinstance(tx, LossScaled):
+        loss_scale = tx
+    if loss_scale is not None and not isinstance(loss_scale, LossScaled):
+        raise ValueError(
+            f"loss_scale must be the adaptjax.dynamic_loss_scale(...) inside tx, got {loss_scale!r}"
+        )
+    if loss_scale is not None and not skip_nonfinite:
+        raise ValueError(
+            "loss_scale needs skip_nonfinite=True (a step whose scaled gradients overflow is "
+            "skipped and the scale shrinks); drop skip_nonfinite=False"
+        )
+    precision = getattr(loss_fn, "precision", None)  # adaptjax.with_precision's
+    if loss_scale is None and getattr(precision, "needs_loss_scale", False):
+        raise ValueError(
+            f"loss_fn computes in {precision.compute}, whose gradients underflow without loss "
+            "scaling: pass loss_scale=adaptjax.dynamic_loss_scale(optimizer) (that link of tx), "
+            "or use compute='bfloat16'"
+        )
+    return loss_scale
+
+
+def _check_scaled_state(loss_scale: LossScaled | None, opt_state) -> None:
+    """Trace time: ``opt_state`` holds one loss scale exactly when the step was given one."""
+    if loss_scale is None and has_loss_scale(opt_state):
+        raise ValueError(
+            "tx holds adaptjax.dynamic_loss_scale: pass that transformation to "
+            "data_parallel_step(..., loss_scale=...) so the step scales the loss it differentiates"
+        )
+    if loss_scale is not None and not has_loss_scale(opt_state):
+        raise ValueError(
+            "loss_scale= was given, but the state's optimizer state holds no LossScaleState; "
+            "put that adaptjax.dynamic_loss_scale(...) in tx and build the state with it"
+        )
+
+
+def _unscale(grads, scale):
+    """Gradients of the loss times ``scale``, back at true scale (divided in float32)."""
+    return jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), grads)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _StepConfig:
     """What :func:`data_parallel_step` was built with (checked there); see its arguments."""
@@ -283,6 +349,7 @@ class _StepConfig:
     skip_nonfinite: bool
 
     sharding: Any = None
+    loss_scale: LossScaled | None = None
 
     def step(self, state: TrainState, batch):
         """The jitted function (``jit(step)`` in profiles and compile logs).
@@ -290,6 +357,7 @@ class _StepConfig:
         Runs :func:`_local_step` on every replica: the state's leaves split as
         :func:`adaptjax.train_state_specs` says, the batch over the data axis.
         """
+        _check_scaled_state(self.loss_scale, state.opt_state)
         specs = train_state_specs(state, self.axis_name)
         if not is_sharded(self.mesh, self.axis_name):
             fn = jax.shard_map(
@@ -377,6 +445,8 @@ def _local_step(config: _StepConfig, layout: ShardLayout | None, state: TrainSta
     )
     extra = {"local_params": params} if has_local else {}
     extra.update(local_batch_size=b, microbatches=config.microbatches, micro_sqnorm=micro_sq)
+    if config.loss_scale is not None:
+        extra["loss_scaled"] = True  # unscaled already: the LossScaled link runs only its inner
     if layout is not None:
         extra["shard_layout"] = layout
     # With adaptjax.chain(sync_gradients(...), ...) the guard's scalars ride in
@@ -402,19 +472,61 @@ def _local_step(config: _StepConfig, layout: ShardLayout | None, state: TrainSta
     return _step_outputs(config, state, synced, updated, aux, in_sync)
 
 
-def _grad_of(config: _StepConfig, params, model_state, graphdef, batch):
-    """Loss, aux, grads and the model state the forward pass left behind."""
-    f = functools.partial(_loss_and_model_state, config, model_state, graphdef, batch)
-    (loss, (aux, new_model_state)), grads = jax.value_and_grad(f, has_aux=True)(params)
+def _grad_of(config: _StepConfig, params, model_state, graphdef, batch, scale=None):
+    """Loss, aux, grads and the model state the forward pass left behind.
+
+    With a loss ``scale`` the loss times ``scale`` is differentiated and the
+    gradients are unscaled here, in float32: what follows sees true-scale
+    values (an overflow stays ``inf``/``NaN``, for the guard).
+    """
+    f = functools.partial(_loss_and_model_state, config, model_state, graphdef, batch, scale)
+    (_, (loss, aux, new_model_state)), grads = jax.value_and_grad(f, has_aux=True)(params)
+    if scale is not None:
+        grads = _unscale(grads, scale)
     return loss, aux, grads, new_model_state
 
 
-def _loss_and_model_state(config: _StepConfig, model_state, graphdef, batch, params):
-    """``(loss, (aux, model state after))`` of ``loss_fn`` at ``params``: what is differentiated."""
+def _loss_and_model_state(config: _StepConfig, model_state, graphdef, batch, scale, params):
+    """``(loss × scale, (loss, aux, model state after))`` of ``loss_fn`` at ``params``.
+
+    The first item is what is differentiated (the loss itself without a ``scale``).
+    """
     model = merge_model(graphdef, params, fold_replica_into_keys(model_state, config.axis_name))
-    out = config.loss_fn(model, batch)
-    loss, aux = out if config.has_aux else (out, ())
-    return loss, (aux, model_state_after(model, model_state))
+    loss, aux = _loss_and_aux(config.has_aux, config.loss_fn(model, batch))
+    scaled = loss if scale is None else loss.astype(jnp.float32) * scale
+    return scaled, (loss, aux, model_state_after(model, model_state))
+
+
+def _loss_and_aux(has_aux: bool, out):
+    """``(loss, aux)`` from what ``loss_fn`` returned; one-line errors at trace time."""
+    pair = isinstance(out, tuple | list)
+    if has_aux and not (pair and len(out) == 2):
+        raise ValueError(
+            f"has_aux=True, but loss_fn returned {_described(out)}; return (loss, aux), or "
+            "build the step with has_aux=False"
+        )
+    if not has_aux and pair:
+        raise ValueError(
+            f"loss_fn returned {_described(out)}; build the step with has_aux=True if it "
+            "returns (loss, aux)"
+        )
+    loss, aux = out if has_aux else (out, ())
+    if jnp.shape(loss) != ():
+        raise ValueError(
+            f"loss_fn's loss is {_described(loss)}, not a scalar; reduce it over the batch "
+            "(e.g. jnp.mean)"
+        )
+    return loss, aux
+
+
+def _described(out) -> str:
+    """What ``loss_fn`` returned, in a few words (``a float32 scalar``, ``a tuple of 3``)."""
+    if isinstance(out, tuple | list):
+        return f"a {type(out).__name__} of {len(out)}"
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if shape is None or dtype is None:
+        return f"a {type(out).__name__}"
+    return f"a {dtype} scalar" if shape == () else f"a {dtype} array of shape {tuple(shape)}"
 
 
 def _replica_grads(config: _StepConfig, layout, state: TrainState, params, batch):
@@ -425,9 +537,10 @@ def _replica_grads(config: _StepConfig, layout, state: TrainState, params, batch
     (``None`` with one micro-batch).
     """
     k = config.microbatches
+    scale = None if config.loss_scale is None else current_loss_scale(state.opt_state)
     if k == 1:
         loss, aux, grads, model_state = _grad_of(
-            config, params, state.model_state, state.graphdef, batch
+            config, params, state.model_state, state.graphdef, batch, scale
         )
         return loss, aux, grads, model_state, None
     b = jax.tree.leaves(batch)[0].shape[0]
@@ -444,7 +557,9 @@ def _replica_grads(config: _StepConfig, layout, state: TrainState, params, batch
     # On a sharded mesh each device sums its shards' squares; one all-reduce after the scan.
     sq0 = jnp.zeros(() if layout is None else (layout.devices,), jnp.float32)
     init = (zeros, jnp.zeros((), jnp.float32), sq0, aux0, state.model_state)
-    body = functools.partial(_accumulate_microbatch, config, layout, params, state.graphdef)
+    body = functools.partial(
+        _accumulate_microbatch, config, layout, params, state.graphdef, scale
+    )
     (g_sum, l_sum, micro_sq, a_sum, model_state), _ = jax.lax.scan(body, init, micro)
     if layout is not None:
         micro_sq = layout.total(micro_sq)
@@ -454,10 +569,10 @@ def _replica_grads(config: _StepConfig, layout, state: TrainState, params, batch
     return loss, aux, grads, model_state, micro_sq
 
 
-def _accumulate_microbatch(config: _StepConfig, layout, params, graphdef, carry, mb):
+def _accumulate_microbatch(config: _StepConfig, layout, params, graphdef, scale, carry, mb):
     """The ``lax.scan`` body of :func:`_replica_grads`: adds one micro-batch's gradient."""
     g_acc, l_acc, sq_acc, a_acc, ms = carry
-    loss, aux, g, ms = _grad_of(config, params, ms, graphdef, mb)
+    loss, aux, g, ms = _grad_of(config, params, ms, graphdef, mb, scale)
     g_acc = jax.tree.map(jnp.add, g_acc, g)
     a_acc = jax.tree.map(jnp.add, a_acc, aux)
     sq = tree_sq_norm(g) if layout is None else layout.sq_partials(g)
@@ -540,6 +655,9 @@ def _step_outputs(config: _StepConfig, state, synced: _Synced, updated, aux, in_
     opt_state = config.tx.join_state(sync_state, rest_state) if in_sync else rest_state
     aux = pmean_replicas(aux, config.axis_name)
     scalars = {"loss": synced.loss, "nonfinite": (~synced.ok).astype(jnp.float32)}
+    if config.loss_scale is not None:  # skipped: shrink; `period` finite in a row: grow
+        opt_state = adjust_in(opt_state, config.loss_scale, synced.ok)
+        scalars["loss_scale"] = current_loss_scale(opt_state)
     scalars.update(collect_metrics(opt_state))
     # one vector: one output buffer per device instead of one per metric
     metrics = Metrics.pack(scalars, {"aux": aux} if config.has_aux else None)

@@ -251,6 +251,33 @@ def _varying_axes(x) -> frozenset:
     return frozenset(vma)
 
 
+def check_axes_bound(axis_name, owner: str) -> None:
+    """A one-line ``ValueError`` at trace time when an axis of ``axis_name`` is not bound here.
+
+    ``owner`` names the call (``"sync_gradients('batch')"``). The message names
+    the mesh axes the current ``shard_map`` (or ``pmap``) is manual over, so a
+    transformation built for another axis (``sync_gradients("batch")`` in a
+    step over ``"data"``) says what to use instead of JAX's ``unbound axis
+    name``.
+    """
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    for name in names:
+        try:
+            jax.lax.axis_size(name)
+        except NameError:
+            bound = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+            if not bound:
+                raise ValueError(
+                    f"{owner} runs outside any mesh axis: call its update inside jax.shard_map "
+                    f"(or adaptjax.data_parallel_step) over a mesh axis named {name!r}"
+                ) from None
+            use = bound[0] if len(bound) == 1 else bound
+            raise ValueError(
+                f"{owner}: axis {name!r} is not bound in this step, which is manual over "
+                f"{', '.join(map(repr, bound))}; build it with axis_name={use!r} (the step's axis)"
+            ) from None
+
+
 def _check_per_replica(updates, axis_name) -> None:
     """With ``check_vma`` on, gradients must vary over the axis (not be summed already)."""
     names = set(axis_name if isinstance(axis_name, tuple) else (axis_name,))
@@ -518,6 +545,7 @@ def _update_with_sums(
     config: _SyncConfig, updates, state, params=None, extra_sums=None, *, deferred=False, **extra
 ):
     """``update_with_sums`` of :class:`SyncGradients` (see there for what it returns)."""
+    check_axes_bound(config.axis_name, f"sync_gradients({config.axis_name!r})")
     check_float_tree(updates)
     _check_per_replica(updates, config.axis_name)
     k = int(extra.get("microbatches", 1) or 1)

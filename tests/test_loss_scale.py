@@ -206,3 +206,34 @@ def test_wrap_state_carries_an_existing_optimizer_state_into_float16_and_back():
     assert jax.tree.structure(wrapped) == jax.tree.structure(tx.init(params))
     assert float(wrapped.scale) == 128.0 and int(wrapped.good_steps) == 0
     assert wrapped.inner_state is inner_state
+
+
+def test_loss_scaled_extra_runs_only_the_inner_transformation():
+    """What data_parallel_step passes: the gradients are unscaled and checked already."""
+    inner = optax.adam(0.1)
+    tx = adaptjax.dynamic_loss_scale(inner, initial_scale=2.0**10, period=1)
+    params = {"w": jnp.array([1.0, -2.0])}
+    g = {"w": jnp.array([0.5, -0.25])}
+    updates, state = tx.update(g, tx.init(params), params, loss_scaled=True)
+    expected, inner_state = inner.update(g, inner.init(params), params)
+    np.testing.assert_array_equal(updates["w"], expected["w"])  # not divided by the scale
+    jax.tree.map(np.testing.assert_array_equal, state.inner_state, inner_state)
+    # the scale and the count are the caller's to move (period=1 would have grown it)
+    assert float(state.scale) == 2.0**10 and int(state.good_steps) == 0
+    assert float(tx.adjust(state, True).scale) == 2.0**11
+
+
+def test_an_unbound_axis_names_the_bound_one():
+    mesh = adaptjax.make_mesh(8)
+    tx = adaptjax.dynamic_loss_scale(optax.sgd(0.1), axis_name="batch")
+    params = {"w": jnp.ones(2)}
+    f = jax.shard_map(
+        lambda g: tx.update(g, tx.init(params), params)[0], mesh=mesh, in_specs=P("data"),
+        out_specs=P(), check_vma=False,
+    )
+    with pytest.raises(ValueError) as info:
+        jax.jit(f).lower({"w": jnp.ones(16)})
+    assert str(info.value) == (
+        "dynamic_loss_scale(axis_name='batch'): axis 'batch' is not bound in this step, which "
+        "is manual over 'data'; build it with axis_name='data' (the step's axis)"
+    )
