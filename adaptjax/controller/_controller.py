@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +26,13 @@ import optax
 from adaptjax import policies as ajp
 from adaptjax._data import check_count
 from adaptjax._state import merge_model
-from adaptjax.controller._arguments import Checked, check_arguments, resume_arguments
+from adaptjax.controller._arguments import (
+    Checked,
+    check_arguments,
+    check_loss_shapes,
+    replica_rows,
+    resume_arguments,
+)
 from adaptjax.controller._background import BackgroundCompiler, announced_configs
 from adaptjax.controller._carry_out import Carried, carry_out, hyperparams_of, roll_back
 from adaptjax.controller._compilation_cache import enable_compilation_cache
@@ -42,7 +50,7 @@ from adaptjax.controller._probe import Probe, move_actions
 from adaptjax.controller._progress import ProgressBar
 from adaptjax.controller._run_clock import RunClock
 from adaptjax.controller._run_config import RunConfig
-from adaptjax.controller._run_dir import RunDirectory, elapsed
+from adaptjax.controller._run_dir import RunDirectory, elapsed, user_stacklevel
 from adaptjax.controller._step_cache import StepCache, comm_seconds, register_held
 from adaptjax.controller._transition import Transition, plan_transition
 from adaptjax.launch._distributed import (
@@ -71,6 +79,33 @@ class NonFiniteTraining(RuntimeError):
 
 def _every(n: int | None, step: int) -> bool:
     return bool(n) and step % n == 0
+
+
+def _within_reach(actions, max_devices: int, policies, warned: set) -> list:
+    """``actions`` without a ``Rescale`` beyond ``max_devices``, which no transition can apply.
+
+    The policy that asked (named by its action's reason, ``"Name: ..."``) is
+    warned once, in one line; the run goes on with the other actions.
+    """
+    kept = []
+    for a in actions:
+        n = None
+        if isinstance(a, ajp.Rescale):
+            n = a.devices if a.devices is not None else math.prod(a.mesh_shape)
+        if n is None or n <= max_devices:
+            kept.append(a)
+            continue
+        prefix = a.reason.partition(":")[0].strip()
+        who = prefix if prefix.isidentifier() else "/".join(type(p).__name__ for p in policies)
+        if who not in warned:
+            warned.add(who)
+            warnings.warn(
+                f"{who}: {a!r} cannot apply: max_devices is {max_devices}; the action is "
+                "skipped (pass a larger max_devices to allow it; said once per policy)",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+    return kept
 
 
 class Controller:
@@ -196,6 +231,9 @@ class Controller:
         self._preemption = Preemption()
         self._compiler = BackgroundCompiler(self.steps, enabled=a.compile_ahead)  # upcoming's
         self._hints_waiting = False  # announced after a change: asked once its step compiled
+        self._beyond_reach: set[str] = set()  # policies warned of a Rescale beyond max_devices
+        # checked on the first batch when check_arguments could not (see there)
+        self._loss_unchecked = a.resume or not hasattr(data, "batch_at")
         self._dir = RunDirectory(a.run_dir, max_to_keep=a.checkpoint.max_to_keep)
         try:
             self.config, self.state = self._start(a)
@@ -323,6 +361,9 @@ class Controller:
         config = self.config
         fn = self.steps.step(config)
         batch = next_batch(self.data, config, self.steps)
+        if self._loss_unchecked:  # a dataset without batch_at: its first batch, before compiling
+            self._loss_unchecked = False
+            check_loss_shapes(self.steps.model, self.steps.loss_fn, batch, replica_rows(config))
         before = fn.jitted._cache_size()
         t0 = time.perf_counter()
         self.clock.started(t0)
@@ -392,7 +433,9 @@ class Controller:
         if actions:  # why, in the policies' words, and what they saw (for adaptjax report)
             self.log.event("decision", step=self.step, metrics_step=snapshot.step, actions=said,
                            reasons=[getattr(a, "reason", "") for a in actions], metrics=metrics)
-            self.apply(actions)
+            actions = _within_reach(actions, self.max_devices, self._policies, self._beyond_reach)
+            if actions:
+                self.apply(actions)
 
     def apply(self, actions: Sequence[ajp.Action]) -> None:
         """Carries out actions now, as one transition (policies' actions go through here too)."""
