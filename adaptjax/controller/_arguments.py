@@ -106,8 +106,8 @@ def check_arguments(args: Mapping[str, Any]) -> Checked:
     check_float_tree(split_model(args["model"])[1], "parameters")
     check_data(args["data"])
     if hasattr(args["data"], "batch_at") and not resume:
-        # Others, and a resume (a checkpoint of another model says so first): on their first
-        # batch, in Controller._dispatch.
+        # On resume: once the checkpoint's model was checked (resume_from); datasets without
+        # batch_at: on their first batch (the controller's _first_checked).
         rows = replica_rows(config)
         check_loss_shapes(args["model"], args["loss_fn"], args["data"].batch_at(0, rows), rows)
     check_run_dir(run_dir, resume)

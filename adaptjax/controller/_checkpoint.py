@@ -87,17 +87,19 @@ def deferred_interrupts() -> Iterator[None]:
     a nested block, or when ``SIGINT`` is ignored, the block runs as it is.
 
     Example:
-      >>> import os, signal
+      >>> import signal
       >>> from adaptjax.controller._checkpoint import deferred_interrupts
+      >>> before = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own
       >>> done = []
       >>> try:
       ...     with deferred_interrupts():
-      ...         os.kill(os.getpid(), signal.SIGINT)
+      ...         signal.raise_signal(signal.SIGINT)  # Ctrl-C
       ...         done.append("the block ran to its end")
       ... except KeyboardInterrupt:
-      ...     done.append("then Ctrl-C")
+      ...     done.append("then KeyboardInterrupt")
+      >>> _ = signal.signal(signal.SIGINT, before)
       >>> done
-      ['the block ran to its end', 'then Ctrl-C']
+      ['the block ran to its end', 'then KeyboardInterrupt']
     """
     before = signal.getsignal(signal.SIGINT)
     main = threading.current_thread() is threading.main_thread()

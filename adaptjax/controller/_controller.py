@@ -17,6 +17,7 @@ import math
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -81,31 +82,49 @@ def _every(n: int | None, step: int) -> bool:
     return bool(n) and step % n == 0
 
 
-def _within_reach(actions, max_devices: int, policies, warned: set) -> list:
-    """``actions`` without a ``Rescale`` beyond ``max_devices``, which no transition can apply.
+# Per controller: the policies warned of a Rescale beyond max_devices; whether the loss was
+# checked on a first batch (module-level, so that the loop's class stays short).
+_beyond_reach: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_loss_checked: weakref.WeakSet = weakref.WeakSet()
+
+
+def _within_reach(ctrl: Controller, actions: list) -> list:
+    """``actions`` without a ``Rescale`` beyond ``ctrl.max_devices``: no transition applies it.
 
     The policy that asked (named by its action's reason, ``"Name: ..."``) is
-    warned once, in one line; the run goes on with the other actions.
+    warned once per controller, in one line; the run goes on with the other actions.
     """
-    kept = []
+    kept, warned = [], _beyond_reach.setdefault(ctrl, set())
     for a in actions:
         n = None
         if isinstance(a, ajp.Rescale):
             n = a.devices if a.devices is not None else math.prod(a.mesh_shape)
-        if n is None or n <= max_devices:
+        if n is None or n <= ctrl.max_devices:
             kept.append(a)
             continue
         prefix = a.reason.partition(":")[0].strip()
-        who = prefix if prefix.isidentifier() else "/".join(type(p).__name__ for p in policies)
+        who = prefix if prefix.isidentifier() else "/".join(
+            type(p).__name__ for p in ctrl._policies)
         if who not in warned:
             warned.add(who)
             warnings.warn(
-                f"{who}: {a!r} cannot apply: max_devices is {max_devices}; the action is "
+                f"{who}: {a!r} cannot apply: max_devices is {ctrl.max_devices}; the action is "
                 "skipped (pass a larger max_devices to allow it; said once per policy)",
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
     return kept
+
+
+def _first_checked(ctrl: Controller, batch, config: RunConfig):
+    """``batch``; the first one of a dataset without ``batch_at`` first checks the loss on it.
+
+    (Other datasets are checked at construction or resume, see ``check_arguments``.)
+    """
+    if ctrl not in _loss_checked and not hasattr(ctrl.data, "batch_at"):
+        _loss_checked.add(ctrl)
+        check_loss_shapes(ctrl.steps.model, ctrl.steps.loss_fn, batch, replica_rows(config))
+    return batch
 
 
 class Controller:
@@ -231,9 +250,6 @@ class Controller:
         self._preemption = Preemption()
         self._compiler = BackgroundCompiler(self.steps, enabled=a.compile_ahead)  # upcoming's
         self._hints_waiting = False  # announced after a change: asked once its step compiled
-        self._beyond_reach: set[str] = set()  # policies warned of a Rescale beyond max_devices
-        # checked on the first batch when check_arguments could not (see there)
-        self._loss_unchecked = a.resume or not hasattr(data, "batch_at")
         self._dir = RunDirectory(a.run_dir, max_to_keep=a.checkpoint.max_to_keep)
         try:
             self.config, self.state = self._start(a)
@@ -360,10 +376,7 @@ class Controller:
         """Dispatches one step of the configuration in force (it never waits for its result)."""
         config = self.config
         fn = self.steps.step(config)
-        batch = next_batch(self.data, config, self.steps)
-        if self._loss_unchecked:  # a dataset without batch_at: its first batch, before compiling
-            self._loss_unchecked = False
-            check_loss_shapes(self.steps.model, self.steps.loss_fn, batch, replica_rows(config))
+        batch = _first_checked(self, next_batch(self.data, config, self.steps), config)
         before = fn.jitted._cache_size()
         t0 = time.perf_counter()
         self.clock.started(t0)
@@ -433,9 +446,7 @@ class Controller:
         if actions:  # why, in the policies' words, and what they saw (for adaptjax report)
             self.log.event("decision", step=self.step, metrics_step=snapshot.step, actions=said,
                            reasons=[getattr(a, "reason", "") for a in actions], metrics=metrics)
-            actions = _within_reach(actions, self.max_devices, self._policies, self._beyond_reach)
-            if actions:
-                self.apply(actions)
+            self.apply(_within_reach(self, actions))
 
     def apply(self, actions: Sequence[ajp.Action]) -> None:
         """Carries out actions now, as one transition (policies' actions go through here too)."""

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from adaptjax.controller._arguments import check_loss_shapes, replica_rows
 from adaptjax.controller._metrics_reader import Snapshot
 from adaptjax.controller._run_config import RunConfig
 from adaptjax.controller._run_dir import RunDirectory, user_stacklevel
@@ -96,6 +97,9 @@ def resume_from(run_dir: RunDirectory, steps: StepCache, data, policy) -> Resume
         return config, state, meta
 
     step, (config, state, meta), skipped = run_dir.restore_newest_intact(load)
+    if hasattr(data, "batch_at"):  # checked here, once the checkpoint's model was
+        rows = replica_rows(config)
+        check_loss_shapes(steps.model, steps.loss_fn, data.batch_at(0, rows), rows)
     passed = data.state_dict()
     data.load_state_dict(meta["data"])
     warn_data_overrides(passed, meta["data"])
