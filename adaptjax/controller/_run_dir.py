@@ -195,7 +195,7 @@ class RunDirectory:
             try:
                 self.checkpoints.save(step, state, {**meta, "on_complete": events}, wait=False)
             except Exception as e:
-                raise self._failed(step, e) from e
+                self._raise_failed(step, e)
             done = time.perf_counter()
             logged = []
             for e in events:
@@ -241,13 +241,14 @@ class RunDirectory:
             self._sizes[step] = self.checkpoints.bytes_on_disk(step)
         return self._sizes[step]
 
-    def _failed(self, step: int, error: BaseException) -> BaseException:
-        """``error`` of the save of ``step`` as a :class:`RunDirectoryError` when the OS's."""
+    def _raise_failed(self, step: int, error: Exception) -> None:
+        """Raises ``error`` of the save of ``step``: as a :class:`RunDirectoryError` when the
+        operating system's (a full disk...), else as it is."""
         converted = as_run_dir_error(os.path.join(self.checkpoints.directory, str(step)), error)
         if converted is None:
-            return error
+            raise error
         self._told = True
-        return converted
+        raise converted from error
 
     def _tell_on(self, write: Callable[[], None]) -> None:
         """Runs ``write`` (of a log); a :class:`RunDirectoryError` from it is told once."""
@@ -282,7 +283,7 @@ class RunDirectory:
         self._unconfirmed.clear()
         self._tell_on(lambda: self._log_completed(done))
         if error is not None:
-            raise self._failed(last, error) from error
+            self._raise_failed(last, error)
 
     def _log_completed(self, saves: list[tuple[int, list[dict]]]) -> None:
         for step, events in saves:
@@ -360,7 +361,7 @@ class RunDirectory:
         def attempt(step: Callable[[], Any]) -> None:
             try:
                 step()
-            except Exception as e:  # noqa: BLE001 - every step of closing runs
+            except BaseException as e:  # noqa: BLE001 - every step of closing runs (Ctrl-C too)
                 errors.append(e)
 
         try:
@@ -375,6 +376,9 @@ class RunDirectory:
         finally:
             if self.lock is not None:
                 self.lock.release()
+        interrupted = [e for e in errors if not isinstance(e, Exception)]
+        if interrupted:  # Ctrl-C while closing: closed all the same, then raised
+            raise interrupted[0]
         untold = [e for e in errors if isinstance(e, RunDirectoryError)]
         if untold and not told:
             self._told = True
