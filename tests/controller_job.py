@@ -10,6 +10,11 @@ has signalled it (``--gate DIR``, the handshake of ``tests/_handshake.py``), so
 a test can kill it from outside at a chosen moment without racing it.
 ``--kill-in-save S`` ends the process inside the write of the checkpoint of
 step S, after every byte is written but before Orbax's commit (the rename).
+``--checkpoint-every N`` and ``--schedule-scale K`` (the policy's steps times K)
+stretch the job (``benchmarks/fault_trials.py``: 20 and 2).
+``--hold-in-save S`` stops the job inside Orbax's save of step S, once its
+temporary directory exists and its writes were launched (still in the main
+thread, before the save returns), until the test has signalled it (``--gate``).
 """
 
 import os
@@ -96,13 +101,14 @@ class Announce(ajp.Policy):
         self.inner.load_state_dict(state)
 
 
-def schedule():
+def schedule(scale=1):
+    """Batch 32, 4 devices, batch 96, 8 devices: at steps 10, 20, 30, 40 (times ``scale``)."""
     return ajp.Schedule(
         {
-            10: ajp.SetBatchSize(32),
-            20: ajp.Rescale(devices=4),
-            30: ajp.SetBatchSize(96),
-            40: ajp.Rescale(devices=8),
+            10 * scale: ajp.SetBatchSize(32),
+            20 * scale: ajp.Rescale(devices=4),
+            30 * scale: ajp.SetBatchSize(96),
+            40 * scale: ajp.Rescale(devices=8),
         }
     )
 
@@ -126,12 +132,34 @@ def job_kwargs(**overrides):
     return kwargs
 
 
+def hold_in_save(step, gate):
+    """Makes the save of checkpoint ``step`` hold (``tests/_handshake.py``) once its writes
+    were launched: the moment a signal tears a save apart if anything can."""
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+
+    original = async_checkpointer.AsyncCheckpointer._save
+    held = []
+
+    async def _save(self, tmpdir, *a, **k):
+        ops = await original(self, tmpdir, *a, **k)
+        if tmpdir.get_final().name == str(step) and not held:
+            held.append(step)
+            released = hold(gate, f"save {step}")
+            print(f"RELEASED {released}", flush=True)
+        return ops
+
+    async_checkpointer.AsyncCheckpointer._save = _save
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
     parser.add_argument("steps", type=int)
     parser.add_argument("--kill-in-save", type=int, default=None, help="checkpoint step")
     parser.add_argument("--hold", default=None, help="step=N or devices=K: where to stop")
+    parser.add_argument("--hold-in-save", type=int, default=None, help="checkpoint step")
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--schedule-scale", type=int, default=1, help="schedule steps x this")
     parser.add_argument("--gate", default=None, help="the handshake directory of --hold")
     args = parser.parse_args()
     kind, value = args.hold.split("=") if args.hold else (None, 0)
@@ -156,7 +184,12 @@ def main():
             return await original(self, *a, **k)
 
         atomicity.AtomicRenameTemporaryPath.finalize = finalize
-    kwargs = job_kwargs(on_step=on_step)
+    if args.hold_in_save is not None:
+        hold_in_save(args.hold_in_save, args.gate)
+    kwargs = job_kwargs(
+        on_step=on_step, checkpoint_every=args.checkpoint_every,
+        policies=[LossDrivenPolicy(), Announce(schedule(args.schedule_scale))],
+    )
     ckpts = os.path.join(args.run_dir, "checkpoints")
     if os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)):
         ctrl = adaptjax.Controller.resume(args.run_dir, **kwargs)

@@ -3,8 +3,9 @@
 :func:`check_arguments` takes what was passed to :class:`adaptjax.Controller`
 and returns it checked (:class:`Checked`), or raises the first problem as a
 one-line ``ValueError`` naming the fix, in the order the arguments are read:
-the configuration, the devices, the options, the hyperparameters, the data,
-the run directory, the monitors. It writes nothing.
+the configuration, the devices, the options, the hyperparameters, the model,
+the data (and the loss on the shapes of its batches), the run directory, the
+monitors. It writes nothing and compiles nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import inspect
 import math
 import os
+import traceback
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +26,9 @@ from adaptjax import policies as ajp
 from adaptjax._data import check_count
 from adaptjax._mesh import make_mesh
 from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
+from adaptjax._state import merge_model, split_model
+from adaptjax._tree import check_float_tree
+from adaptjax._walk import find_held
 from adaptjax.controller._options import (
     CheckpointOptions,
     CompileOptions,
@@ -35,7 +40,7 @@ from adaptjax.controller._options import (
 )
 from adaptjax.controller._plan_probe import PlanRequest, plan_request
 from adaptjax.controller._run_config import RunConfig, codec_key
-from adaptjax.controller._run_dir import CHECKPOINTS, check_writable_dir, user_stacklevel
+from adaptjax.controller._run_dir import CHECKPOINTS, check_writable_run_dir, user_stacklevel
 from adaptjax.controller._run_lock import RunLock
 from adaptjax.controller._transition import monitor_sample_needs, one_gradient_sample, sample_split
 from adaptjax.launch._distributed import can_give, is_primary, max_processes
@@ -98,12 +103,19 @@ def check_arguments(args: Mapping[str, Any]) -> Checked:
     loop = check_loop_options(args)
     checkpoint, evaluation, compile_ = check_option_groups(args)
     hyperparams = check_hyperparams(args["optimizer"], args["hyperparams"])
+    check_float_tree(split_model(args["model"])[1], "parameters")
     check_data(args["data"])
+    if hasattr(args["data"], "batch_at") and not resume:
+        # On resume: once the checkpoint's model was checked (resume_from); datasets without
+        # batch_at: on their first batch (the controller's _first_checked).
+        rows = replica_rows(config)
+        check_loss_shapes(args["model"], args["loss_fn"], args["data"].batch_at(0, rows), rows)
     check_run_dir(run_dir, resume)
     policies = list(args["policies"])
     policy = ajp.any_of(*policies) if policies else NoPolicy()
     monitors = check_monitors(args["monitors"], devices, microbatches, resume)
     warn_unproducible_metrics(policy, monitors, loop["link_bandwidth"], evaluation.fn)
+    warn_unreachable_schedules(policies, max_devices)
     if plan is not None:  # a probe times steps: no evaluation, no periodic checkpoint
         checkpoint = dataclasses.replace(checkpoint, every=None)
         evaluation = EvalOptions()
@@ -275,9 +287,67 @@ def check_data(data) -> None:
             )
 
 
+def replica_rows(config: RunConfig) -> int:
+    """The rows of one replica's micro-batch: what one call of ``loss_fn`` sees."""
+    return max(1, config.batch_size // (config.devices * config.microbatches))
+
+
+def check_loss_shapes(model, loss_fn, batch, rows: int) -> None:
+    """One-line ``ValueError`` when ``loss_fn`` cannot run on ``rows`` rows of ``batch``.
+
+    The loss is traced with :func:`jax.eval_shape` on the shapes alone (one
+    replica's micro-batch: ``rows`` rows of each leaf): nothing is computed or
+    compiled. A shape or dtype mismatch (a ``TypeError`` or ``ValueError``
+    while tracing) is reported with the line of ``loss_fn`` that failed and the
+    batch's leaves; any other error (a collective over an axis only the step
+    binds) is left for the step to raise.
+    """
+
+    def struct(x):
+        shape = tuple(np.shape(x))
+        return jax.ShapeDtypeStruct((rows, *shape[1:]) if shape else shape, np.dtype(x.dtype))
+
+    batch = jax.tree.map(struct, batch)
+    graphdef, params, model_state = split_model(model)
+
+    def loss(params, model_state, batch):
+        return loss_fn(merge_model(graphdef, params, model_state), batch)
+
+    try:
+        jax.eval_shape(loss, params, model_state, batch)
+    except (TypeError, ValueError) as e:
+        leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+        shown = [f"{_leaf_name(path)}: {x.dtype}[{', '.join(map(str, x.shape))}]"
+                 for path, x in leaves[:6]] + (["..."] if len(leaves) > 6 else [])
+        text = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+        raise ValueError(
+            f"loss_fn cannot run on this data's batches ({', '.join(shown)} per replica)"
+            f"{_user_line(e)}: {text}; make the data's shapes match the model's"
+        ) from None
+
+
+def _leaf_name(path) -> str:
+    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
+    return ".".join(str(k) for k in keys) or "batch"
+
+
+def _user_line(error: BaseException) -> str:
+    """`` at FILE:LINE (`code`)`` of the innermost frame outside jax and adaptjax, or ``''``."""
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, np, ajp)) + (
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    )
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith(skip) and not f.filename.startswith("<")]
+    if not frames:
+        return ""
+    f = frames[-1]
+    code = f" (`{f.line.strip()}`)" if f.line else ""
+    return f" at {os.path.basename(f.filename)}:{f.lineno}{code}"
+
+
 def check_run_dir(run_dir: str, resume: bool) -> None:
-    """Writable, not owned by a live controller, and with checkpoints iff resuming."""
-    check_writable_dir(run_dir)
+    """Writable (all the run writes), not owned by a live controller, checkpoints iff resuming."""
+    check_writable_run_dir(run_dir)
     if is_primary():
         RunLock.check_free(run_dir)  # a live owner is the first thing to report
     ckpt_dir = os.path.join(run_dir, CHECKPOINTS)
@@ -340,6 +410,24 @@ def warn_unproducible_metrics(policy, monitors, link_bandwidth, eval_fn) -> None
         warnings.warn(
             f"a policy needs the metric {metric!r}, which this controller never produces "
             f"({reason}); that policy cannot act",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
+def warn_unreachable_schedules(policies, max_devices: int) -> None:
+    """Warns once per :class:`adaptjax.policies.ElasticScale` whose schedule asks for more
+    devices than ``max_devices``: it caps such an entry without a word."""
+    for policy in find_held(list(policies), lambda o: isinstance(o, ajp.ElasticScale)):
+        over = {s: d for s, d in (policy.schedule or {}).items() if d > max_devices}
+        if not over:
+            continue
+        entries = ", ".join(f"{s}: {d}" for s, d in over.items())
+        warnings.warn(
+            f"ElasticScale: schedule entr{'y' if len(over) == 1 else 'ies'} {{{entries}}} "
+            f"ask{'s' if len(over) == 1 else ''} for more devices than max_devices="
+            f"{max_devices}; it will ask for {max_devices} at most (pass a larger "
+            "max_devices or change the schedule)",
             UserWarning,
             stacklevel=user_stacklevel(),
         )

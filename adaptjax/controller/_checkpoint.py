@@ -20,7 +20,14 @@ Every leaf's bytes are hashed at save (BLAKE2b of its global value) and the
 digests travel in ``meta``; a restore recomputes them and refuses a checkpoint
 whose arrays changed on disk (:class:`CorruptCheckpointError`), as it refuses
 one that Orbax cannot read. Step directories without both items (a stray
-``checkpoints/999/``) are not checkpoints: they are ignored with a warning.
+``checkpoints/999/``) are not checkpoints: they are ignored with a warning
+(:meth:`RunCheckpoints.strays` lists them; a controller's resume moves them
+to ``quarantine/``).
+
+Ctrl-C is held back while a save is started or waited for, and while a
+checkpoint is deleted or moved (:func:`deferred_interrupts`): Orbax runs part
+of a save in the caller's thread, and a ``KeyboardInterrupt`` there would
+abandon writes its threads go on with.
 
 Restoring onto a mesh with a different replica count reads replicated leaves
 straight onto the new mesh and per-replica leaves at their saved count (as host
@@ -31,13 +38,17 @@ the result with :func:`adaptjax.train_state_shardings`.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
 import os
 import shutil
+import signal
+import threading
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -60,6 +71,65 @@ _FIX = "point run_dir elsewhere"
 
 def _is_spec(x) -> bool:
     return isinstance(x, P)
+
+
+_deferring = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Holds Ctrl-C (``SIGINT``) back until the block is done; a second Ctrl-C acts at once.
+
+    The held-back signal is handed to the handler that was in place (Python's:
+    ``KeyboardInterrupt``) as the block ends, so a checkpoint save is started
+    or waited for whole, never abandoned half-way in this thread while Orbax's
+    threads go on writing. Only the main thread receives signals: elsewhere, in
+    a nested block, or when ``SIGINT`` is ignored, the block runs as it is.
+
+    Example:
+      >>> import signal
+      >>> from adaptjax.controller._checkpoint import deferred_interrupts
+      >>> before = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own
+      >>> done = []
+      >>> try:
+      ...     with deferred_interrupts():
+      ...         signal.raise_signal(signal.SIGINT)  # Ctrl-C
+      ...         done.append("the block ran to its end")
+      ... except KeyboardInterrupt:
+      ...     done.append("then KeyboardInterrupt")
+      >>> _ = signal.signal(signal.SIGINT, before)
+      >>> done
+      ['the block ran to its end', 'then KeyboardInterrupt']
+    """
+    before = signal.getsignal(signal.SIGINT)
+    main = threading.current_thread() is threading.main_thread()
+    if not main or getattr(_deferring, "on", False) or before == signal.SIG_IGN:
+        yield
+        return
+    got: list = []
+
+    def deliver(frame) -> None:
+        if callable(before):
+            before(signal.SIGINT, frame)
+        else:  # SIG_DFL (or set outside Python): the default action
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def hold_back(signum, frame):
+        got.append(frame)
+        if len(got) > 1:  # a second Ctrl-C: act now
+            signal.signal(signal.SIGINT, before)
+            deliver(frame)
+
+    signal.signal(signal.SIGINT, hold_back)
+    _deferring.on = True
+    try:
+        yield
+    finally:
+        _deferring.on = False
+        if signal.getsignal(signal.SIGINT) is hold_back:
+            signal.signal(signal.SIGINT, before)
+        if len(got) == 1:
+            deliver(got[0])
 
 
 def _fmt(dtype: str, shape) -> str:
@@ -259,6 +329,19 @@ def _handler_registry():
     return registry
 
 
+def _join_orphan_writers(timeout: float) -> None:
+    """Waits (up to ``timeout`` seconds in all) for Orbax's writer threads still running."""
+    try:
+        from orbax.checkpoint._src.futures.future import _SignalingThread
+    except ImportError:  # another Orbax: nothing known to wait for
+        return
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if isinstance(thread, _SignalingThread) and thread.is_alive():
+            with contextlib.suppress(Exception):  # its join re-raises what failed it
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+
 class RunCheckpoints:
     """Saves and restores whole training snapshots with Orbax.
 
@@ -305,6 +388,11 @@ class RunCheckpoints:
             create=False,  # created by save(), after the writability check
             # Retention is ours (_retain): Orbax's would count a stray "999/" as a checkpoint.
             preservation_policy=ocp.checkpoint_managers.LatestN(n=None),
+            # A save's directories are made in the caller's thread, so that a failure to make
+            # them (no space, no inode left) is raised by save() itself. Made by Orbax's
+            # threads, it left the writers waiting for them until a 5-minute timeout, which
+            # also held the process at exit.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
         # Constructing the Orbax manager reads the directory (if it exists) and
         # writes nothing: no root metadata is passed and create=False.
@@ -324,7 +412,7 @@ class RunCheckpoints:
         waits, a barrier, so that none reads the directory before process 0 has
         committed (renamed) the save and all of them see the same checkpoints.
         """
-        self._manager.wait_until_finished()
+        self.wait()
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("adaptjax-checkpoint-settle")
         self._manager.reload()
@@ -359,6 +447,45 @@ class RunCheckpoints:
         """The newest complete checkpoint's step, or ``None`` (waits for a pending save)."""
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def strays(self) -> dict[str, str]:
+        """Entries named like a step that are not complete checkpoints: ``{name: why}``.
+
+        A file, or a directory without the ``state`` or the ``meta`` item (a
+        checkpoint deleted by hand in part, junk left in ``checkpoints/150/``):
+        no restore reads it, and a save of that step would find it in the way.
+        Temporary directories of unfinished saves are not listed.
+        """
+        out: dict[str, str] = {}
+        if not os.path.isdir(self._directory):
+            return out
+        for name in sorted(os.listdir(self._directory), key=lambda n: (len(n), n)):
+            where = os.path.join(self._directory, name)
+            if not name.isdigit():
+                continue
+            if not os.path.isdir(where):
+                out[name] = "a file, not a checkpoint directory"
+                continue
+            missing = [i for i in ("state", "meta") if not os.path.isdir(os.path.join(where, i))]
+            if missing:
+                out[name] = f"not a complete checkpoint (no {' or '.join(missing)} item)"
+        return out
+
+    def bytes_on_disk(self, step: int) -> int:
+        """The space checkpoint ``step`` takes on disk (allocated blocks of all its files)."""
+        total = 0
+        for root, _, files in os.walk(os.path.join(self._directory, str(step))):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
+        return total
+
+    def dropped_by_next_save(self) -> list[int]:
+        """The checkpoints :meth:`save` deletes before it writes (``max_to_keep``)."""
+        if self._max_to_keep is None:
+            return []
+        steps = self.all_steps()
+        return steps[: max(0, len(steps) - (self._max_to_keep - 1))]
 
     def save(self, step: int, state: TrainState, meta: Mapping[str, Any], *, wait: bool = True):
         """Writes a complete checkpoint of ``state`` and ``meta`` at ``step``.
@@ -397,7 +524,12 @@ class RunCheckpoints:
                 f"checkpoint step {step} is not after the latest step {latest} in "
                 f"{self._directory}; save a later step or {_FIX}"
             )
-        self._retain(keep=None if self._max_to_keep is None else self._max_to_keep - 1)
+        with deferred_interrupts():
+            self._retain(keep=None if self._max_to_keep is None else self._max_to_keep - 1)
+            self._write(step, state, meta, wait=wait)
+
+    def _write(self, step: int, state: TrainState, meta: Mapping[str, Any], *, wait: bool):
+        """Orbax's save of ``step`` (checked by :meth:`save`)."""
         payload = {
             "format": _FORMAT,
             "meta": dict(meta),
@@ -577,7 +709,8 @@ class RunCheckpoints:
 
     def _delete(self, step: int) -> None:
         if jax.process_count() == 1:
-            self._manager.delete(step)
+            with deferred_interrupts():
+                self._manager.delete(step)
             return
         # Across processes Orbax's delete needs identical cached listings and barrier counts on
         # every process; process 0 removes the directory, then everyone re-reads the listing.
@@ -597,14 +730,19 @@ class RunCheckpoints:
 
     def wait(self) -> None:
         """Blocks until a pending save is complete on disk (or has failed: it raises)."""
-        self._manager.wait_until_finished()
+        with deferred_interrupts():
+            self._manager.wait_until_finished()
 
     def discard_incomplete(self) -> list[str]:
         """Removes the temporary directories of saves that never completed; returns them.
 
         Call it only when no save is in flight (after :meth:`wait`): an interrupted
         process leaves ``<step>.orbax-checkpoint-tmp*`` behind, which no restore reads.
+        A save that failed may leave Orbax's writers of its other items running
+        (Orbax stops waiting at the first error): they are waited for first, so
+        that none writes into the directory after it is removed.
         """
+        _join_orphan_writers(timeout=60.0)
         pattern = os.path.join(glob.escape(self._directory), "*.orbax-checkpoint-tmp*")
         gone = sorted(glob.glob(pattern))
         for path in gone:
@@ -615,7 +753,7 @@ class RunCheckpoints:
         """Re-reads the list of checkpoints on disk (after another process changed it)."""
         self._manager.reload()
 
-    def quarantine(self, step: int, into: str | os.PathLike) -> str:
+    def quarantine(self, step: int | str, into: str | os.PathLike) -> str:
         """Moves checkpoint ``step`` out of the directory (into ``into``) and returns its new path.
 
         Used for a checkpoint that failed verification: it is kept for
@@ -628,14 +766,15 @@ class RunCheckpoints:
         while os.path.exists(target):
             target = os.path.join(into, f"{step}.{n}")
             n += 1
-        shutil.move(os.path.join(self._directory, str(step)), target)
+        with deferred_interrupts():
+            shutil.move(os.path.join(self._directory, str(step)), target)
         self._manager.reload()
         return target
 
     def close(self) -> None:
         """Waits for a pending save, applies ``max_to_keep`` and releases Orbax's resources."""
         try:
-            self._manager.wait_until_finished()
+            self.wait()
             self._retain(self._max_to_keep)
         finally:
             self._manager.close()

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,7 +28,13 @@ from adaptjax import policies as ajp
 from adaptjax._data import check_count
 from adaptjax._input_codec import batch_bytes
 from adaptjax._state import merge_model
-from adaptjax.controller._arguments import Checked, check_arguments, resume_arguments
+from adaptjax.controller._arguments import (
+    Checked,
+    check_arguments,
+    check_loss_shapes,
+    replica_rows,
+    resume_arguments,
+)
 from adaptjax.controller._background import BackgroundCompiler, announced_configs
 from adaptjax.controller._carry_out import Carried, carry_out, hyperparams_of, roll_back
 from adaptjax.controller._compilation_cache import enable_compilation_cache
@@ -43,7 +52,7 @@ from adaptjax.controller._probe import Probe, move_actions
 from adaptjax.controller._progress import ProgressBar
 from adaptjax.controller._run_clock import RunClock
 from adaptjax.controller._run_config import RunConfig
-from adaptjax.controller._run_dir import RunDirectory, elapsed
+from adaptjax.controller._run_dir import RunDirectory, elapsed, user_stacklevel
 from adaptjax.controller._step_cache import StepCache, comm_seconds, register_held
 from adaptjax.controller._transition import Transition, plan_transition
 from adaptjax.launch._distributed import (
@@ -72,6 +81,51 @@ class NonFiniteTraining(RuntimeError):
 
 def _every(n: int | None, step: int) -> bool:
     return bool(n) and step % n == 0
+
+
+# Per controller: the policies warned of a Rescale beyond max_devices; whether the loss was
+# checked on a first batch (module-level, so that the loop's class stays short).
+_beyond_reach: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_loss_checked: weakref.WeakSet = weakref.WeakSet()
+
+
+def _within_reach(ctrl: Controller, actions: list) -> list:
+    """``actions`` without a ``Rescale`` beyond ``ctrl.max_devices``: no transition applies it.
+
+    The policy that asked (named by its action's reason, ``"Name: ..."``) is
+    warned once per controller, in one line; the run goes on with the other actions.
+    """
+    kept, warned = [], _beyond_reach.setdefault(ctrl, set())
+    for a in actions:
+        n = None
+        if isinstance(a, ajp.Rescale):
+            n = a.devices if a.devices is not None else math.prod(a.mesh_shape)
+        if n is None or n <= ctrl.max_devices:
+            kept.append(a)
+            continue
+        prefix = a.reason.partition(":")[0].strip()
+        who = prefix if prefix.isidentifier() else "/".join(
+            type(p).__name__ for p in ctrl._policies)
+        if who not in warned:
+            warned.add(who)
+            warnings.warn(
+                f"{who}: {a!r} cannot apply: max_devices is {ctrl.max_devices}; the action is "
+                "skipped (pass a larger max_devices to allow it; said once per policy)",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+    return kept
+
+
+def _first_checked(ctrl: Controller, batch, config: RunConfig):
+    """``batch``; the first one of a dataset without ``batch_at`` first checks the loss on it.
+
+    (Other datasets are checked at construction or resume, see ``check_arguments``.)
+    """
+    if ctrl not in _loss_checked and not hasattr(ctrl.data, "batch_at"):
+        _loss_checked.add(ctrl)
+        check_loss_shapes(ctrl.steps.model, ctrl.steps.loss_fn, batch, replica_rows(config))
+    return batch
 
 
 class Controller:
@@ -325,7 +379,7 @@ class Controller:
         """Dispatches one step of the configuration in force (it never waits for its result)."""
         config = self.config
         fn = self.steps.step(config)
-        batch = next_batch(self.data, config, self.steps)
+        batch = _first_checked(self, next_batch(self.data, config, self.steps), config)
         before = fn.jitted._cache_size()
         t0 = time.perf_counter()
         self.clock.started(t0)
@@ -396,7 +450,7 @@ class Controller:
         if actions:  # why, in the policies' words, and what they saw (for adaptjax report)
             self.log.event("decision", step=self.step, metrics_step=snapshot.step, actions=said,
                            reasons=[getattr(a, "reason", "") for a in actions], metrics=metrics)
-            self.apply(actions)
+            self.apply(_within_reach(self, actions))
 
     def apply(self, actions: Sequence[ajp.Action]) -> None:
         """Carries out actions now, as one transition (policies' actions go through here too)."""

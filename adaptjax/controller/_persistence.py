@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from adaptjax.controller._arguments import check_loss_shapes, replica_rows
 from adaptjax.controller._metrics_reader import Snapshot
 from adaptjax.controller._run_config import RunConfig
 from adaptjax.controller._run_dir import RunDirectory, user_stacklevel
@@ -96,7 +97,12 @@ def resume_from(run_dir: RunDirectory, steps: StepCache, data, policy) -> Resume
         return config, state, meta
 
     step, (config, state, meta), skipped = run_dir.restore_newest_intact(load)
+    if hasattr(data, "batch_at"):  # checked here, once the checkpoint's model was
+        rows = replica_rows(config)
+        check_loss_shapes(steps.model, steps.loss_fn, data.batch_at(0, rows), rows)
+    passed = data.state_dict()
     data.load_state_dict(meta["data"])
+    warn_data_overrides(passed, meta["data"])
     policy.load_state_dict(meta["policy"])
     events = [{"kind": "checkpoint_skipped", "skipped_step": s["step"], "reason": s["reason"],
                "moved_to": s["moved_to"]} for s in skipped]
@@ -121,10 +127,20 @@ def warn_overrides(passed: Mapping[str, Any], config: RunConfig,
             _warn_override(key, value, held[key])
 
 
-def _warn_override(key, passed, kept) -> None:
+def warn_data_overrides(passed: Mapping, saved: Mapping) -> None:
+    """Warns, once each, of the dataset's ``seed`` or ``shuffle`` the checkpoint's replace."""
+    if not isinstance(passed, Mapping) or not isinstance(saved, Mapping):
+        return
+    for key in ("seed", "shuffle"):
+        if key in passed and key in saved and passed[key] != saved[key]:
+            _warn_override(key, passed[key], saved[key], "the data stream goes on as it was saved")
+
+
+def _warn_override(key, passed, kept,
+                   why: str = "its state decides; change it with an action after resuming") -> None:
     warnings.warn(
         f"resume: {key}={passed!r} was passed, but the run continues with the checkpoint's "
-        f"{key}={kept!r} (its state decides; change it with an action after resuming)",
+        f"{key}={kept!r} ({why})",
         UserWarning,
         stacklevel=user_stacklevel(),
     )

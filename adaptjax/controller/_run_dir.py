@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
@@ -9,13 +10,34 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from adaptjax.controller._checkpoint import CorruptCheckpointError, RunCheckpoints
-from adaptjax.controller._run_lock import RunLock
-from adaptjax.controller._run_log import NullRunLog, RunLog, truncate_run_logs
-from adaptjax.launch._distributed import barrier, is_primary
+import jax
+
+from adaptjax.controller._checkpoint import (
+    CorruptCheckpointError,
+    RunCheckpoints,
+    deferred_interrupts,
+)
+from adaptjax.controller._run_lock import (
+    RunDirectoryError,
+    RunLock,
+    as_run_dir_error,
+    free_space,
+    human_bytes,
+    run_dir_error,
+)
+from adaptjax.controller._run_log import (
+    NullRunLog,
+    RunLog,
+    step_ranges,
+    truncate_run_logs,
+)
+from adaptjax.launch._distributed import barrier, broadcast_json, is_primary
 
 CHECKPOINTS = "checkpoints"
 QUARANTINE = "quarantine"
+#: What a run writes inside its directory: the directories, then the files.
+WRITTEN_DIRS = (CHECKPOINTS, QUARANTINE, "tensorboard")
+WRITTEN_FILES = ("metrics.jsonl", "events.jsonl", ".adaptjax.lock")
 
 
 def check_writable_dir(path: str) -> None:
@@ -31,6 +53,42 @@ def check_writable_dir(path: str) -> None:
             f"run_dir {path} is not writable ({probe} is not a writable directory); "
             "choose a run_dir you can write to"
         )
+
+
+def check_writable_run_dir(path: str) -> None:
+    """One-line ``ValueError`` unless the run can write everything it will write in ``path``.
+
+    ``path`` itself (or the parent it is created in), and those of
+    :data:`WRITTEN_DIRS` and :data:`WRITTEN_FILES` that exist already. Writes nothing.
+    """
+    check_writable_dir(path)
+    for name in WRITTEN_DIRS + WRITTEN_FILES:
+        where = os.path.join(path, name)
+        if not os.path.lexists(where):
+            continue
+        is_dir = name in WRITTEN_DIRS
+        if is_dir and not os.path.isdir(where):
+            why = "a file, not a directory"
+        elif os.access(where, os.W_OK | (os.X_OK if is_dir else 0)):
+            continue
+        else:
+            why = "read-only file system" if read_only_fs(where) else "permission denied"
+        raise ValueError(
+            f"{where} is not writable ({why}); make it writable or choose another run_dir"
+        )
+
+
+def read_only_fs(path: str) -> bool:
+    """Whether ``path`` lies on a file system mounted read-only."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def free_bytes(path: str) -> int:
+    """Bytes free for a checkpoint under ``path`` (a module function: tests replace it)."""
+    return free_space(path)
 
 
 class RunDirectory:
@@ -83,19 +141,30 @@ class RunDirectory:
         )
         self.log: RunLog | NullRunLog | None = None
         self._unconfirmed: list[tuple[int, list[dict]]] = []
+        self._told = False  # a RunDirectoryError has been raised: close() does not repeat it
+        self._sizes: dict[int, int] = {}  # bytes on disk of checkpoints, by step
 
     def open_log(self, *, tensorboard: bool, resume_from: int | None = None) -> None:
-        """Opens the logs; on resume first drops the rows of steps after ``resume_from``."""
+        """Opens the logs; on resume first drops the rows of steps after ``resume_from``.
+
+        Damaged lines are dropped too; on a resume (``resume_from > 0``) one
+        warning per file says how many, and one says which steps up to
+        ``resume_from`` have no metrics row (a log truncated or deleted by hand).
+        """
         if not self.primary:
             self.log = NullRunLog()
             return
         purge = None
         if resume_from is not None:
-            truncate_run_logs(self.path, resume_from)
+            repair = truncate_run_logs(self.path, resume_from)
+            if resume_from > 0:
+                _warn_repair(repair, resume_from)
             purge = resume_from + 1  # TensorBoard hides the points of recomputed steps
         self.log = RunLog(self.path, tensorboard=tensorboard, purge_step=purge)
 
     def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step (after the save in flight: a failed one raises)."""
+        self.confirm(block=True)
         return self.checkpoints.latest_step()
 
     def save(self, step: int, state, meta: Mapping[str, Any], on_complete: list[dict], *,
@@ -110,37 +179,116 @@ class RunDirectory:
         the background), for the others the seconds from ``since`` (a
         ``time.perf_counter()`` reading: when their transition began) to the end
         of this call.
+
+        A checkpoint that cannot be written (no room for it, a read-only or
+        unwritable directory) raises a one-line :class:`RunDirectoryError` here,
+        before it starts. Ctrl-C is held back until the save has started whole.
         """
         events = [{"kind": "checkpoint", **e} if "kind" not in e else dict(e) for e in on_complete]
         t0 = time.perf_counter()
-        # An earlier save completes before this one starts: its events go first, so every
-        # checkpoint on disk older than this one has its events in the log.
-        self.confirm(block=True)
-        self.log.sync()
-        self.checkpoints.save(step, state, {**meta, "on_complete": events}, wait=False)
-        done = time.perf_counter()
-        logged = []
-        for e in events:
-            start = t0 if e["kind"] == "checkpoint" else since
-            timed = start is not None and "latency_s" not in e
-            logged.append({**e, "latency_s": done - start} if timed else e)
-        self._unconfirmed.append((step, logged))
+        with deferred_interrupts():
+            # An earlier save completes before this one starts: its events go first, so every
+            # checkpoint on disk older than this one has its events in the log.
+            self.confirm(block=True)
+            self._tell_on(self.log.sync)
+            self._check_room(step, state)
+            try:
+                self.checkpoints.save(step, state, {**meta, "on_complete": events}, wait=False)
+            except Exception as e:
+                self._raise_failed(step, e)
+            done = time.perf_counter()
+            logged = []
+            for e in events:
+                start = t0 if e["kind"] == "checkpoint" else since
+                timed = start is not None and "latency_s" not in e
+                logged.append({**e, "latency_s": done - start} if timed else e)
+            self._unconfirmed.append((step, logged))
+
+    def _check_room(self, step: int, state) -> None:
+        """Raises a :class:`RunDirectoryError` now if checkpoint ``step`` cannot be written.
+
+        Its directory must be writable, and the disk must hold it: a checkpoint
+        takes about what the newest one took (or the state's bytes, for the
+        first), and the space of those ``max_to_keep`` deletes first is counted
+        as free. Across processes process 0 decides for all.
+        """
+        problem = None
+        latest = self.checkpoints.latest_step()  # (collectives across processes: every one asks)
+        dropped = self.checkpoints.dropped_by_next_save()
+        if self.primary:
+            where = os.path.join(self.checkpoints.directory, str(step))
+            probe = self.checkpoints.directory
+            while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+                probe = os.path.dirname(probe)
+            if not os.access(probe, os.W_OK | os.X_OK):
+                code = errno.EROFS if read_only_fs(probe) else errno.EACCES
+                problem = str(run_dir_error(where, code))
+            else:
+                need = max(_nbytes(state), 0 if latest is None else self._size(latest))
+                free = free_bytes(probe) + sum(self._size(s) for s in dropped)
+                if free < need:
+                    detail = (f"{human_bytes(free)} free, a checkpoint takes about "
+                              f"{human_bytes(need)}")
+                    problem = str(run_dir_error(where, errno.ENOSPC, detail))
+        if jax.process_count() > 1:
+            problem = broadcast_json(problem)
+        if problem is not None:
+            self._told = True
+            raise RunDirectoryError(problem)
+
+    def _size(self, step: int) -> int:
+        if step not in self._sizes:
+            self._sizes[step] = self.checkpoints.bytes_on_disk(step)
+        return self._sizes[step]
+
+    def _raise_failed(self, step: int, error: Exception) -> None:
+        """Raises ``error`` of the save of ``step``: as a :class:`RunDirectoryError` when the
+        operating system's (a full disk...), else as it is."""
+        converted = as_run_dir_error(os.path.join(self.checkpoints.directory, str(step)), error)
+        if converted is None:
+            raise error
+        self._told = True
+        raise converted from error
+
+    def _tell_on(self, write: Callable[[], None]) -> None:
+        """Runs ``write`` (of a log); a :class:`RunDirectoryError` from it is told once."""
+        try:
+            write()
+        except RunDirectoryError:
+            self._told = True
+            raise
 
     def confirm(self, *, block: bool) -> None:
-        """Logs the events of saves that have completed (``block``: wait for them first)."""
+        """Logs the events of saves that have completed (``block``: wait for them first).
+
+        A save that failed (a full disk, ...) raises a one-line
+        :class:`RunDirectoryError` naming its step here, the first time it is
+        known: at the first call after it ended, or when ``block`` waits for it.
+        """
         if not self.primary:  # nothing to log; and no collective here (calls may differ)
             self._unconfirmed.clear()
             return
         if not self._unconfirmed or (not block and self.checkpoints.is_saving()):
             return
-        self.checkpoints.wait()  # this process's part; the commit is process 0's, i.e. ours
+        error = None
+        try:
+            self.checkpoints.wait()  # this process's part; the commit is process 0's, i.e. ours
+        except Exception as e:  # noqa: BLE001 - raised below, once the completed ones are logged
+            error = e
         where = self.checkpoints.directory
-        for step, events in self._unconfirmed:
-            if os.path.isdir(os.path.join(where, str(step))):
-                for e in events:
-                    fields = {k: v for k, v in e.items() if k != "kind"}
-                    self.log.event(e["kind"], step=step, **fields)
+        on_disk = [os.path.isdir(os.path.join(where, str(s))) for s, _ in self._unconfirmed]
+        done = [save for save, ok in zip(self._unconfirmed, on_disk, strict=True) if ok]
+        failed = [s for (s, _), ok in zip(self._unconfirmed, on_disk, strict=True) if not ok]
+        last = failed[-1] if failed else self._unconfirmed[-1][0]
         self._unconfirmed.clear()
+        self._tell_on(lambda: self._log_completed(done))
+        if error is not None:
+            self._raise_failed(last, error)
+
+    def _log_completed(self, saves: list[tuple[int, list[dict]]]) -> None:
+        for step, events in saves:
+            for e in events:
+                self.log.event(e["kind"], step=step, **{k: v for k, v in e.items() if k != "kind"})
 
     def recover_events(self, step: int, meta: Mapping[str, Any]) -> None:
         """Writes the completion events of checkpoint ``step`` that a kill kept from the log."""
@@ -154,27 +302,23 @@ class RunDirectory:
 
         Returns ``(step, load(step), skipped)``; ``skipped`` lists ``{"step",
         "reason", "moved_to"}`` for each checkpoint that failed, each of them
-        moved to ``run_dir/quarantine/``. Raises a one-line ``ValueError`` when
-        no checkpoint is intact.
+        moved to ``run_dir/quarantine/``. Entries named like a step that are not
+        complete checkpoints (:meth:`RunCheckpoints.strays`) are moved there
+        first, so that the run can write their steps. Raises a one-line
+        ``ValueError`` when no checkpoint is intact.
         """
-        skipped: list[dict] = []
+        strays = self.checkpoints.strays() if self.primary else {}
+        if jax.process_count() > 1:
+            strays = broadcast_json(strays)
+        skipped = [
+            self._quarantine(name, f"{os.path.join(self.checkpoints.directory, name)} is {why}")
+            for name, why in strays.items()
+        ]
         for step in reversed(self.checkpoints.all_steps()):
             try:
                 return step, load(step), skipped
             except CorruptCheckpointError as e:
-                into = os.path.join(self.path, QUARANTINE)
-                if self.primary:
-                    moved = self.checkpoints.quarantine(step, into)
-                barrier(f"adaptjax-quarantine-{step}")
-                if not self.primary:
-                    self.checkpoints.reload()
-                    moved = os.path.join(into, str(step))
-                skipped.append({"step": step, "reason": str(e), "moved_to": moved})
-                warnings.warn(
-                    f"skipped checkpoint {step}: {e} (moved to {moved})",
-                    UserWarning,
-                    stacklevel=user_stacklevel(),
-                )
+                skipped.append(self._quarantine(str(step), str(e)))
         where = os.path.join(self.path, CHECKPOINTS)
         if skipped:
             raise ValueError(
@@ -183,29 +327,88 @@ class RunDirectory:
             )
         raise ValueError(f"no complete checkpoint in {where} to resume from")
 
+    def _quarantine(self, name: str, reason: str) -> dict:
+        """Moves checkpoint ``name`` to ``quarantine/``, warns, returns its ``skipped`` entry."""
+        into = os.path.join(self.path, QUARANTINE)
+        if self.primary:
+            moved = self.checkpoints.quarantine(name, into)
+        barrier(f"adaptjax-quarantine-{name}")
+        if not self.primary:
+            self.checkpoints.reload()
+            moved = os.path.join(into, name)
+        warnings.warn(
+            f"skipped checkpoint {name}: {reason} (moved to {moved})",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+        return {"step": int(name), "reason": reason, "moved_to": moved}
+
     def close(self) -> None:
         """Finishes or discards the in-flight checkpoint, syncs the logs, releases the lock.
 
         Safe to call after an exception or Ctrl-C: a save that cannot complete is
-        discarded (its temporary directory removed) and never logged.
+        discarded (its temporary directory removed) and never logged. Every step
+        runs whatever the others do; then a :class:`RunDirectoryError` nobody
+        was told of yet (a save or a log write that failed just now) is raised,
+        once. Other errors of a failed save are not raised here (as before).
         """
         if not self._open:
             return
         self._open = False
-        try:
+        told = self._told or getattr(self.log, "failed", False)
+        errors: list[BaseException] = []
+
+        def attempt(step: Callable[[], Any]) -> None:
             try:
-                self.checkpoints.wait()
-            except BaseException:  # noqa: BLE001 - a failed save is discarded below
-                pass
+                step()
+            except BaseException as e:  # noqa: BLE001 - every step of closing runs (Ctrl-C too)
+                errors.append(e)
+
+        try:
             if self.log is not None:
-                self.confirm(block=True)
-                self.log.close()
+                attempt(lambda: self.confirm(block=True))
+                attempt(self.log.close)
+            else:
+                attempt(self.checkpoints.wait)
             if self.primary:
-                self.checkpoints.discard_incomplete()
-            self.checkpoints.close()
+                attempt(self.checkpoints.discard_incomplete)
+            attempt(self.checkpoints.close)
         finally:
             if self.lock is not None:
                 self.lock.release()
+        interrupted = [e for e in errors if not isinstance(e, Exception)]
+        if interrupted:  # Ctrl-C while closing: closed all the same, then raised
+            raise interrupted[0]
+        untold = [e for e in errors if isinstance(e, RunDirectoryError)]
+        if untold and not told:
+            self._told = True
+            raise untold[0]
+
+
+def _nbytes(tree) -> int:
+    """The bytes of the arrays in ``tree`` (their global values)."""
+    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)))
+
+
+def _warn_repair(repair, step: int) -> None:
+    """One warning per log file with damaged lines, one for metrics rows missing up to ``step``."""
+    for path, count in repair.damaged.items():
+        warnings.warn(
+            f"resume: dropped {count} damaged line{'s' if count > 1 else ''} of {path} "
+            "(not UTF-8 JSON rows)",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+    missing = repair.missing_steps
+    if missing:
+        n = len(missing)
+        warnings.warn(
+            f"resume: metrics.jsonl lacks the rows of {n} step{'s' if n > 1 else ''} up to the "
+            f"checkpoint's step {step} ({step_ranges(missing)}); they were lost before this "
+            "resume and are not recomputed",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def user_stacklevel() -> int:

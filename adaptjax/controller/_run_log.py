@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+from adaptjax.controller._run_lock import RunDirectoryError, as_run_dir_error
 
 
 def _jsonable(value):
@@ -61,11 +65,13 @@ class RunLog:
                 os.path.join(self.run_dir, "tensorboard"), purge_step=purge_step
             )
         self.events: list[dict] = []
+        self.failed = False  # a write failed (and raised RunDirectoryError)
 
     def metrics(self, step: int, values: Mapping[str, Any]) -> None:
         """Records one step's metrics."""
         row = {"step": int(step), **{k: _jsonable(v) for k, v in values.items()}}
-        self._metrics.write(json.dumps(row) + "\n")
+        with self._writing(self._metrics):
+            self._metrics.write(json.dumps(row) + "\n")
         if self._writer is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, float | int):
@@ -76,13 +82,15 @@ class RunLog:
         row = {"time": time.time(), "kind": kind, "step": int(step)}
         row.update({k: _jsonable(v) for k, v in fields.items()})
         self.events.append(row)
-        self._events.write(json.dumps(row) + "\n")
+        with self._writing(self._events):
+            self._events.write(json.dumps(row) + "\n")
         if self._writer is not None and "latency_s" in row:
             self._writer.add_scalar(f"latency/{kind}", row["latency_s"], int(step))
 
     def has_event(self, kind: str, step: int) -> bool:
         """Whether ``events.jsonl`` holds an event of ``kind`` at ``step``."""
-        self._events.flush()
+        with self._writing(self._events):
+            self._events.flush()
         return any(
             e.get("kind") == kind and e.get("step") == step
             for e in read_jsonl_rows(os.path.join(self.run_dir, "events.jsonl"))
@@ -100,26 +108,52 @@ class RunLog:
 
     def flush(self) -> None:
         """Hands buffered rows to the operating system."""
-        self._metrics.flush()
-        self._events.flush()
+        for f in (self._metrics, self._events):
+            with self._writing(f):
+                f.flush()
         if self._writer is not None:
             self._writer.flush()
 
     def sync(self) -> None:
-        """Flushes and fsyncs both files: rows written so far survive a kill or power loss."""
+        """Flushes and fsyncs both files: rows written so far survive a kill or power loss.
+
+        A failed write raises a one-line :class:`adaptjax.controller._run_lock.RunDirectoryError`
+        naming the file.
+        """
         self.flush()
         for f in (self._metrics, self._events):
-            os.fsync(f.fileno())
+            with self._writing(f):
+                os.fsync(f.fileno())
+
+    @contextlib.contextmanager
+    def _writing(self, f) -> Iterator[None]:
+        try:
+            with _writing(f):
+                yield
+        except RunDirectoryError:
+            self.failed = True
+            raise
 
     def close(self) -> None:
-        """Syncs and closes the files."""
+        """Syncs and closes the files (closed even when the sync fails).
+
+        A failed sync raises, unless a write of this log failed before (that
+        error was raised then: rows written since cannot reach the disk either).
+        """
         if self._metrics.closed:
             return
-        self.sync()
-        self._metrics.close()
-        self._events.close()
-        if self._writer is not None:
-            self._writer.close()
+        try:
+            if self.failed:
+                with contextlib.suppress(OSError):
+                    self.sync()
+            else:
+                self.sync()
+        finally:
+            for f in (self._metrics, self._events):
+                with contextlib.suppress(OSError):  # its rows could not be written: said above
+                    f.close()
+            if self._writer is not None:
+                self._writer.close()
 
 
 class NullRunLog:
@@ -167,20 +201,54 @@ class NullRunLog:
         """Writes nothing."""
 
 
-def read_jsonl_rows(path: str | os.PathLike) -> list[dict]:
-    """The JSON rows of a ``.jsonl`` file, skipping a torn (unparseable) line."""
+@contextlib.contextmanager
+def _writing(f) -> Iterator[None]:
+    """Turns an OS error writing the log file ``f`` into one line naming it and the fix."""
+    try:
+        yield
+    except OSError as e:
+        error = as_run_dir_error(f.name, e)
+        if error is None:
+            raise
+        raise error from e
+
+
+def scan_jsonl(path: str | os.PathLike) -> tuple[list[dict], int]:
+    """``(rows, damaged)``: the JSON object rows of a ``.jsonl`` file, read as bytes.
+
+    A line that is not UTF-8 JSON of an object (bytes changed on disk, a hand
+    edit) is damaged: skipped and counted. A last line without its newline is
+    torn (the writer was killed mid-row): skipped unless it parses, never
+    counted. Blank lines are skipped.
+    """
     if not os.path.exists(path):
-        return []
-    rows = []
-    with open(path) as f:
+        return [], 0
+    rows: list[dict] = []
+    damaged = 0
+    with open(path, "rb") as f:
         for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
+            torn = not line.endswith(b"\n")
+            if not line.strip():
                 continue
-            if isinstance(row, dict):
+            try:
+                row = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                row = None
+            if isinstance(row, dict) and _step_of(row) is not None:
                 rows.append(row)
-    return rows
+            elif not torn:
+                damaged += 1
+    return rows, damaged
+
+
+def _step_of(row: Mapping) -> int | None:
+    step = row.get("step", 0)
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def read_jsonl_rows(path: str | os.PathLike) -> list[dict]:
+    """The JSON rows of a ``.jsonl`` file, without damaged and torn lines (:func:`scan_jsonl`)."""
+    return scan_jsonl(path)[0]
 
 
 def event_latencies(events: list[dict], kind: str) -> list[float]:
@@ -198,20 +266,61 @@ def event_latencies(events: list[dict], kind: str) -> list[float]:
     ]
 
 
-def truncate_run_logs(run_dir: str | os.PathLike, step: int) -> None:
+@dataclasses.dataclass(frozen=True)
+class LogRepair:
+    """What :func:`truncate_run_logs` found: damaged lines dropped, metric rows missing.
+
+    Attributes:
+      damaged: ``{file path: damaged lines dropped}`` for each file that had some.
+      missing_steps: steps ``1..step`` without a row in ``metrics.jsonl``.
+    """
+
+    damaged: dict
+    missing_steps: list
+
+
+def truncate_run_logs(run_dir: str | os.PathLike, step: int) -> LogRepair:
     """Rewrites ``metrics.jsonl`` and ``events.jsonl`` without rows of steps after ``step``.
 
-    A torn last line (the process was killed mid-write) is dropped too. Each
-    file is replaced atomically (written aside, fsynced, renamed).
+    Damaged and torn lines are dropped too (:func:`scan_jsonl`). Each file is
+    replaced atomically (written aside, fsynced, renamed). Returns what was
+    dropped and which steps up to ``step`` have no metrics row.
     """
+    damaged: dict[str, int] = {}
+    kept_steps: set[int] = set()
     for name in ("metrics.jsonl", "events.jsonl"):
         path = os.path.join(os.fspath(run_dir), name)
         if not os.path.exists(path):
             continue
-        keep = [r for r in read_jsonl_rows(path) if int(r.get("step", 0)) <= step]
+        rows, bad = scan_jsonl(path)
+        if bad:
+            damaged[path] = bad
+        keep = [r for r in rows if _step_of(r) <= step]
+        if name == "metrics.jsonl":
+            kept_steps = {_step_of(r) for r in keep}
         tmp = path + ".tmp"
-        with open(tmp, "w") as f:
+        with open(tmp, "w") as f, _writing(f):
             f.writelines(json.dumps(r) + "\n" for r in keep)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    missing = [s for s in range(1, step + 1) if s not in kept_steps]
+    return LogRepair(damaged, missing)
+
+
+def step_ranges(steps: list[int], most: int = 4) -> str:
+    """``[1, 2, 3, 7]`` as ``'1-3, 7'`` (at most ``most`` ranges, then ``...``).
+
+    Example:
+      >>> from adaptjax.controller._run_log import step_ranges
+      >>> step_ranges([1, 2, 3, 7, 9, 10]), step_ranges(list(range(1, 9, 2)), most=2)
+      ('1-3, 7, 9-10', '1, 3, ...')
+    """
+    ranges: list[list[int]] = []
+    for s in steps:
+        if ranges and s == ranges[-1][1] + 1:
+            ranges[-1][1] = s
+        else:
+            ranges.append([s, s])
+    text = [f"{a}-{b}" if b > a else f"{a}" for a, b in ranges[:most]]
+    return ", ".join(text + (["..."] if len(ranges) > most else []))

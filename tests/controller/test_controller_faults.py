@@ -49,10 +49,12 @@ class Job:
 
     count = 0
 
-    def __init__(self, run_dir, steps=STEPS, *extra, hold=None):
+    def __init__(self, run_dir, steps=STEPS, *extra, hold=None, hold_in_save=None):
         Job.count += 1
         self.gate = Gate(os.path.join(os.path.dirname(run_dir), f"gate-{Job.count}"))
         held = ["--hold", hold, "--gate", self.gate.directory] if hold else []
+        if hold_in_save is not None:
+            held += ["--hold-in-save", str(hold_in_save), "--gate", self.gate.directory]
         self.proc = subprocess.Popen(
             [sys.executable, "-u", JOB, str(run_dir), str(steps), *held, *extra],
             stdout=subprocess.PIPE,
@@ -244,6 +246,38 @@ def test_kill_inside_a_checkpoint_write_resumes_from_the_previous_one(tmp_path, 
     assert_same_run(run_dir, reference)
 
 
+#: What Orbax's threads print when a save is torn apart under them.
+THREAD_NOISE = ("Exception in thread", "Event loop is closed", "ERROR:absl")
+
+
+@pytest.mark.slow
+def test_sigint_as_a_save_begins_finishes_that_save_and_leaves_no_temporary_directory(
+    tmp_path, reference
+):
+    """Ctrl-C lands inside Orbax's save of step 20, after its writes were launched (the job
+    holds there until signalled): the save is finished, logged once, and nothing is left."""
+    run_dir = tmp_path / "run"
+    j = Job(run_dir, hold_in_save=20)
+    assert j.wait_held() == "save 20"
+    j.proc.send_signal(signal.SIGINT)
+    j.gate.go()
+    code = j.finish()
+    out = "".join(j.lines)
+    assert code != 0 and j.gate.released() == "SIGINT", j.output()
+    assert "KeyboardInterrupt" in out, j.output()
+    for noise in THREAD_NOISE:
+        assert noise not in out, j.output()
+    ckpts = run_dir / "checkpoints"
+    assert adaptjax.RunCheckpoints(ckpts).all_steps() == [10, 20]  # finished, not torn
+    assert [n for n in os.listdir(ckpts) if "tmp" in n] == []
+    logged = [e["step"] for e in _rows(run_dir / "events.jsonl") if e["kind"] == "checkpoint"]
+    assert logged == [10, 20]
+    j = Job(run_dir)
+    assert j.wait_for(lambda w: w[:1] == ["RESUMED"]) == "RESUMED 20\n"
+    assert j.finish() == 0, j.output()
+    assert_same_run(run_dir, reference)
+
+
 @pytest.mark.slow
 def test_a_second_process_on_the_run_dir_is_refused_and_the_first_is_unharmed(tmp_path, reference):
     run_dir = tmp_path / "run"
@@ -415,13 +449,14 @@ def test_changed_array_bytes_are_refused_by_checksum_with_a_one_line_error(three
     ctrl.close()
 
 
-def test_a_stray_step_directory_is_ignored_with_a_warning(three_checkpoints):
+def test_a_stray_step_directory_is_quarantined_with_a_warning(three_checkpoints):
     os.makedirs(three_checkpoints / "checkpoints" / "999")
-    with pytest.warns(UserWarning, match="999 is not an adaptjax checkpoint"):
+    with pytest.warns(UserWarning, match="skipped checkpoint 999: .* not a complete checkpoint"):
         ctrl = adaptjax.Controller.resume(three_checkpoints, **job.job_kwargs(policies=[]))
     assert ctrl.step == 30
     ctrl.close()
-    assert os.path.isdir(three_checkpoints / "checkpoints" / "999")  # left alone
+    assert not os.path.exists(three_checkpoints / "checkpoints" / "999")
+    assert os.path.isdir(three_checkpoints / "quarantine" / "999")  # kept, never deleted
 
 
 def test_no_intact_checkpoint_says_so_in_one_line(three_checkpoints):
