@@ -32,6 +32,7 @@ _NAMES = {
     "EvalOptions": "adaptjax.controller._options",
     "RunConfig": "adaptjax.controller._run_config",
     "codec_key": "adaptjax.controller._run_config",
+    "RunDirectoryError": "adaptjax.controller._run_lock",
     "RunDirectoryLocked": "adaptjax.controller._run_lock",
     "ArrayDataset": "adaptjax._data",
     "FeatureCodec": "adaptjax._input_codec",
@@ -161,7 +162,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax.controller._options import CheckpointOptions, CompileOptions, EvalOptions
     from adaptjax.controller._preemption import EXIT_PREEMPTED
     from adaptjax.controller._run_config import RunConfig, codec_key
-    from adaptjax.controller._run_lock import RunDirectoryLocked
+    from adaptjax.controller._run_lock import RunDirectoryError, RunDirectoryLocked
     from adaptjax.controller._run_log import RunLog
     from adaptjax.launch._distributed import EXIT_RESCALE, DecisionMismatch, initialize_distributed
     from adaptjax.sync._diloco import DiLoCo, diloco
@@ -190,6 +191,7 @@ __all__ = [
     "CompileOptions",
     "EvalOptions",
     "RunConfig",
+    "RunDirectoryError",
     "RunDirectoryLocked",
     "RunLog",
     "codec_key",

@@ -10,7 +10,6 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import adaptjax
@@ -101,25 +100,5 @@ def _mse(p, b):
     return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
 
 
-@pytest.mark.xfail(strict=True, reason="adaptjax/_sync.py check pending")
-def test_a_sync_over_an_axis_the_step_lacks_names_both_axes():
-    mesh = adaptjax.make_mesh(8)
-    tx = optax.chain(adaptjax.sync_gradients("batch"), optax.sgd(0.1))
-    state = adaptjax.init_state(_params(), tx, mesh)
-    step = adaptjax.data_parallel_step(_mse, tx, mesh)
-    with pytest.raises(ValueError) as e:
-        step(state, _batch())
-    msg = _one_line(e)
-    assert "'batch'" in msg and "'data'" in msg  # today: NameError 'unbound axis name: batch'
-
-
-@pytest.mark.xfail(strict=True, reason="adaptjax/_step.py check pending")
-def test_has_aux_with_a_scalar_loss_says_what_to_return():
-    mesh = adaptjax.make_mesh(8)
-    tx = optax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.1))
-    state = adaptjax.init_state(_params(), tx, mesh)
-    step = adaptjax.data_parallel_step(_mse, tx, mesh, has_aux=True)
-    with pytest.raises(ValueError) as e:
-        step(state, _batch())
-    msg = _one_line(e)  # today: TypeError 'iteration over a 0-d array'
-    assert "has_aux=True" in msg and "(loss, aux)" in msg
+# An unbound sync axis and a loss_fn that does not match has_aux are checked by the step
+# itself: tests/test_checked_first_step.py.

@@ -21,7 +21,8 @@ import sys
 import pytest
 
 import adaptjax
-from adaptjax.controller._run_lock import RunDirectoryError, RunDirectoryLocked, RunLock
+from adaptjax import RunDirectoryError, RunDirectoryLocked
+from adaptjax.controller._run_lock import RunLock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import controller_job as job  # noqa: E402
