@@ -372,7 +372,7 @@ def param_specs(params, mesh: Mesh, *, sharding=None, axis_name="data"):
     leaf.
 
     Args:
-      params: the parameters (arrays or ``ShapeDtypeStruct``s; an NNX state).
+      params: the parameters (arrays or ``ShapeDtypeStruct`` leaves; an NNX state).
       mesh: the mesh.
       sharding: see above.
       axis_name: the data axis (or axes).

@@ -347,6 +347,7 @@ class Probe:
             )
 
 
+#: The action classes, as a tuple (for ``isinstance``).
 ACTION_TYPES: tuple[type, ...] = (
     SetHyperparams,
     SetBatchSize,
@@ -360,6 +361,7 @@ ACTION_TYPES: tuple[type, ...] = (
     Probe,
 )
 
+#: Any one action: the union of the action classes a policy returns.
 Action: TypeAlias = (
     SetHyperparams
     | SetBatchSize
