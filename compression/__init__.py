@@ -62,9 +62,7 @@ _NAMES = {
     "SumToAll": "adaptjax.compression._base",
     "factory": "adaptjax.compression._base",
     "pack_bits": "adaptjax.compression._bits",
-    "pack_words": "adaptjax.compression._bits",
     "unpack_bits": "adaptjax.compression._bits",
-    "unpack_words": "adaptjax.compression._bits",
     "Blocks": "adaptjax.compression._blocks",
     "Plan": "adaptjax.compression._plan",
     "PlanRow": "adaptjax.compression._plan",
@@ -85,7 +83,7 @@ _NAMES = {
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
     from adaptjax.compression._base import Codec, CompressionState, SumToAll, factory
-    from adaptjax.compression._bits import pack_bits, pack_words, unpack_bits, unpack_words
+    from adaptjax.compression._bits import pack_bits, unpack_bits
     from adaptjax.compression._blocks import Blocks
     from adaptjax.compression._plan import Plan, PlanRow, plan
     from adaptjax.compression._powersgd import powersgd
@@ -117,7 +115,6 @@ __all__ = [
     "natural",
     "onebit",
     "pack_bits",
-    "pack_words",
     "plan",
     "powersgd",
     "qsgd",
@@ -125,7 +122,6 @@ __all__ = [
     "terngrad",
     "topk",
     "unpack_bits",
-    "unpack_words",
 ]
 
 __getattr__, __dir__ = attach(__name__, _NAMES)

@@ -148,7 +148,7 @@ def payload_spec(fmt) -> tuple[Entry, ...]:
             raise ValueError(
                 f"{name}.payload()[{key!r}] has dtype {dtype}, which a collective cannot carry "
                 "as bits: use a 1-, 2- or 4-byte number type (uint32 words, float32 scales; "
-                "pack booleans with pack_words)")
+                "pack booleans with pack_bits)")
         if isinstance(count, bool) or int(count) != count or count < 1:
             raise ValueError(f"{name}.payload()[{key!r}] count must be an integer >= 1 per "
                              f"block, got {count!r}")

@@ -155,7 +155,8 @@ class Plan:
             first = {}
             for r in self.rows:
                 first.setdefault(r.bucket, r)
-            out.append(f"{self.buckets} exchanges of at most {self.bucket_bytes:,} float32 "
+            many = "s" if self.buckets > 1 else ""
+            out.append(f"{self.buckets} exchange{many} of at most {self.bucket_bytes:,} float32 "
                        "bytes, in order: " + ", ".join(
                 f"{r.method}{'/' + r.transport if r.transport else ''} from {r.path}"
                 for _, r in sorted(first.items())))

@@ -71,8 +71,8 @@ class BlockCodec(Codec, BlockFormat):
       what this replica sent, given ``x``) and ``state_merge`` (the merge rule
       of its error-feedback buffers on a rescale, ``"mean"`` by default).
 
-    The library packs the payload into 32-bit words (:func:`pack_words` helps
-    with codes of fewer bits), moves it by owner-compute or one all-gather per
+    The library packs the payload into 32-bit words (:func:`pack_bits` packs
+    codes of fewer bits), moves it by owner-compute or one all-gather per
     bucket, keeps error feedback (``"ef14"``, ``"ef21"``), and derives the
     plan, wire bytes and checkpointed state from it. A payload that does not
     match its ``payload()``, or a decode of the wrong shape, is a one-line
