@@ -235,7 +235,7 @@ _FACTORIES: dict[tuple[type, str], inspect.Signature] = {}
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def factory(cls: type) -> Callable[[F], F]:
+def factory(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Registers the decorated function as a factory of the codec class ``cls``.
 
     A codec's ``repr`` is the call of the factory named ``codec.name`` that a
@@ -252,7 +252,7 @@ def factory(cls: type) -> Callable[[F], F]:
       (onebit(block=256, error_feedback='ef21'), topk(0.01))
     """
 
-    def register(fn: F) -> F:
+    def register(fn):
         sig = inspect.signature(fn)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = [name for name in sig.parameters if name not in fields]
@@ -434,7 +434,7 @@ class Codec:
         return rule.__func__ if isinstance(rule, staticmethod) else rule
 
     def init_shared(self, leaf: Leaf) -> dict[str, jax.Array]:
-        """Replicated buffers of one leaf, by key of :attr:`shared_keys` (none by default)."""
+        """Replicated buffers of one leaf, by key of ``shared_keys`` (none by default)."""
         del leaf
         return {}
 
@@ -480,9 +480,9 @@ class Codec:
     def sync(self, grads, state: CompressionState, *, axis_name=None, step=None):
         """The compressed all-reduce-mean of ``grads`` (inside ``shard_map``).
 
-        Each leaf gets its :class:`Leaf` record (lane, shape, state); the
+        Each leaf gets its ``Leaf`` record (lane, shape, state); the
         feedback rule turns its gradient into what the replica sends; each lane
-        averages all of its leaves at once (:func:`run_lanes`); the feedback
+        averages its leaves bucket by bucket (``run_lanes``); the feedback
         rule turns each leaf's mean and residual into the output and new buffers.
 
         Args:
@@ -520,17 +520,17 @@ class Codec:
     def _check_axes(self, names) -> None:
         del names
 
-    def reduce(self, leaves: Sequence[LeafIn], ctx: Ctx) -> list[LeafOut]:
-        """The compressed mean of the codec's leaves (its lane, see :mod:`._lanes`).
+    def reduce(self, leaves, ctx):
+        """The compressed mean of one bucket of the codec's leaves (its lane, see ``_lanes``).
 
         Args:
-          leaves: one :class:`LeafIn` per leaf of the ``codec`` lane, in leaf order.
+          leaves: one ``LeafIn`` per leaf of the bucket, in lane order (``ctx.lane``).
           ctx: the sync's context (axes, replica count, seeds, whether residuals are due).
 
         Returns:
-          One :class:`LeafOut` per leaf: the mean, and with ``ctx.residual``
+          One ``LeafOut`` per leaf: the mean, and with ``ctx.residual``
           what this replica still owes (see
-          :func:`adaptjax.compression._collectives.owner_compute`).
+          ``adaptjax.compression._exchange``).
         """
         raise NotImplementedError
 

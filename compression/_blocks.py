@@ -43,7 +43,7 @@ _U32 = jnp.uint32
 
 
 class Blocks(NamedTuple):
-    """What :meth:`BlockFormat.encode_blocks` knows of its blocks besides their values.
+    """What ``encode_blocks`` of a block codec knows of its blocks besides their values.
 
     Random numbers are a hash of the element's index in its leaf and a seed of
     the leaf, the step, the replica and the stage, so they do not depend on

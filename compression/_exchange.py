@@ -115,7 +115,7 @@ def check_transport(transport):
 
 
 def reduce_blocks(fmt, leaves, ctx, *, stages: tuple[int, int], transport: str | None = None,
-                  fast_axis: str | None = None):
+                  fast_axis: str | None = None, pack_max: int = BUCKET_MAX):
     """The mean over replicas of one bucket of leaves through ``fmt``'s payload.
 
     Args:
@@ -125,13 +125,15 @@ def reduce_blocks(fmt, leaves, ctx, *, stages: tuple[int, int], transport: str |
       stages: seed stages of the replicas' encoding and the owners' re-encoding.
       transport: ``"owner"``, ``"allgather"`` or None (:func:`choose_transport`).
       fast_axis: the fast axis of the two-level mode, or None.
+      pack_max: a lane of at most this many elements goes packed whole (one view
+        per bucket, see :mod:`._views`); 0: every leaf's whole blocks in place.
 
     Returns:
       ``(means, residuals or None)``, lists shaped like the leaves.
     """
     n, block = ctx.n, fmt.block
     sizes = [leaf.size for leaf in ctx.lane]
-    pack_all = sum(sizes) <= BUCKET_MAX
+    pack_all = sum(sizes) <= pack_max
     every = dict(zip((leaf.index for leaf in ctx.lane),
                      lane_layout(sizes, n, block, pack_all), strict=True))
     lays = [every[i.leaf.index] for i in leaves]

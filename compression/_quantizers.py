@@ -48,8 +48,9 @@ from adaptjax.compression._formats import (
     SignBlocks,
     TernaryBlocks,
 )
-from adaptjax.compression._lanes import Ctx, LeafIn, LeafOut, block_leaf_bytes, leaf_outs
+from adaptjax.compression._lanes import block_leaf_bytes, leaf_outs
 from adaptjax.compression._layout import make_layout, prod
+from adaptjax.compression._views import BUCKET_MAX
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # the factory call (Codec)
@@ -152,9 +153,10 @@ class BlockCodec(Codec, BlockFormat):
                 f"axis_name=(slow, {self.fast_axis!r}) on a 2-D mesh"
             )
 
-    def reduce(self, leaves: Sequence[LeafIn], ctx: Ctx) -> list[LeafOut]:
-        """One bucket by owner-compute, all-gather or the two-level mode (:mod:`._exchange`)."""
-        return leaf_outs(*reduce_blocks(self, leaves, ctx, stages=(0, 1),
+    def reduce(self, leaves, ctx):
+        """One bucket by owner-compute, all-gather or the two-level mode (``_exchange``)."""
+        # BUCKET_MAX read when traced: benchmarks/compile_time.py sets it to 0 (per leaf)
+        return leaf_outs(*reduce_blocks(self, leaves, ctx, stages=(0, 1), pack_max=BUCKET_MAX,
                                         transport=self.transport, fast_axis=self.fast_axis))
 
     # ------------------------------------------------------------- protocol
