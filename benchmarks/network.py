@@ -251,6 +251,9 @@ def _bare(jax, mesh, collectives):
              "u32": np.uint32, "s32": np.int32, "u16": np.uint16, "u8": np.uint8}
     shapes = []
     for c in collectives:
+        if c.kind == "all-to-all":  # XLA:CPU may split it into one operand per peer: join them
+            shapes.append((c.kind, (2, c.elements // 2), types[c.operand_dtypes[0]]))
+            continue
         operands = c.shape if c.num_operands > 1 else (c.shape,)
         for shape, dtype in zip(operands, c.operand_dtypes, strict=True):
             shapes.append((c.kind, tuple(shape), types[dtype]))
