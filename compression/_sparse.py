@@ -707,7 +707,9 @@ def dgc(
     so :func:`adaptjax.wire_bytes` lists every stage's all-gather). Use it with
     plain SGD: the momentum lives here.
     The momentum correction is DGC's own error feedback (what is not sent stays
-    in ``v``), so it takes no ``error_feedback``.
+    in ``v``), so it takes no ``error_feedback``. Local clipping scales by the
+    norm of the whole gradient, so with ``clip_norm`` every bucket waits for
+    the whole backward pass (``bucket_bytes`` then saves nothing).
 
     Args:
       ratio: final density, in (0, 1].
