@@ -306,7 +306,9 @@ class Codec:
         can travel while the backward pass computes the rest. The results
         are the same (to float32 rounding) for every ``bucket_bytes``.
 
-    Class attributes (the flags of the codec protocol):
+    The flags of the codec protocol are class attributes.
+
+    Class attributes:
       name: short name used in plans and benchmarks (and the name of its factory).
       linear: whether payloads add up (psum-able).
       randomness: ``"none"``, ``"shared"`` (same on every replica, e.g. random-k
@@ -395,7 +397,7 @@ class Codec:
 
     @property
     def feedback(self) -> NoFeedback:
-        """The error-feedback rule (a strategy of :mod:`adaptjax.compression._feedback`)."""
+        """The error-feedback rule in force, none, EF14 or EF21 (``error_feedback``)."""
         return feedback_for(self.error_feedback)
 
     # --------------------------------------------------------- per-leaf plan

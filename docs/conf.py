@@ -88,10 +88,6 @@ autosummary_context = {
 # until their source is fixed (each is in the docs' report to the source's owner).
 # An entry whose text is gone from the docstring fails the build: delete it then.
 DOCSTRING_FIXES: dict[str, list[tuple[str, str]]] = {
-    # "Class attributes (...):" is not a section napoleon knows, so its list breaks.
-    "adaptjax.compression.Codec": [
-        ("Class attributes (the flags of the codec protocol):", "Class attributes:"),
-    ],
 }
 
 # Constants whose definition has no ``#:`` comment yet (same rule: delete once it has).
@@ -100,8 +96,6 @@ CONSTANT_DOCS: dict[str, str] = {}
 # References in annotations or docstrings to names that are not public, shown as
 # plain text until their source names a public one (same rule: delete once fixed).
 PENDING_REFERENCES: dict[str, str] = {
-    "Quantizer": "compression/_quantizers.py: the factories' docstrings say :class:`Quantizer`",
-    "adaptjax.compression._feedback": "compression/_base.py: Codec.feedback's docstring",
     "adaptjax.compression._feedback.NoFeedback": "compression/_base.py: Codec.feedback's type",
     "ajp.Policy": "adaptjax/controller/_controller.py: Controller(policies: Sequence[ajp.Policy])",
 }
