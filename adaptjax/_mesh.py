@@ -84,7 +84,7 @@ def _check_count(n: int, available: list, given: bool) -> None:
         )
 
 
-def _mesh_shape(shape: Mapping) -> dict[str, int]:
+def checked_shape(shape: Mapping) -> dict[str, int]:
     """Checks a ``{axis: size}`` mapping (one-line errors); returns it as a dict in order."""
     out: dict[str, int] = {}
     for name, size in shape.items():
@@ -143,7 +143,7 @@ def make_mesh(
         n = len(available) if devices is None else int(devices)
         _check_count(n, available, device_list is not None)
         return Mesh(np.array(available[:n]), (axis_name,))
-    shape = _mesh_shape(devices)
+    shape = checked_shape(devices)
     n = math.prod(shape.values())
     if device_list is not None and n != len(available):
         raise ValueError(

@@ -85,13 +85,13 @@ def resume_from(run_dir: RunDirectory, steps: StepCache, data, policy) -> Resume
     def load(step: int):
         meta = run_dir.checkpoints.read_meta(step)
         config = config_from(meta, steps)
-        wanted = processes_for(config.devices)
+        wanted = processes_for(config.device_count)
         if (jax.process_count() > 1 or max_processes() > 1) and wanted != jax.process_count():
             # The run continues on another process count: ask the launcher for it.
-            write_rescale_request(wanted, config.devices)
+            write_rescale_request(wanted, config.device_count)
             raise SystemExit(EXIT_RESCALE)
         state, _ = run_dir.checkpoints.restore(
-            step, target_state=steps.abstract_state(config), mesh=steps.mesh(config.devices)
+            step, target_state=steps.abstract_state(config), mesh=steps.mesh(config)
         )
         return config, state, meta
 
