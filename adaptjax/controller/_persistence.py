@@ -113,6 +113,8 @@ def warn_overrides(passed: Mapping[str, Any], config: RunConfig,
                    hyperparams: Mapping[str, Any], held: Mapping[str, float]) -> None:
     """Warns, once each, of a passed value the checkpoint's overrides."""
     for key, value in passed.items():
+        if key == "devices" and passed.get("mesh_shape", None) != config.mesh_shape:
+            continue  # the "data" size of a mesh_shape the warning below names
         if value != getattr(config, key):
             _warn_override(key, value, getattr(config, key))
     for key, value in hyperparams.items():
