@@ -10,6 +10,10 @@ has signalled it (``--gate DIR``, the handshake of ``tests/_handshake.py``), so
 a test can kill it from outside at a chosen moment without racing it.
 ``--kill-in-save S`` ends the process inside the write of the checkpoint of
 step S, after every byte is written but before Orbax's commit (the rename).
+``--sharded`` runs the job on a ``{"data": 2, "fsdp": 4}`` mesh whose schedule
+rescales over both axes (:func:`sharded_schedule`); ``--hold restore`` then
+stops the job inside the first rescale, after its checkpoint is committed and
+before the state is restored onto the new mesh.
 """
 
 import os
@@ -107,6 +111,44 @@ def schedule():
     )
 
 
+def sharded_schedule():
+    return ajp.Schedule(
+        {
+            10: ajp.SetBatchSize(32),
+            20: ajp.Rescale(mesh_shape={"data": 1, "fsdp": 4}),
+            30: ajp.SetBatchSize(96),
+            40: ajp.Rescale(mesh_shape={"data": 4, "fsdp": 2}),
+        }
+    )
+
+
+def sharded_kwargs(**overrides):
+    """:func:`job_kwargs` on a (data 2, fsdp 4) mesh, rescaled by :func:`sharded_schedule`."""
+    kwargs = dict(
+        devices=None,
+        mesh_shape={"data": 2, "fsdp": 4},
+        sharding=adaptjax.FSDP(min_size=16),  # the MLP is tiny: shard its leaves of >= 16
+        policies=[LossDrivenPolicy(), Announce(sharded_schedule())],
+    )
+    kwargs.update(overrides)
+    return job_kwargs(**kwargs)
+
+
+def hold_in_restore(gate):
+    """Stops the job inside its first restore onto a new mesh (the test's handshake)."""
+    from adaptjax.controller import _controller
+
+    original = _controller.restore_latest
+
+    def held(checkpoints, steps, config):
+        _controller.restore_latest = original  # once
+        print(f"RESTORING {checkpoints.latest_step()}", flush=True)
+        hold(gate, f"restore {checkpoints.latest_step()} mesh {config.axes}")
+        return original(checkpoints, steps, config)
+
+    _controller.restore_latest = held
+
+
 def job_kwargs(**overrides):
     kwargs = dict(
         model=init_params(),
@@ -133,7 +175,11 @@ def main():
     parser.add_argument("--kill-in-save", type=int, default=None, help="checkpoint step")
     parser.add_argument("--hold", default=None, help="step=N or devices=K: where to stop")
     parser.add_argument("--gate", default=None, help="the handshake directory of --hold")
+    parser.add_argument("--sharded", action="store_true", help="a (data 2, fsdp 4) mesh")
     args = parser.parse_args()
+    if args.hold == "restore":
+        hold_in_restore(args.gate)
+        args.hold = None
     kind, value = args.hold.split("=") if args.hold else (None, 0)
     held = []
 
@@ -156,7 +202,7 @@ def main():
             return await original(self, *a, **k)
 
         atomicity.AtomicRenameTemporaryPath.finalize = finalize
-    kwargs = job_kwargs(on_step=on_step)
+    kwargs = sharded_kwargs(on_step=on_step) if args.sharded else job_kwargs(on_step=on_step)
     ckpts = os.path.join(args.run_dir, "checkpoints")
     if os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)):
         ctrl = adaptjax.Controller.resume(args.run_dir, **kwargs)
