@@ -13,7 +13,7 @@ that the axis divides (after the model's own annotations, e.g. flax NNX
 ``nnx.with_partitioning``, have placed theirs), as MaxText's ``fsdp`` logical
 rules and Levanter's FSDP do to the weights; smaller leaves are replicated.
 :func:`param_specs` applies a rule, or checks a user's tree of
-``PartitionSpec``s, with one-line errors that name the leaf.
+``PartitionSpec`` objects, with one-line errors that name the leaf.
 """
 
 from __future__ import annotations
@@ -366,16 +366,16 @@ def param_specs(params, mesh: Mesh, *, sharding=None, axis_name="data"):
     * an :class:`FSDP` rule;
     * a ``PartitionSpec`` or a tree of them shaped like ``params`` (or a
       prefix of it), used as given;
-    * a function ``(path, leaf) -> PartitionSpec``, or ``(path, leaf, mesh)
-      -> PartitionSpec`` (three parameters: it is given the mesh, so one rule
-      serves every mesh a ``Rescale`` moves the run to).
+    * a function ``(path, leaf) -> PartitionSpec``, or one of three
+      parameters, ``(path, leaf, mesh) -> PartitionSpec``: it is given the
+      mesh, so one rule serves every mesh a ``Rescale`` moves the run to.
 
     Every spec is checked: an axis the mesh lacks, the replica axis, or a
     dimension the axes do not divide is a one-line ``ValueError`` naming the
     leaf.
 
     Args:
-      params: the parameters (arrays or ``ShapeDtypeStruct``s; an NNX state).
+      params: the parameters (arrays or ``ShapeDtypeStruct`` leaves; an NNX state).
       mesh: the mesh.
       sharding: see above.
       axis_name: the data axis (or axes).

@@ -99,7 +99,7 @@ class RunConfig:
 
     @property
     def device_count(self) -> int:
-        """Devices of the mesh: ``devices`` times the model axes' sizes."""
+        """The number of devices of the mesh (``devices`` times the model axes' sizes)."""
         return math.prod(self.axes.values())
 
     def replace(self, **changes) -> RunConfig:

@@ -23,6 +23,7 @@ from adaptjax._lazy import attach
 _NAMES = {
     "calibrate_axis_links": "adaptjax.costs._calibrate",
     "calibrate_links": "adaptjax.costs._calibrate",
+    "time_axis_collectives": "adaptjax.costs._calibrate",
     "time_collectives": "adaptjax.costs._calibrate",
     "time_tuple_all_reduce": "adaptjax.costs._calibrate",
     "ComputeModel": "adaptjax.costs._compute",
@@ -58,6 +59,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax.costs._calibrate import (
         calibrate_axis_links,
         calibrate_links,
+        time_axis_collectives,
         time_collectives,
         time_tuple_all_reduce,
     )
@@ -115,6 +117,7 @@ __all__ = [
     "reshape_report",
     "simulate",
     "state_bytes_per_device",
+    "time_axis_collectives",
     "time_collectives",
     "time_tuple_all_reduce",
     "wire_for",

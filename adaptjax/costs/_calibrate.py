@@ -250,9 +250,9 @@ def calibrate_axis_links(
 ) -> dict[str, LinkModel]:
     """α and β of each collective kind on each axis of a mesh: ``{"all-gather@fsdp": ...}``.
 
-    Keys are :func:`~adaptjax.costs._model.link_key`'s; a
-    :class:`StepTimeModel` prices a collective over one axis by its axis's
-    link before its kind's (:meth:`StepTimeModel.link`).
+    Keys are ``"kind@axis"``; a :class:`~adaptjax.costs.StepTimeModel`
+    prices a collective over one axis by its axis's link before its kind's
+    (:meth:`~adaptjax.costs.StepTimeModel.link`).
 
     Example:
       >>> from adaptjax.costs import calibrate_axis_links
