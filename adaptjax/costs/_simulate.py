@@ -424,6 +424,7 @@ def _decide(run: _Recorded, replay: _Replay, policy, s: int, row: dict) -> None:
         devices=config.devices, max_devices=run.cap, hyperparams=replay.hyper,
         codec=replay.codec,
         samples_seen=replay.samples + config.batch_size,  # the next step is dispatched first
+        mesh_shape=config.axes if config.mesh_shape is not None else None,
     )
     metrics_in = {k: float(v) for k, v in row.items()
                   if k != "step" and isinstance(v, int | float)}
