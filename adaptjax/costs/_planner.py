@@ -21,6 +21,14 @@ all-reduce, or reduce-scatter + all-gather) and a quantizer codec's bucket
 size, whichever the calibrated links predict fastest at its device count.
 Each choice is logged (a ``schedule`` event) and saved in ``costs.json``.
 
+On a sharded mesh (:attr:`adaptjax.RunConfig.mesh_shape`) the links are also
+calibrated per mesh axis (:func:`adaptjax.costs.calibrate_axis_links`), a
+candidate may name a mesh shape (its collectives are the observed step's,
+moved by :func:`adaptjax.costs.reshape_report`), and :attr:`Planner.memory`
+holds the parameter and optimizer bytes per device of every shape of the
+run's device count (:func:`adaptjax.costs.state_bytes_per_device`), which
+``adaptjax plan`` prints next to each shape's predicted step.
+
 References:
   Jones, Schonlau and Welch, "Efficient Global Optimization of Expensive
   Black-Box Functions", 1998 (expected improvement).
@@ -41,8 +49,9 @@ import jax
 
 from adaptjax._wire import Collective, WireReport, wire_bytes
 from adaptjax.controller._run_config import RunConfig, codec_key
-from adaptjax.costs._calibrate import DEFAULT_KINDS, calibrate_links
+from adaptjax.costs._calibrate import DEFAULT_KINDS, calibrate_axis_links, calibrate_links
 from adaptjax.costs._links import LinkModel
+from adaptjax.costs._meshes import mesh_shapes, state_bytes_per_device
 from adaptjax.costs._model import (
     CannotPredict,
     Observation,
@@ -112,6 +121,9 @@ class Planner:
         self._steps = None  # the controller's StepCache, once attached
         #: ``{config: {option: value, "predicted_s": {...}}}``: the choices of :meth:`schedule`.
         self.schedules: dict[RunConfig, dict[str, Any]] = {}
+        #: ``{"data=2,fsdp=4": bytes}``: parameters and optimizer state per device of each
+        #: mesh shape of a sharded run's device count (set by :meth:`attach`).
+        self.memory: dict[str, int] = {}
         self.model = StepTimeModel(self.links or {})
 
     # ---- wiring ------------------------------------------------------------------------
@@ -134,9 +146,19 @@ class Planner:
 
         self.wire_of = wire_of
         self.run_dir = controller.run_dir
+        config = controller.config
+        sharded = config.mesh_shape is not None
         if self.links is None and calibrate:
-            self.calibrate(controller.max_devices)
+            self.calibrate(controller.max_devices, mesh_shape=config.axes if sharded else None)
         self._steps = steps
+        if sharded:
+            tx = steps.tx(config.codec, config.sync)
+            self.memory = {
+                shape_label(shape): state_bytes_per_device(steps.model, tx, shape,
+                                                           sharding=steps.sharding)
+                for shape in mesh_shapes(config.device_count, tuple(config.axes),
+                                         config.batch_size, config.microbatches)
+            }
 
         def schedule(config: RunConfig) -> dict[str, Any]:
             options = self.schedule(config)
@@ -202,16 +224,21 @@ class Planner:
                                   "predicted_s": times[best], "one_exchange_s": times[whole]}
         return {"bucket_bytes": bucket}
 
-    def calibrate(self, devices: int, kinds: Sequence[str] | None = None) -> dict:
+    def calibrate(self, devices: int, kinds: Sequence[str] | None = None, *,
+                  mesh_shape=None) -> dict:
         """Times micro-collectives on up to ``devices`` devices and uses them as the links.
 
         ``kinds`` (default: every kind :func:`adaptjax.costs.calibrate_links`
         times); with fewer than two devices there is nothing to time and the
-        links are empty.
+        links are empty. With ``mesh_shape`` (``{"data": 2, "fsdp": 4}``) each
+        kind is also timed over each axis of that mesh
+        (:func:`adaptjax.costs.calibrate_axis_links`: ``"all-gather@fsdp"``, ...).
         """
         n = min(int(devices), len(jax.devices()))
         kinds = DEFAULT_KINDS if kinds is None else tuple(kinds)
         self.links = calibrate_links(n, kinds=kinds) if n >= 2 and kinds else {}
+        if mesh_shape is not None and kinds:
+            self.links.update(calibrate_axis_links(mesh_shape, kinds=kinds))
         self.model = dataclasses.replace(self.model, links=self.links)
         return self.links
 
@@ -221,7 +248,8 @@ class Planner:
         codec = candidate.codec
         return RunConfig(int(candidate.devices), int(candidate.batch_size),
                          int(candidate.microbatches),
-                         codec if isinstance(codec, str) or codec is None else codec_key(codec))
+                         codec if isinstance(codec, str) or codec is None else codec_key(codec),
+                         mesh_shape=getattr(candidate, "mesh_shape", None))
 
     def _wire(self, config: RunConfig) -> WireReport:
         if config in self._wires:
@@ -330,6 +358,7 @@ class Planner:
             ],
             "schedules": [{"config": dataclasses.asdict(c), **chosen}
                           for c, chosen in self.schedules.items()],
+            "memory": dict(self.memory),
         }
 
     def save(self, path: str) -> None:
@@ -355,6 +384,7 @@ class Planner:
             config = RunConfig(**row["config"])
             planner._times[config] = float(row["step_time"])
             planner._wires[config] = _wire_from_json(row["wire"])
+        planner.memory = {str(k): int(v) for k, v in data.get("memory", {}).items()}
         planner.refit()
         return planner
 
@@ -366,7 +396,8 @@ def _wire_json(report: WireReport) -> dict:
         "collectives": [
             {"kind": c.kind, "group_size": c.group_size, "bytes": c.bytes,
              "compiled_bytes": c.compiled_bytes, "is_async": c.is_async,
-             "num_operands": c.num_operands, "branch": [list(b) for b in c.branch]}
+             "num_operands": c.num_operands, "branch": [list(b) for b in c.branch],
+             "axes": list(c.axes)}
             for c in report.collectives
         ],
     }
@@ -377,11 +408,17 @@ def _wire_from_json(data: dict) -> WireReport:
         Collective(c["kind"], "", (), 0, int(c["group_size"]), float(c["bytes"]),
                    float(c["compiled_bytes"]), "", is_async=bool(c["is_async"]),
                    num_operands=int(c.get("num_operands", 1)),
-                   branch=tuple((str(n), int(b)) for n, b in c["branch"]))
+                   branch=tuple((str(n), int(b)) for n, b in c["branch"]),
+                   axes=tuple(str(a) for a in c.get("axes", ())))
         for c in data["collectives"]
     )
     return WireReport(colls, data["num_devices"], tuple((str(n), int(k))
                                                         for n, k in data["conditionals"]))
+
+
+def shape_label(shape) -> str:
+    """``"data=2,fsdp=4"``: a mesh shape as ``adaptjax plan`` and ``lm.py --mesh`` write it."""
+    return ",".join(f"{a}={n}" for a, n in dict(shape).items())
 
 
 def _phi_cdf(z: float) -> float:
