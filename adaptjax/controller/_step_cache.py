@@ -32,7 +32,7 @@ SYNC, OPTIMIZER, UPDATE_NORM = "sync", "optimizer", "update_norm"
 #: The strategy's model synchronisation (only for strategies with local models).
 MODEL_SYNC = "model_sync"
 #: Communication options a schedule may choose for a configuration's step.
-STEP_OPTIONS = ("dense_lane", "bucket_bytes")
+STEP_OPTIONS = ("dense_lane", "bucket_bytes", "transport")
 
 
 @dataclasses.dataclass
@@ -65,10 +65,10 @@ class StepCache:
 
     ``schedule`` (set by :meth:`adaptjax.costs.Planner.attach`) maps a
     configuration to its step's communication options (:data:`STEP_OPTIONS`):
-    ``dense_lane`` (of :func:`adaptjax.sync_gradients`, without a codec) and
-    ``bucket_bytes`` (a field of the codec, set on a copy of it). They change
-    the step's collectives, never the state's structure, so states are built
-    without them; each configuration's options are asked for once, when its
+    ``dense_lane`` (of :func:`adaptjax.sync_gradients`, without a codec),
+    ``bucket_bytes`` and ``transport`` (fields of the codec, set on a copy of
+    it). They change the step's collectives, never the state's structure, so
+    states are built without them; each configuration's options are asked for once, when its
     step is first built, and kept in :attr:`options_of`. Without a schedule
     every step is built as before.
 
@@ -172,7 +172,7 @@ class StepCache:
             return self._tx(key, sync, **options)
 
     def _tx(self, key: str | None, sync: str | None, **options: Any):
-        defaults = {"dense_lane": "all-reduce", "bucket_bytes": None}
+        defaults = {"dense_lane": "all-reduce", "bucket_bytes": None, "transport": None}
         options = {k: v for k, v in options.items() if defaults.get(k, ...) != v}
         cache = (key, sync, *sorted(options.items()))
         if cache not in self._txs:
@@ -185,8 +185,10 @@ class StepCache:
             codec = self.codecs[key]
             strategy.check(2, codec)
             lane = {"dense_lane": options["dense_lane"]} if "dense_lane" in options else {}
-            if options.get("bucket_bytes") is not None and codec is not None:
-                codec = dataclasses.replace(codec, bucket_bytes=options["bucket_bytes"])
+            fields = {k: options[k] for k in ("bucket_bytes", "transport")
+                      if options.get(k) is not None}
+            if fields and codec is not None:
+                codec = dataclasses.replace(codec, **fields)
             opt = optax.inject_hyperparams(self.optimizer, hyperparam_dtype=np.float32)(
                 **self.hyperparams
             )

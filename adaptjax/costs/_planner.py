@@ -63,6 +63,19 @@ from adaptjax.costs._model import (
 from adaptjax.costs._schedule import OWNER_COMPUTE, buckets, choose_bucket_bytes, choose_dense_lane
 from adaptjax.costs._simulate import wire_for
 
+#: A codec's ``transport`` for each exchange kind the planner prices.
+CODEC_TRANSPORT = {OWNER_COMPUTE: "owner", "all-gather": "allgather"}
+
+
+def _transport_kinds(codec) -> tuple[str, ...]:
+    """The exchange kinds to price for ``codec``: its own transport if it names one."""
+    if not hasattr(codec, "transport"):
+        return (OWNER_COMPUTE,)
+    if codec.transport is None:
+        return tuple(CODEC_TRANSPORT)
+    return tuple(k for k, t in CODEC_TRANSPORT.items() if t == codec.transport)
+
+
 FILENAME = "costs.json"
 
 
@@ -175,13 +188,18 @@ class Planner:
 
         Without a codec (under a strategy that averages gradients),
         ``{"dense_lane": ...}`` from :func:`adaptjax.costs.choose_dense_lane`
-        on the gradients' bytes; with a codec that has a ``bucket_bytes``
-        field (the quantizers), ``{"bucket_bytes": B}`` from
+        on the gradients' bytes; with a block codec (the quantizers),
+        ``{"bucket_bytes": B, "transport": T}`` from
         :func:`adaptjax.costs.choose_bucket_bytes` over the leaves the codec
-        compresses (``None``: one exchange, the codec's default, when the best
-        bucket holds the whole lane), with the backward pass the model has
-        fitted as overlap. ``{}`` when nothing is attached, on one device, or
-        when the links cannot tell (a collective kind never timed). The choice
+        compresses (``B = None``: one exchange, the codec's default, when the
+        best bucket holds the whole lane), with the backward pass the model has
+        fitted as overlap, and ``T`` the transport (``"owner"``: an all-to-all
+        then an all-gather; ``"allgather"``: one all-gather) whose best bucket
+        the links predict faster, so the planner's links, not the codec's
+        default transport model, decide it (codecs without a ``transport``
+        field are priced as owner-compute and given ``B`` alone). ``{}`` when
+        nothing is attached, on one device, or when the links cannot tell (a
+        collective kind never timed). The choice
         and its predicted seconds are kept in :attr:`schedules`.
         """
         steps, n = self._steps, config.devices
@@ -203,7 +221,8 @@ class Planner:
             if not (dataclasses.is_dataclass(codec) and hasattr(codec, "bucket_bytes")
                     and hasattr(codec, "method") and getattr(codec, "bits", None)):
                 return {}
-            lane_bytes = [4.0 * math.prod(shape) for shape, _ in leaves
+            # the codec's buckets: whole leaves, from the last (the backward pass's first)
+            lane_bytes = [4.0 * math.prod(shape) for shape, _ in reversed(leaves)
                           if codec.method(shape, n) == "codec"]
             if not lane_bytes:
                 return {}
@@ -213,16 +232,25 @@ class Planner:
                     devices=n, batch_size=config.batch_size, microbatches=config.microbatches)
             whole = sum(lane_bytes)
             candidates = sorted({*(2.0**k for k in range(12, 29) if 2.0**k < whole), whole})
-            best, times = choose_bucket_bytes(
-                self.model, lane_bytes, n, kind=OWNER_COMPUTE, candidates=candidates,
-                overlap_compute=overlap, wire_fraction=float(codec.bits) / 32.0)
+            kinds = _transport_kinds(codec)
+            by_kind = {kind: choose_bucket_bytes(
+                self.model, lane_bytes, n, kind=kind, candidates=candidates,
+                overlap_compute=overlap, wire_fraction=float(codec.bits) / 32.0, split=False)
+                for kind in kinds}
         except CannotPredict:
             return {}
-        count = len(buckets(lane_bytes, best))
+        # ties: at 2 replicas the one all-gather (the same bytes), else owner-compute
+        kind = min(by_kind, key=lambda k: (by_kind[k][1][by_kind[k][0]],
+                                           (k == OWNER_COMPUTE) == (n == 2)))
+        best, times = by_kind[kind]
+        count = len(buckets(lane_bytes, best, split=False))
         bucket = None if count == 1 else int(best)
-        self.schedules[config] = {"bucket_bytes": bucket, "buckets": count,
-                                  "predicted_s": times[best], "one_exchange_s": times[whole]}
-        return {"bucket_bytes": bucket}
+        chosen = {"bucket_bytes": bucket}
+        if hasattr(codec, "transport"):
+            chosen["transport"] = CODEC_TRANSPORT[kind]
+        self.schedules[config] = {**chosen, "buckets": count, "predicted_s": times[best],
+                                  "one_exchange_s": times[whole]}
+        return chosen
 
     def calibrate(self, devices: int, kinds: Sequence[str] | None = None, *,
                   mesh_shape=None) -> dict:
