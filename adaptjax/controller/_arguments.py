@@ -424,7 +424,8 @@ def warn_unreachable_schedules(policies, max_devices: int) -> None:
     """Warns once per :class:`adaptjax.policies.ElasticScale` whose schedule asks for more
     devices than ``max_devices``: it caps such an entry without a word."""
     for policy in find_held(list(policies), lambda o: isinstance(o, ajp.ElasticScale)):
-        over = {s: d for s, d in (policy.schedule or {}).items() if d > max_devices}
+        over = {s: d for s, d in (policy.schedule or {}).items()
+                if (d.get("data", 0) if isinstance(d, Mapping) else d) > max_devices}
         if not over:
             continue
         entries = ", ".join(f"{s}: {d}" for s, d in over.items())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import time
 import warnings
@@ -45,7 +44,7 @@ from adaptjax.controller._carry_out import (
 )
 from adaptjax.controller._compilation_cache import enable_compilation_cache
 from adaptjax.controller._feed import next_batch
-from adaptjax.controller._meshes import mesh_context
+from adaptjax.controller._meshes import mesh_context, rescale_target
 from adaptjax.controller._metrics_reader import MetricsReader, Snapshot, add_host_metrics
 from adaptjax.controller._options import CheckpointOptions, CompileOptions, EvalOptions
 from adaptjax.controller._persistence import (
@@ -106,7 +105,10 @@ def _within_reach(ctrl: Controller, actions: list) -> list:
     for a in actions:
         n = None
         if isinstance(a, ajp.Rescale):
-            n = a.devices if a.devices is not None else math.prod(a.mesh_shape)
+            try:
+                n = rescale_target(a, ctrl.config)[0]  # replicas: max_devices counts them
+            except ValueError:
+                n = None  # a shape the transition refuses, with its own message
         if n is None or n <= ctrl.max_devices:
             kept.append(a)
             continue
