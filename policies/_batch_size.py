@@ -73,9 +73,10 @@ class AdaptiveBatchSize(BatchSizePolicy):
     **Moves that wait for no compile.** :meth:`upcoming` announces half and
     double the current batch, the moves the one-size model proposes first and
     the neighbours of a fitted peak, so the controller compiles them in the
-    background. A batch the context reports compiled (``ctx.compiled_batch_sizes``,
-    where the controller fills it: run, compiled ahead or compiled in the
-    background) counts as compiled here too: a candidate at no compile cost.
+    background. A batch the context reports compiled (``ctx.compiled_batch_sizes``:
+    the controller lists those run, compiled ahead or compiled in the background
+    in the current configuration) counts as compiled here too: a candidate at
+    no compile cost.
 
     With a ``planner`` (e.g. ``adaptjax.costs.Planner``) step 2 asks it for the
     step time T(M) of each candidate instead of fitting α + βM from this run's
@@ -219,12 +220,12 @@ class AdaptiveBatchSize(BatchSizePolicy):
         """Batch sizes whose step is compiled in the current configuration.
 
         Those this policy saw run here, and those the controller reports
-        compiled in ``ctx.compiled_batch_sizes`` where the context has it (run,
-        compiled ahead, or compiled in the background after :meth:`upcoming`).
+        compiled in ``ctx.compiled_batch_sizes`` (run, compiled ahead, or
+        compiled in the background after :meth:`upcoming`).
         """
         key = self._config(ctx)
         ran = {e["batch_size"] for e in self._state["observations"] if _config_of(e) == key}
-        return ran | set(getattr(ctx, "compiled_batch_sizes", None) or ())
+        return ran | set(ctx.compiled_batch_sizes)
 
     def _compiled_candidates(self, ctx: Context, low: int, high: int, step: int) -> set[int]:
         """The valid batch sizes already compiled here, candidates at no compile cost."""
@@ -275,8 +276,8 @@ class AdaptiveBatchSize(BatchSizePolicy):
 
         The moves a one-size model proposes first and a fitted one passes
         through; the controller compiles them in the background, so that when
-        one comes its step is ready and (where the context reports compiled
-        sizes, ``ctx.compiled_batch_sizes``) no compile discount holds it back.
+        one comes its step is ready and (the context then reports it in
+        ``ctx.compiled_batch_sizes``) no compile discount holds it back.
         Nothing before a step time was measured: the policy cannot move yet.
         """
         if self._model(ctx) is None:

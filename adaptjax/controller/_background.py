@@ -155,6 +155,10 @@ class BackgroundCompiler:
             events.append(event)
         return events
 
+    def wait_all(self) -> None:
+        """Waits for every compile submitted so far (for a caller that must know them done)."""
+        concurrent.futures.wait([f for f in self._futures.values() if f is not None])
+
     def compiled_batch_sizes(self, config: RunConfig) -> frozenset[int]:
         """The batch sizes whose step is compiled in ``config`` but for its batch size.
 
