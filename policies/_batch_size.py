@@ -243,6 +243,14 @@ class AdaptiveBatchSize(BatchSizePolicy):
         kept = max(age - seconds, 0.0) / age if age > 0.0 else 0.0
         return lambda m: 1.0 if m in compiled else kept
 
+    def _compile_words(self, m: int, discount, metrics: Mapping[str, float],
+                       ctx: Context) -> str:
+        """The reason's words on the compile a move to ``m`` waits for, if any."""
+        factor = discount(m)
+        if factor < 1.0 or not self.count_compiles or m not in self._compiled(ctx):
+            return _compile_note(factor, metrics)
+        return "; its step is compiled: no compile to wait for"
+
     @staticmethod
     def _config(ctx: Context) -> tuple[int, int, bool]:
         return (ctx.devices, ctx.microbatches, ctx.codec is not None)
@@ -310,7 +318,7 @@ class AdaptiveBatchSize(BatchSizePolicy):
                 why = (
                     f"AdaptiveBatchSize: noise scale {phi:.4g}: the planner predicts a higher "
                     f"goodput at batch {planned} than at {ctx.batch_size}"
-                    f"{_compile_note(discount(planned), metrics)}"
+                    f"{self._compile_words(planned, discount, metrics, ctx)}"
                 )
                 return self._propose(planned, phi, metrics, ctx, why)
         if phi is None or model is None:
@@ -350,7 +358,7 @@ class AdaptiveBatchSize(BatchSizePolicy):
         why = (
             f"AdaptiveBatchSize: noise scale {phi:.4g}, step time T(M) = {alpha:.3g} + "
             f"{beta:.3g}*M s ({fit}): predicted goodput at batch {best} is {gain:+.0%} vs "
-            f"{current}{_compile_note(discount(best), metrics)}"
+            f"{current}{self._compile_words(best, discount, metrics, ctx)}"
         )
         return self._propose(best, phi, metrics, ctx, why)
 

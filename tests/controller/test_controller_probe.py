@@ -31,6 +31,7 @@ from flax import nnx
 
 import adaptjax
 from adaptjax import policies as ajp
+from adaptjax.cli._report import summary_markdown
 from adaptjax.controller._transition import plan_transition
 
 D, SIGMA = 16, 1.0
@@ -107,6 +108,10 @@ def test_a_probe_leaves_the_main_run_bit_exact(tmp_path):
         assert all(r["critical_batch"] == event["critical_batch"]
                    and r["critical_batch_step"] == event["step"] for r in later)
     assert not any("critical_batch" in r for r in rows if r["step"] <= event["step"])
+    # adaptjax report's summary.md: the probe beside the noise scale, and its share of the run
+    text = summary_markdown(str(tmp_path / "probe"))
+    assert "## Critical-batch probes" in text and "Probes took " in text
+    assert f"| {event['step']} | 8, 16, 32 | " in text
 
 
 def test_the_probe_finds_the_analytic_critical_batch_of_linear_regression(tmp_path):

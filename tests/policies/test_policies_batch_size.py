@@ -447,5 +447,6 @@ def test_a_batch_compiled_ahead_is_not_held_back_by_the_compile_discount():
     policy = ajp.AdaptiveBatchSize(1024)
     got = policy.decide(metrics, ahead)
     assert got[0] == ajp.SetBatchSize(128) and "after its compile" not in got[0].reason
+    assert got[0].reason.endswith("; its step is compiled: no compile to wait for")
     # the same decision as when compiles are not counted at all
     assert got == ajp.AdaptiveBatchSize(1024, count_compiles=False).decide(metrics, ctx(64))
