@@ -59,7 +59,7 @@ from adaptjax.sync._strategy import consensus_params
 
 #: The fewest samples a probe evaluates its branches on (they share them, so their
 #: evaluation noise is mostly common to all; the rest must stay below the drops).
-MIN_EVAL_SAMPLES = 4096
+MIN_EVAL_SAMPLES = 1024
 #: The hyperparameter a branch's learning rate is written into.
 LR_KEY = "learning_rate"
 

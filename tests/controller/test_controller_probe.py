@@ -98,7 +98,7 @@ def test_a_probe_leaves_the_main_run_bit_exact(tmp_path):
     # the probe: decided on step 8's metrics, run from the state after step 9's dispatch
     (event,) = [e for e in events if e["kind"] == "probe"]
     assert event["batch_sizes"] == [8, 16, 32] and event["branch_steps"] == [8, 4, 2]
-    assert event["samples"] == 64 and event["eval_samples"] == 4096
+    assert event["samples"] == 64 and event["eval_samples"] == 1024
     assert event["learning_rates"] == pytest.approx([1e-2 * 0.5**0.5, 1e-2, 1e-2 * 2**0.5])
     assert event["drops"] == pytest.approx([event["loss_start"] - x for x in event["losses"]])
     assert event["latency_s"] > 0
