@@ -30,6 +30,14 @@ class GradientCodec(Protocol):
     stable across processes and differ between codecs that compute differently;
     the codecs of :mod:`adaptjax.compression` print the factory call that builds
     them (``onebit(block=256)``).
+
+    ``sync`` sees the whole gradient, but nothing obliges it to wait for all of
+    it: a codec that splits the leaves into groups, each encoded, sent and
+    decoded from its own leaves only (``bucket_bytes`` of the codecs of
+    :mod:`adaptjax.compression`), lets XLA start the first group's collective
+    while the backward pass still computes the others. To write a codec,
+    subclass ``adaptjax.compression.BlockCodec`` (a payload of fixed size per
+    block) or ``adaptjax.compression.Codec`` (the guide page "Writing a codec").
     """
 
     def init(self, params: Any) -> Any: ...

@@ -175,7 +175,7 @@ class ArrayDataset:
 
     @property
     def cursor(self) -> int:
-        """Samples handed out so far: the stream position of the next batch."""
+        """int: samples handed out so far, the stream position of the next batch."""
         return self._cursor
 
     @property
@@ -575,7 +575,7 @@ class IterableDataset:
             calls.
 
         Returns:
-          The batch: the examples' pytree structure with a leading batch axis.
+          The batch, the examples' pytree structure with a leading batch axis.
         """
         b = check_count(batch_size, "batch_size", positive=True)
         self._resume()

@@ -13,12 +13,13 @@ that the axis divides (after the model's own annotations, e.g. flax NNX
 ``nnx.with_partitioning``, have placed theirs), as MaxText's ``fsdp`` logical
 rules and Levanter's FSDP do to the weights; smaller leaves are replicated.
 :func:`param_specs` applies a rule, or checks a user's tree of
-``PartitionSpec``s, with one-line errors that name the leaf.
+``PartitionSpec`` objects, with one-line errors that name the leaf.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import sys
 from collections.abc import Callable, Mapping
@@ -84,7 +85,7 @@ def _check_count(n: int, available: list, given: bool) -> None:
         )
 
 
-def _mesh_shape(shape: Mapping) -> dict[str, int]:
+def checked_shape(shape: Mapping) -> dict[str, int]:
     """Checks a ``{axis: size}`` mapping (one-line errors); returns it as a dict in order."""
     out: dict[str, int] = {}
     for name, size in shape.items():
@@ -143,7 +144,7 @@ def make_mesh(
         n = len(available) if devices is None else int(devices)
         _check_count(n, available, device_list is not None)
         return Mesh(np.array(available[:n]), (axis_name,))
-    shape = _mesh_shape(devices)
+    shape = checked_shape(devices)
     n = math.prod(shape.values())
     if device_list is not None and n != len(available):
         raise ValueError(
@@ -365,14 +366,16 @@ def param_specs(params, mesh: Mesh, *, sharding=None, axis_name="data"):
     * an :class:`FSDP` rule;
     * a ``PartitionSpec`` or a tree of them shaped like ``params`` (or a
       prefix of it), used as given;
-    * a function ``(path, leaf) -> PartitionSpec``.
+    * a function ``(path, leaf) -> PartitionSpec``, or one of three
+      parameters, ``(path, leaf, mesh) -> PartitionSpec``: it is given the
+      mesh, so one rule serves every mesh a ``Rescale`` moves the run to.
 
     Every spec is checked: an axis the mesh lacks, the replica axis, or a
     dimension the axes do not divide is a one-line ``ValueError`` naming the
     leaf.
 
     Args:
-      params: the parameters (arrays or ``ShapeDtypeStruct``s; an NNX state).
+      params: the parameters (arrays or ``ShapeDtypeStruct`` leaves; an NNX state).
       mesh: the mesh.
       sharding: see above.
       axis_name: the data axis (or axes).
@@ -402,7 +405,8 @@ def param_specs(params, mesh: Mesh, *, sharding=None, axis_name="data"):
             base = check_spec(path, np.shape(x), base, mesh, axis_name)
             specs.append(rule.spec(np.shape(x), mesh, base))
     elif callable(rule) and not isinstance(rule, P):
-        specs = [rule(path, x) for path, x in flat]
+        mesh_arg = (mesh,) if _takes_mesh(rule) else ()
+        specs = [rule(path, x, *mesh_arg) for path, x in flat]
     else:
         specs = _broadcast_prefix(rule, params)
     checked = [
@@ -412,4 +416,15 @@ def param_specs(params, mesh: Mesh, *, sharding=None, axis_name="data"):
     return jax.tree.unflatten(treedef, checked)
 
 
-ShardingRule = FSDP | P | Callable[[Any, Any], P] | Any
+def _takes_mesh(rule) -> bool:
+    """Whether a rule function has a third positional parameter (the mesh)."""
+    try:
+        params = inspect.signature(rule).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p for p in params if p.kind in kinds]
+    return len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+ShardingRule = FSDP | P | Callable[[Any, Any], P] | Callable[[Any, Any, Any], P] | Any

@@ -130,7 +130,7 @@ class TrainState:
 
     @property
     def model(self):
-        """The model: the NNX module (``nnx.merge``) or, for a pytree model, ``params``."""
+        """The model, the NNX module (``nnx.merge``) or, for a pytree model, ``params``."""
         return merge_model(self.graphdef, self.params, self.model_state)
 
 
@@ -326,7 +326,7 @@ def init_state(
 def abstract_state(
     model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...] = "data", sharding=None
 ):
-    """The :class:`TrainState` that :func:`init_state` would build, as ``ShapeDtypeStruct``s.
+    """The :class:`TrainState` that :func:`init_state` would build, as ``ShapeDtypeStruct`` leaves.
 
     Nothing is allocated: use it as the restore target of a checkpoint on a
     new mesh (``RunCheckpoints.restore(target_state=...)``) or to compile a

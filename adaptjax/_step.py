@@ -244,7 +244,7 @@ def data_parallel_step(
         receives ``local_params``.
       sharding: how parameters lie on a sharded mesh: ``None`` (the
         :class:`adaptjax.FSDP` rule), an :class:`adaptjax.FSDP`, a tree of
-        ``PartitionSpec``s or a function; see :func:`adaptjax.param_specs`.
+        ``PartitionSpec`` objects or a function; see :func:`adaptjax.param_specs`.
         Ignored on a mesh of data axes only.
       loss_scale: the :func:`adaptjax.dynamic_loss_scale` inside ``tx``
         (``tx`` itself when ``tx`` is one; that is the default then): the

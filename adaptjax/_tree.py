@@ -228,7 +228,7 @@ class ShardLayout:
 
     @property
     def devices(self) -> int:
-        """Devices one replica spans: the product of the sizes of :attr:`axes`."""
+        """The number of devices one replica spans, the product of the sizes of :attr:`axes`."""
         size = 1
         for a in self.axes:
             size *= int(self.mesh.shape[a])

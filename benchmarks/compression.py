@@ -82,6 +82,7 @@ else:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from adaptjax.compression._blocks import decode_rows, encode_rows  # what a transport calls
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
@@ -280,9 +281,9 @@ def _interleaved_best(calls, repeats):
 
 # Block statistic a stochastic quantiser reads before it can draw any code.
 _BLOCK_STAT = {
-    "Ternary": lambda x: jnp.max(jnp.abs(x), axis=-1),
-    "Levels": lambda x: jnp.sqrt(jnp.sum(x * x, axis=-1)),
-    "Natural": lambda x: jnp.max(jnp.abs(x), axis=-1),
+    "terngrad": lambda x: jnp.max(jnp.abs(x), axis=-1),
+    "qsgd": lambda x: jnp.sqrt(jnp.sum(x * x, axis=-1)),
+    "natural": lambda x: jnp.max(jnp.abs(x), axis=-1),
 }
 
 
@@ -306,14 +307,14 @@ def throughput_rows(repeats):
         codec = eval(src)
         stat = None
         if name in ELEMENTWISE:
-            fmt = codec.fmt
-            nb = -(-d // fmt.block)
-            # the flat layout is already padded to whole blocks when the codec sees it
-            arg = jnp.pad(flat, (0, nb * fmt.block - d)).reshape(1, nb, fmt.block)
-            enc = jax.jit(lambda x, fmt=fmt: fmt.encode(x, jnp.uint32(1)))
-            dec = jax.jit(lambda r, fmt=fmt, nb=nb: fmt.decode(r, nb))
-            if type(fmt).__name__ in _BLOCK_STAT:
-                stat = jax.jit(_BLOCK_STAT[type(fmt).__name__])
+            # the block codec protocol on blocks, as the transports call it (packed rows)
+            nb = -(-d // codec.block)
+            arg = jnp.pad(flat, (0, nb * codec.block - d)).reshape(1, nb, codec.block)
+            blocks = ajc.Blocks.of(jnp.uint32(1), nb, codec.block)
+            enc = jax.jit(lambda x, c=codec, b=blocks: encode_rows(c, x, b)[0])
+            dec = jax.jit(lambda r, c=codec, nb=nb: decode_rows(c, r, nb))
+            if codec.name in _BLOCK_STAT:
+                stat = jax.jit(_BLOCK_STAT[codec.name])
         else:
             arg = leaves
             keep = [k for k, s in MODEL.items() if codec.method(s, 8) == "codec"]

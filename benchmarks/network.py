@@ -15,13 +15,31 @@ with ``sync_gradients(codec)``: no codec, ``bf16``, ``onebit``,
 mean step time over 64 steps, so two outer syncs of H = 32 are amortised);
 and PyTorch DDP plain and with its fp16 compression hook
 (torch CPU is a benchmark-only extra, ``pip install adaptjax[benchmarks]``;
-without it those rows read ``n/a``). Side by side: ``dense_combined`` (XLA:CPU's
-``cpu-all-reduce-combiner`` back on: the gradients' all-reduces fused into one,
-after the whole backward pass; adaptjax's step across processes keeps one per
-leaf, so transfers overlap the backward pass), ``dense_noskip``
-(``skip_nonfinite=False``: no finiteness check and no ``lax.cond`` around the update) and
-``bf16_owner``/``onebit_owner`` (the owner-compute transport, all-to-all +
-all-gather, that two processes used before they took one all-gather).
+without it those rows read ``n/a``).
+
+The codecs run bucketed (issue 36, CaSync): ``bucket_bytes`` (``--bucket-bytes``,
+4 MiB by default) of float32 gradient per exchange, leaves last to first, so
+each bucket's encode, collective and decode can run while the backward pass
+computes the rest. Their steps run without the finiteness guard
+(``skip_nonfinite=False``, as DDP has none): ``data_parallel_step``'s guard
+runs a codec inside the update's ``lax.cond``, whose predicate needs every
+gradient, so no bucket could start early (``onebit_guarded`` is that step).
+Side by side: ``*_unbucketed`` (one exchange per lane, after the backward
+pass), ``dense_combined`` (XLA:CPU's ``cpu-all-reduce-combiner`` back on: the
+gradients' all-reduces fused into one, after the whole backward pass;
+adaptjax's step across processes keeps one per leaf, so transfers overlap the
+backward pass), ``dense_noskip`` (``skip_nonfinite=False``: no finiteness check
+and no ``lax.cond`` around the update) and ``bf16_owner``/``onebit_owner``
+(the owner-compute transport, all-to-all + all-gather, pinned; at 2 processes
+each bucket takes one all-gather by default).
+
+Where XLA:CPU's collectives are the limit, the same run shows it: ``compute``
+is the dense step on each process's own device (no collective), and
+``bare <codec>`` runs exactly the collectives of that codec's compiled step
+(kinds, types, shapes) and nothing else. For each codec the summary gives the
+step's gap to ``compute`` unbucketed and bucketed, how much of the gap overlap
+recovered, ``(unbucketed − bucketed) / (unbucketed − compute)``, and the bare
+collectives' time.
 
 All variants run in ONE pair of processes, one step of each in turn, so that
 load from other programs hits every variant alike; ``s/step`` is the median
@@ -29,18 +47,18 @@ and ``min`` the fastest of the timed steps, ``coll`` the collectives of the
 compiled step, ``loss@K`` the 5-step mean training loss at step ``K`` (the
 same data for every variant). dense and onebit run ``--loss-steps`` steps for
 the time to a target loss (dense's final 5-step mean). ``--breakdown`` also
-times the dense step on each process's device alone (compute only) and bare
-collectives of the shapes the steps move.
+times bare collectives of the shapes the steps move (own pair of processes).
 
 Usage::
 
     sudo python benchmarks/network.py [--steps 10] [--loss-steps 30] [--breakdown]
-        [--uncapped] [--rate 1gbit] [--only dense,onebit,...]
+        [--uncapped] [--rate 1gbit] [--bucket-bytes 4194304] [--only dense,onebit,...]
 
 The last line is ``network_dense_vs_ddp=<ratio> network_bf16_vs_ddp_fp16=<ratio>
-network_onebit_vs_ddp=<ratio>`` (median seconds per step, adaptjax / DDP;
-``nan`` without torch). On a shared machine the absolute times are noisy, the
-ratios less so.
+network_onebit_vs_ddp=<ratio> network_onebit_vs_compute=<ratio>`` (median
+seconds per step, adaptjax / DDP, and onebit / the compute-only step; ``nan``
+without torch or a variant). On a shared machine the absolute times are noisy,
+the ratios less so.
 """
 
 from __future__ import annotations
@@ -53,6 +71,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 NS = ("ajnetA", "ajnetB")
 ADDR = ("10.77.0.1", "10.77.0.2")
@@ -60,12 +79,17 @@ VETH = ("ajvethA", "ajvethB")
 SIZES = (1024, 2048, 2048, 1024, 10)
 BATCH = 64
 VARIANTS = ("dense", "bf16", "onebit", "powersgd4", "ddp", "ddp_fp16")
-# side by side: the dense all-reduces fused into one (XLA:CPU's combiner on) and the transport
-# before the fix (owner-compute's all-to-all + all-gather at 2 processes)
+# side by side: each codec in one exchange per lane (after the backward pass), the dense
+# all-reduces fused into one (XLA:CPU's combiner on), the owner-compute transport pinned,
+# and onebit under the step's finiteness guard (its sync inside the update's lax.cond)
+UNBUCKETED = ("bf16_unbucketed", "onebit_unbucketed", "powersgd4_unbucketed")
 # issue 12: the synchronisation strategies on the same link (dense, SGD momentum inside)
 SYNC_VARIANTS = ("sma", "localsgd32", "diloco32", "gossip")
-ALL = (*VARIANTS, "dense_combined", "dense_noskip", "bf16_owner", "onebit_owner", *SYNC_VARIANTS)
+ALL = (*VARIANTS, *UNBUCKETED, "dense_combined", "dense_noskip", "bf16_owner", "onebit_owner",
+       "onebit_guarded", *SYNC_VARIANTS)
 SYNC_STEPS = 64  # timed steps of a strategy variant: two outer syncs at H = 32
+BUCKET_BYTES = 4 << 20  # float32 gradient bytes per exchange of a bucketed codec
+COMPUTE = "compute"  # the dense step on each process's own device: no collective
 
 
 # ---------------------------------------------------------------------- the network
@@ -126,16 +150,30 @@ def _jax_start(rank: int, coordinator: str | None):
     return jax
 
 
-JAX_CODECS = {  # variant -> (codec factory name and args, transport forced, XLA compile options)
-    "dense": (None, None, {}),
+class Jax(NamedTuple):
+    """How a variant's step is built."""
+
+    codec: tuple | None = None  # factory name and positional arguments
+    bucketed: bool = True  # bucket_bytes (the run's) or one exchange per lane
+    codec_kw: tuple = ()  # more keyword arguments of the factory
+    options: tuple = ()  # XLA compile options
+    guard: bool = True  # data_parallel_step(skip_nonfinite=...)
+
+
+JAX_CODECS = {  # variant -> how its step is built
+    "dense": Jax(),
     # an empty list of disabled passes: the combiner that the step turns off runs again
-    "dense_combined": (None, None, {"xla_disable_hlo_passes": ""}),
-    "dense_noskip": (None, None, {}),  # data_parallel_step(..., skip_nonfinite=False)
-    "bf16": (("bf16",), None, {}),
-    "bf16_owner": (("bf16",), "owner", {}),
-    "onebit": (("onebit",), None, {}),
-    "onebit_owner": (("onebit",), "owner", {}),
-    "powersgd4": (("powersgd", 4), None, {}),
+    "dense_combined": Jax(options=(("xla_disable_hlo_passes", ""),)),
+    "dense_noskip": Jax(guard=False),
+    "bf16": Jax(("bf16",), guard=False),
+    "bf16_unbucketed": Jax(("bf16",), bucketed=False, guard=False),
+    "bf16_owner": Jax(("bf16",), codec_kw=(("transport", "owner"),), guard=False),
+    "onebit": Jax(("onebit",), guard=False),
+    "onebit_unbucketed": Jax(("onebit",), bucketed=False, guard=False),
+    "onebit_owner": Jax(("onebit",), codec_kw=(("transport", "owner"),), guard=False),
+    "onebit_guarded": Jax(("onebit",)),
+    "powersgd4": Jax(("powersgd", 4), guard=False),
+    "powersgd4_unbucketed": Jax(("powersgd", 4), bucketed=False, guard=False),
 }
 JAX_SYNCS = {  # variant -> the adaptjax.SyncStrategy the step runs (no codec)
     "sma": ("ModelAveraging",),
@@ -165,17 +203,19 @@ def _jax_model(jax):
     return params, loss_fn
 
 
-def _jax_step(jax, variant: str, mesh):
-    """(compiled step, state, collectives, wire bytes) of one variant."""
+def _jax_step(jax, variant: str, mesh, bucket_bytes: int):
+    """(compiled step, state, collectives, wire bytes, the step's collectives) of one variant."""
     import adaptjax.compression as ajc
     import optax
-    from adaptjax.compression import _collectives
 
     import adaptjax
     from adaptjax._wire import parse_collectives
 
-    spec, transport, options = JAX_CODECS.get(variant, (None, None, {}))
-    codec = getattr(ajc, spec[0])(*spec[1:]) if spec else None
+    spec = JAX_CODECS.get(variant, Jax())
+    codec = None
+    if spec.codec is not None:
+        kw = dict(spec.codec_kw, bucket_bytes=bucket_bytes if spec.bucketed else None)
+        codec = getattr(ajc, spec.codec[0])(*spec.codec[1:], **kw)
     params, loss_fn = _jax_model(jax)
     inner = optax.sgd(0.05, momentum=0.9)
     sync = None
@@ -186,23 +226,57 @@ def _jax_step(jax, variant: str, mesh):
     else:
         tx = adaptjax.chain(adaptjax.sync_gradients("data", codec=codec), inner)
     state = adaptjax.init_state(params, tx, mesh)
-    step = adaptjax.data_parallel_step(
-        loss_fn, tx, mesh, skip_nonfinite=variant != "dense_noskip", sync=sync
-    )
+    step = adaptjax.data_parallel_step(loss_fn, tx, mesh, skip_nonfinite=spec.guard, sync=sync)
     batch = _jax_batch(jax, mesh, *next(_data(0, 1)))
-    chosen = _collectives.choose_transport
-    if transport is not None:  # the transport before the fix, for a side-by-side row
-        _collectives.choose_transport = lambda n: transport
-    try:
-        lowered = step.jitted.lower(state, batch)
-        report = adaptjax.wire_bytes(step.jitted, state, batch)
-    finally:
-        _collectives.choose_transport = chosen
+    lowered = step.jitted.lower(state, batch)
+    report = adaptjax.wire_bytes(step.jitted, state, batch)
     wire = sync.amortised_bytes(report) if sync is not None else report.total
+    options = dict(spec.options)
     compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
     # collectives of the program that runs (the combiner joins the all-reduces; same bytes)
     count = len(parse_collectives(compiled.as_text(), mesh.devices.size))
-    return compiled, state, count, wire
+    return compiled, state, count, wire, report.collectives
+
+
+def _bare(jax, mesh, collectives):
+    """A program of exactly ``collectives`` (kind, type, shape), on zeros, nothing else.
+
+    Returns ``(jitted function, its arguments)``.
+    """
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    types = {"f32": np.float32, "bf16": jax.numpy.bfloat16, "f16": np.float16,
+             "u32": np.uint32, "s32": np.int32, "u16": np.uint16, "u8": np.uint8}
+    shapes = []
+    for c in collectives:
+        if c.kind == "all-to-all":  # XLA:CPU may split it into one operand per peer: join them
+            shapes.append((c.kind, (2, c.elements // 2), types[c.operand_dtypes[0]]))
+            continue
+        operands = c.shape if c.num_operands > 1 else (c.shape,)
+        for shape, dtype in zip(operands, c.operand_dtypes, strict=True):
+            shapes.append((c.kind, tuple(shape), types[dtype]))
+
+    def body(*xs):
+        outs = []
+        for (kind, _, _), x in zip(shapes, xs, strict=True):
+            x = x[0]
+            if kind == "all-gather":
+                outs.append(jax.lax.all_gather(x, "data", to="invarying"))
+            elif kind == "all-to-all":
+                outs.append(jax.lax.all_to_all(x, "data", 0, 0))
+            else:
+                outs.append(jax.lax.psum(x, "data"))
+        return outs
+
+    args = [jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("data")), np.zeros((1, *shape), dtype), (2, *shape))
+        for _, shape, dtype in shapes]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P(),
+                              check_vma=False))
+    jax.block_until_ready(f(*args))
+    return f, args
 
 
 def _jax_batch(jax, mesh, x, y):
@@ -243,7 +317,41 @@ def _ddp_models(rank: int, coordinator: str, variants):
     return out
 
 
-def worker(variants, rank: int, coordinator: str, steps: int, warmup: int, extra: dict) -> dict:
+def _build(jax, variants, mesh, bucket_bytes: int) -> dict:
+    """``{name: [run, state, collectives, wire bytes]}``: the steps, ``compute`` and the bares.
+
+    ``run(state, batch) -> (state, loss or None)``; ``compute`` is the dense step on this
+    process's own device, ``bare <v>`` the collectives of codec variant ``v``'s step alone.
+    """
+    import numpy as np
+    from jax.sharding import Mesh
+
+    built = {}
+    for v in variants:
+        if v in JAX_CODECS or v in JAX_SYNCS:
+            compiled, state, count, wire, colls = _jax_step(jax, v, mesh, bucket_bytes)
+            built[v] = [_stepper(jax, compiled, mesh), state, count, wire]
+            if JAX_CODECS.get(v, Jax()).codec is not None:
+                f, args = _bare(jax, mesh, colls)
+                built[f"bare {v}"] = [lambda s, b, f=f, args=args: (jax.block_until_ready(
+                    f(*args)), None), None, len(colls), wire]
+    if any(JAX_CODECS.get(v, Jax()).codec is not None for v in variants):
+        local = Mesh(np.array(jax.local_devices()[:1]), ("data",))
+        compiled, state, count, wire, _ = _jax_step(jax, "dense", local, bucket_bytes)
+        built[COMPUTE] = [_stepper(jax, compiled, local), state, count, wire]
+    return built
+
+
+def _stepper(jax, compiled, mesh):
+    def run(state, xy):
+        state, metrics = compiled(state, _jax_batch(jax, mesh, *xy))
+        return state, float(jax.device_get(metrics)["loss"])  # waits for the step
+
+    return run
+
+
+def worker(variants, rank: int, coordinator: str, steps: int, warmup: int, extra: dict,
+           bucket_bytes: int = BUCKET_BYTES) -> dict:
     """All variants in one pair of processes, one step of each in turn (round robin).
 
     Load from other programs on the machine then hits every variant alike; the
@@ -255,27 +363,23 @@ def worker(variants, rank: int, coordinator: str, steps: int, warmup: int, extra
     import adaptjax
 
     mesh = adaptjax.make_mesh(2)  # one device per process, in process order
-    built, torch_steps = {}, {}
-    for v in variants:
-        if v in JAX_CODECS or v in JAX_SYNCS:
-            built[v] = list(_jax_step(jax, v, mesh))
+    built = _build(jax, variants, mesh, bucket_bytes)
+    torch_steps = {}
     ddp = [v for v in variants if v.startswith("ddp")]
     if ddp:
         import torch
 
         torch_steps = _ddp_models(rank, coordinator, ddp)
-    data = {v: _data(rank, warmup + steps + extra.get(v, 0)) for v in variants}
-    times = {v: [] for v in variants}
-    losses = {v: [] for v in variants}
+    names = [*variants, *(k for k in built if k not in variants)]
+    data = {v: _data(rank, warmup + steps + extra.get(v, 0)) for v in names}
+    times = {v: [] for v in names}
+    losses = {v: [] for v in names}
 
     def one(v):
         x, y = next(data[v])
         t0 = time.perf_counter()
         if v in built:
-            compiled, state = built[v][:2]
-            state, metrics = compiled(state, _jax_batch(jax, mesh, x, y))
-            loss = float(jax.device_get(metrics)["loss"])  # waits for the step
-            built[v][1] = state
+            built[v][1], loss = built[v][0](built[v][1], (x, y))
         else:
             model, opt = torch_steps[v]
             opt.zero_grad()
@@ -285,10 +389,11 @@ def worker(variants, rank: int, coordinator: str, steps: int, warmup: int, extra
             opt.step()
             loss = float(lt)
         times[v].append(time.perf_counter() - t0)
-        losses[v].append(loss)
+        if loss is not None:
+            losses[v].append(loss)
 
     for r in range(warmup + steps + max(extra.values(), default=0)):
-        for v in variants:
+        for v in names:
             if r < warmup + steps + extra.get(v, 0):
                 one(v)
     if ddp:
@@ -303,26 +408,8 @@ def worker(variants, rank: int, coordinator: str, steps: int, warmup: int, extra
             "wire": built[v][3] if v in built else None,
             "collectives": built[v][2] if v in built else None,
         }
-        for v in variants
+        for v in names
     }
-
-
-def local_worker(rank: int, steps: int, warmup: int) -> dict:
-    """The dense step on this process's device alone (no collective): compute only."""
-    jax = _jax_start(rank, None)
-    import numpy as np
-
-    import adaptjax
-
-    mesh = adaptjax.make_mesh(1)
-    compiled, state, _, _ = _jax_step(jax, "dense", mesh)
-    times = []
-    for x, y in _data(rank, warmup + steps):
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, _jax_batch(jax, mesh, x, y))
-        jax.device_get(metrics)
-        times.append(time.perf_counter() - t0)
-    return {"s_per_step": float(np.median(times[warmup:])), "s_min": float(np.min(times[warmup:]))}
 
 
 def bare_worker(rank: int, coordinator: str, reps: int) -> dict:
@@ -424,12 +511,60 @@ def time_to_loss(result: dict, target: float) -> float:
 
 def _row(v: str, r: dict | None, common: int) -> str:
     if r is None:
-        return f"{v:<14}{'n/a (pip install adaptjax[benchmarks])':>50}"
+        return f"{v:<22}{'n/a (pip install adaptjax[benchmarks])':>50}"
     wire = "" if r["wire"] is None else f"{r['wire']:.3g}"
     coll = "" if r.get("collectives") is None else str(r["collectives"])
+    loss = f"{smoothed(r['losses'][:common])[-1]:>12.4f}" if r["losses"] else ""
+    steps = str(len(r["losses"])) if r["losses"] else ""
+    return (f"{v:<22}{r['s_per_step']:>9.3f}{r['s_min']:>8.3f}{wire:>12}{coll:>6}"
+            f"{steps:>7}{loss}")
+
+
+def overlap_recovered(unbucketed: float, bucketed: float, compute: float) -> float:
+    """The share of the unbucketed step's gap to the compute-only step that buckets removed.
+
+    ``(unbucketed − bucketed) / (unbucketed − compute)``: 1 when the bucketed
+    step costs no more than its computation, 0 when it is no faster than one
+    exchange after the backward pass (``nan`` without a gap).
+    """
+    gap = unbucketed - compute
+    return (unbucketed - bucketed) / gap if gap > 0 else float("nan")
+
+
+def overlap_lines(results: dict) -> list[str]:
+    """Per codec: its gaps to ``compute``, the bare collectives' time, what overlap recovered."""
+    if COMPUTE not in results:
+        return []
+    t_c = results[COMPUTE]["s_per_step"]
+    out = [f"compute only (dense step on each process's own device, no collective): "
+           f"{t_c * 1e3:.1f} ms"]
+    for v in VARIANTS:
+        u = f"{v}_unbucketed"
+        if v not in results or u not in results:
+            continue
+        t_b, t_u = results[v]["s_per_step"], results[u]["s_per_step"]
+        bare = results.get(f"bare {v}")
+        bare_ms = "" if bare is None else (
+            f"; its {bare['collectives']} collectives alone {bare['s_per_step'] * 1e3:.1f} ms")
+        out.append(
+            f"{v}: step - compute {(t_u - t_c) * 1e3:.1f} ms unbucketed, "
+            f"{(t_b - t_c) * 1e3:.1f} ms bucketed{bare_ms}; overlap recovered "
+            f"{100 * overlap_recovered(t_u, t_b, t_c):.0f}% of the gap")
+    return out
+
+
+def ratios_line(results: dict) -> str:
+    """The last line: the three ratios against DDP and onebit against the compute-only step."""
+
+    def ratio(a, b):
+        ra, rb = results.get(a), results.get(b)
+        return float("nan") if ra is None or rb is None else ra["s_per_step"] / rb["s_per_step"]
+
     return (
-        f"{v:<14}{r['s_per_step']:>9.3f}{r['s_min']:>8.3f}{wire:>12}{coll:>6}"
-        f"{len(r['losses']):>7}{smoothed(r['losses'][:common])[-1]:>12.4f}"
+        f"network_dense_vs_ddp={ratio('dense', 'ddp'):.3f} "
+        f"network_bf16_vs_ddp_fp16={ratio('bf16', 'ddp_fp16'):.3f} "
+        f"network_onebit_vs_ddp={ratio('onebit', 'ddp'):.3f} "
+        f"network_onebit_vs_compute={ratio('onebit', COMPUTE):.3f}"
     )
 
 
@@ -442,13 +577,15 @@ def main() -> int:
     )
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--uncapped", action="store_true")
+    parser.add_argument("--bucket-bytes", type=int, default=BUCKET_BYTES,
+                        help="float32 gradient bytes per exchange of the bucketed codecs")
     parser.add_argument(
-        "--breakdown", action="store_true", help="also time compute alone and bare collectives"
+        "--breakdown", action="store_true", help="also time bare collectives of fixed shapes"
     )
     parser.add_argument(
         "--only", help=f"comma-separated variants (default: all of {', '.join(ALL)})"
     )
-    parser.add_argument("--worker", choices=("all", "local", "bare"))
+    parser.add_argument("--worker", choices=("all", "bare"))
     parser.add_argument("--variants")
     parser.add_argument("--extra", default="{}")
     parser.add_argument("--rank", type=int)
@@ -456,12 +593,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker == "bare":
         out = bare_worker(args.rank, args.coordinator, args.steps)
-    elif args.worker == "local":
-        out = local_worker(args.rank, args.steps, args.warmup)
     elif args.worker == "all":
         out = worker(
             args.variants.split(","), args.rank, args.coordinator, args.steps, args.warmup,
-            json.loads(args.extra),
+            json.loads(args.extra), args.bucket_bytes,
         )  # fmt: skip
     if args.worker:
         print(json.dumps(out))
@@ -484,7 +619,8 @@ def main() -> int:
     print(
         f"link: veth between two namespaces, {link}; 2 processes x 1 CPU device, gloo; "
         f"batch {BATCH}/process; MLP {'-'.join(map(str, SIZES))}; SGD momentum 0.9; "
-        f"variants interleaved step by step in one pair of processes",
+        f"codecs in buckets of {args.bucket_bytes:,} float32 bytes, without the finiteness "
+        f"guard (as DDP); variants interleaved step by step in one pair of processes",
         flush=True,
     )
     # --loss-steps under --steps adds nothing (it used to cut the timed steps to none)
@@ -495,20 +631,19 @@ def main() -> int:
         results = run_worker(
             "all",
             ["--variants", ",".join(run), "--steps", str(args.steps),
-             "--warmup", str(args.warmup), "--extra", json.dumps(extra)],
+             "--warmup", str(args.warmup), "--extra", json.dumps(extra),
+             "--bucket-bytes", str(args.bucket_bytes)],
         )  # fmt: skip
         print(
-            f"{'variant':<14}{'s/step':>9}{'min':>8}{'wire B/dev':>12}{'coll':>6}{'steps':>7}"
+            f"{'variant':<22}{'s/step':>9}{'min':>8}{'wire B/dev':>12}{'coll':>6}{'steps':>7}"
             f"{'loss@' + str(args.warmup + args.steps):>12}"
         )
-        for v in variants:
+        for v in [*variants, *(k for k in results if k not in variants)]:
             print(_row(v, results.get(v), args.warmup + args.steps), flush=True)
+        for line in overlap_lines(results):
+            print(line, flush=True)
         if args.breakdown:
-            local = run_worker("local", ["--steps", str(args.steps), "--warmup", str(args.warmup)])
-            med, low = local["s_per_step"] * 1e3, local["s_min"] * 1e3
             print(f"{'(median / min ms)':<52}")
-            print(f"{'compute only (1 device per process, no collective)':<52}"
-                  f"{med:8.1f} {low:8.1f}", flush=True)  # fmt: skip
             for name, (med, low) in run_worker("bare", ["--steps", str(args.steps)]).items():
                 print(f"{'bare ' + name:<52}{med * 1e3:8.1f} {low * 1e3:8.1f}", flush=True)
     finally:
@@ -532,16 +667,7 @@ def main() -> int:
         )
         print(f"mean s/step over every timed step (a strategy's outer syncs amortised; "
               f"{args.steps + extra.get(ran[0], 0)} steps each for the strategies): {rows}")
-
-    def ratio(a, b):
-        ra, rb = results.get(a), results.get(b)
-        return float("nan") if ra is None or rb is None else ra["s_per_step"] / rb["s_per_step"]
-
-    print(
-        f"network_dense_vs_ddp={ratio('dense', 'ddp'):.3f} "
-        f"network_bf16_vs_ddp_fp16={ratio('bf16', 'ddp_fp16'):.3f} "
-        f"network_onebit_vs_ddp={ratio('onebit', 'ddp'):.3f}"
-    )
+    print(ratios_line(results))
     return 0
 
 

@@ -60,12 +60,15 @@ _NAMES = {
     "Codec": "adaptjax.compression._base",
     "CompressionState": "adaptjax.compression._base",
     "SumToAll": "adaptjax.compression._base",
+    "factory": "adaptjax.compression._base",
     "pack_bits": "adaptjax.compression._bits",
     "unpack_bits": "adaptjax.compression._bits",
+    "Blocks": "adaptjax.compression._blocks",
     "Plan": "adaptjax.compression._plan",
     "PlanRow": "adaptjax.compression._plan",
     "plan": "adaptjax.compression._plan",
     "powersgd": "adaptjax.compression._powersgd",
+    "BlockCodec": "adaptjax.compression._quantizers",
     "bf16": "adaptjax.compression._quantizers",
     "fp16": "adaptjax.compression._quantizers",
     "natural": "adaptjax.compression._quantizers",
@@ -79,15 +82,26 @@ _NAMES = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
-    from adaptjax.compression._base import Codec, CompressionState, SumToAll
+    from adaptjax.compression._base import Codec, CompressionState, SumToAll, factory
     from adaptjax.compression._bits import pack_bits, unpack_bits
+    from adaptjax.compression._blocks import Blocks
     from adaptjax.compression._plan import Plan, PlanRow, plan
     from adaptjax.compression._powersgd import powersgd
-    from adaptjax.compression._quantizers import bf16, fp16, natural, onebit, qsgd, terngrad
+    from adaptjax.compression._quantizers import (
+        BlockCodec,
+        bf16,
+        fp16,
+        natural,
+        onebit,
+        qsgd,
+        terngrad,
+    )
     from adaptjax.compression._sparse import dgc, randomk, topk
     from adaptjax.compression._topk_native import native_topk_available
 
 __all__ = [
+    "BlockCodec",
+    "Blocks",
     "Codec",
     "CompressionState",
     "Plan",
@@ -95,6 +109,7 @@ __all__ = [
     "SumToAll",
     "bf16",
     "dgc",
+    "factory",
     "fp16",
     "native_topk_available",
     "natural",

@@ -19,9 +19,13 @@ Per leaf, the codec decides at trace time which lane the leaf takes (a
 :mod:`adaptjax.compression._lanes`): leaves under ``min_size`` elements travel
 in one float32 psum; leaves the codec cannot compress (a 1-D leaf for PowerSGD)
 or where it would send more bytes than a bf16 psum at this replica count go as
-bf16 through the owner-compute pattern; the rest go through the codec's
-:meth:`Codec.reduce`. Each lane averages all of its leaves at once and returns
-one record per leaf (mean, residual, new buffers).
+bf16 blocks; the rest go through the codec's :meth:`Codec.reduce`. Each lane's
+leaves are grouped into buckets of at most ``bucket_bytes`` bytes of float32
+gradient, in reverse leaf order (the order the backward pass produces them),
+and each bucket is one exchange that reads only its own gradients, so the
+compiler can start it while the backward pass still runs (CaSync); a lane
+returns one record per leaf (mean, residual, new buffers). What a leaf's
+replicas receive does not depend on its bucket.
 
 Error feedback (``error_feedback=``):
 
@@ -35,9 +39,10 @@ Error feedback (``error_feedback=``):
   ``ĝ + e_server = mean_i(g_i)`` holds at every step.
 
 Per-replica state lives in :class:`adaptjax.PerReplica` (the worker buffers
-with merge rule ``"mean"``, which keeps the debt ``mean_i(e_i)`` owed to the
-averaged gradient when the replica count changes) inside the optax state, so it
-is checkpointed with everything else and never reset on a restore.
+with the codec's merge rule :attr:`Codec.state_merge`, by default ``"mean"``,
+which keeps the debt ``mean_i(e_i)`` owed to the averaged gradient when the
+replica count changes) inside the optax state, so it is checkpointed with
+everything else and never reset on a restore.
 Owner-compute codecs fold the owner's re-encoding error into its own worker
 residual (``N`` times it, on the chunk it owns), so ``mean_i(e_i)`` is the whole
 debt and ``e_server`` is 0 (:class:`SumToAll` remains the merge rule for a codec
@@ -64,6 +69,7 @@ from adaptjax.compression._plan import Plan, leaf_plan, plan
 from adaptjax import PerReplica
 
 _EF_MODES = (None, "ef14", "ef21")
+_NEW_FIELDS = ("bucket_bytes", "transport")  # not in 0.1.0's repr unless set
 
 
 class CompressionState(NamedTuple):
@@ -148,6 +154,20 @@ def positive_ratio(ratio, what="ratio") -> float:
     return r
 
 
+def check_bucket_bytes(value):
+    """``bucket_bytes`` checked: None or a positive multiple of 4 (one-line ValueError)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or (
+        value < 4 or int(value) % 4
+    ):
+        raise ValueError(
+            f"bucket_bytes must be None or a positive multiple of 4 (bytes of float32 gradient "
+            f"per exchange), got {value!r}; e.g. 4 << 20"
+        )
+    return int(value)
+
+
 def k_of(ratio: float, size: int) -> int:
     """Elements kept of ``size`` at ``ratio``: ``max(1, ceil(ratio * size))``."""
     return max(1, int(np.ceil(round(ratio * size, 6))))
@@ -215,7 +235,7 @@ _FACTORIES: dict[tuple[type, str], inspect.Signature] = {}
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def factory(cls: type) -> Callable[[F], F]:
+def factory(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Registers the decorated function as a factory of the codec class ``cls``.
 
     A codec's ``repr`` is the call of the factory named ``codec.name`` that a
@@ -232,7 +252,7 @@ def factory(cls: type) -> Callable[[F], F]:
       (onebit(block=256, error_feedback='ef21'), topk(0.01))
     """
 
-    def register(fn: F) -> F:
+    def register(fn):
         sig = inspect.signature(fn)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = [name for name in sig.parameters if name not in fields]
@@ -277,20 +297,36 @@ class Codec:
         ``sync`` uses the ``axis_name`` it is given.
       error_feedback: ``None``, ``"ef14"`` or ``"ef21"``.
       min_size: leaves with fewer elements go densely in one float32 psum.
-      seed: seed of the codec's random numbers (combined with the step and,
-        for per-replica randomness, the replica index).
+      seed: seed of the codec's random numbers (combined with the step,
+        the leaf and, for per-replica randomness, the replica index).
+      bucket_bytes: ``None`` (each lane in one exchange) or the most bytes of
+        float32 gradient (4 per element) one exchange carries: each lane's
+        leaves, in reverse leaf order, are fused into buckets of at most this
+        size (a larger leaf alone), each its own exchange, so that the first
+        can travel while the backward pass computes the rest. The results
+        are the same (to float32 rounding) for every ``bucket_bytes``.
 
-    Class attributes (the flags of the codec protocol):
+    The flags of the codec protocol are class attributes.
+
+    Class attributes:
       name: short name used in plans and benchmarks (and the name of its factory).
       linear: whether payloads add up (psum-able).
       randomness: ``"none"``, ``"shared"`` (same on every replica, e.g. random-k
         indices) or ``"per_replica"`` (stochastic rounding).
+      unbiased: whether the codec's estimate of the mean is unbiased
+        (``E[out] = mean_i(g_i)`` without error feedback).
       has_server_buffer: whether error feedback keeps a server-side residual.
       shared_keys: the replicated per-leaf buffers :meth:`init_shared` makes.
+      state_merge: the merge rule of the per-replica buffers when the replica
+        count changes (:class:`adaptjax.PerReplica`): ``"mean"`` keeps the
+        error-feedback debt ``mean_i(e_i)``; ``"fold"``, ``"sum"``, ``"first"``,
+        ``"zeros"`` or a callable ``rule(old[n, ...], m) -> new[m, ...]``.
 
     A subclass is a frozen dataclass declared with ``repr=False`` (its ``repr``
     is its factory call, see :func:`factory`) that implements :meth:`reduce`
-    and :meth:`leaf_bytes`, and may narrow :meth:`method` and :meth:`can_compress`.
+    and :meth:`leaf_bytes`, and may narrow :meth:`method` and :meth:`can_compress`
+    (a codec of fixed-size blocks subclasses
+    :class:`adaptjax.compression.BlockCodec` instead and gets all of that).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, adaptjax
@@ -309,12 +345,15 @@ class Codec:
     error_feedback: str | None = None
     min_size: int = 1024
     seed: int = 0
+    bucket_bytes: int | None = None
 
     name: ClassVar[str] = "codec"
     linear: ClassVar[bool] = False
     randomness: ClassVar[str] = "none"
+    unbiased: ClassVar[bool] = False
     has_server_buffer: ClassVar[bool] = False
     shared_keys: ClassVar[tuple[str, ...]] = ()
+    state_merge: ClassVar[Any] = "mean"
 
     def __post_init__(self):
         object.__setattr__(self, "axis_name", _check_axis_name(self.axis_name))
@@ -323,6 +362,7 @@ class Codec:
             raise ValueError(f"min_size must be an integer >= 1, got {self.min_size}")
         object.__setattr__(self, "min_size", int(self.min_size))
         object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "bucket_bytes", check_bucket_bytes(self.bucket_bytes))
 
     def __repr__(self) -> str:
         """The call that builds this codec: its factory's (see :func:`factory`) or its class's."""
@@ -337,10 +377,16 @@ class Codec:
 
         Runs recorded before the factory-call ``repr`` keep it as their codec key
         (:func:`adaptjax.codec_key`), so a resume can map their key to this codec.
+        Fields added since (``bucket_bytes`` on every codec, ``transport``) show
+        only when set; ``bucket_bytes`` where 0.1.0's quantizers had it, after
+        ``fast_axis``.
         """
-        shown = [f for f in dataclasses.fields(self)
-                 if f.name != "bucket_bytes" or getattr(self, f.name) is not None]
-        body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)
+        names = [f.name for f in dataclasses.fields(self) if f.name not in _NEW_FIELDS
+                 or getattr(self, f.name) is not None]
+        if "bucket_bytes" in names and "fast_axis" in names:
+            names.remove("bucket_bytes")
+            names.insert(names.index("fast_axis") + 1, "bucket_bytes")
+        body = ", ".join(f"{name}={getattr(self, name)!r}" for name in names)
         return f"{type(self).__qualname__}({body})"
 
     # ------------------------------------------------------------------ flags
@@ -351,7 +397,7 @@ class Codec:
 
     @property
     def feedback(self) -> NoFeedback:
-        """The error-feedback rule (a strategy of :mod:`adaptjax.compression._feedback`)."""
+        """The error-feedback rule in force, none, EF14 or EF21 (``error_feedback``)."""
         return feedback_for(self.error_feedback)
 
     # --------------------------------------------------------- per-leaf plan
@@ -384,8 +430,13 @@ class Codec:
         return prod(shape) >= self.min_size
 
     # ------------------------------------------------------------------ state
+    def _merge_rule(self):
+        """:attr:`state_merge` as declared (a function there is a rule, not a method)."""
+        rule = inspect.getattr_static(type(self), "state_merge")
+        return rule.__func__ if isinstance(rule, staticmethod) else rule
+
     def init_shared(self, leaf: Leaf) -> dict[str, jax.Array]:
-        """Replicated buffers of one leaf, by key of :attr:`shared_keys` (none by default)."""
+        """Replicated buffers of one leaf, by key of ``shared_keys`` (none by default)."""
         del leaf
         return {}
 
@@ -412,7 +463,7 @@ class Codec:
         shared.update({k: tree(zeros) for k in fb.shared_keys})
         return CompressionState(
             count=jnp.zeros((), jnp.int32),
-            worker=PerReplica(worker) if worker else (),
+            worker=PerReplica(worker, merge=self._merge_rule()) if worker else (),
             server=server,
             shared=shared if shared else (),
         )
@@ -431,9 +482,9 @@ class Codec:
     def sync(self, grads, state: CompressionState, *, axis_name=None, step=None):
         """The compressed all-reduce-mean of ``grads`` (inside ``shard_map``).
 
-        Each leaf gets its :class:`Leaf` record (lane, shape, state); the
+        Each leaf gets its ``Leaf`` record (lane, shape, state); the
         feedback rule turns its gradient into what the replica sends; each lane
-        averages all of its leaves at once (:func:`run_lanes`); the feedback
+        averages its leaves bucket by bucket (``run_lanes``); the feedback
         rule turns each leaf's mean and residual into the output and new buffers.
 
         Args:
@@ -471,17 +522,17 @@ class Codec:
     def _check_axes(self, names) -> None:
         del names
 
-    def reduce(self, leaves: Sequence[LeafIn], ctx: Ctx) -> list[LeafOut]:
-        """The compressed mean of the codec's leaves (its lane, see :mod:`._lanes`).
+    def reduce(self, leaves, ctx):
+        """The compressed mean of one bucket of the codec's leaves (its lane, see ``_lanes``).
 
         Args:
-          leaves: one :class:`LeafIn` per leaf of the ``codec`` lane, in leaf order.
+          leaves: one ``LeafIn`` per leaf of the bucket, in lane order (``ctx.lane``).
           ctx: the sync's context (axes, replica count, seeds, whether residuals are due).
 
         Returns:
-          One :class:`LeafOut` per leaf: the mean, and with ``ctx.residual``
+          One ``LeafOut`` per leaf: the mean, and with ``ctx.residual``
           what this replica still owes (see
-          :func:`adaptjax.compression._collectives.owner_compute`).
+          ``adaptjax.compression._exchange``).
         """
         raise NotImplementedError
 

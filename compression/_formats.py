@@ -1,12 +1,11 @@
-"""Element formats: how blocks of float32 values become words on the wire, and back.
+"""The built-in block codecs' math, written to the block-codec protocol (:mod:`._blocks`).
 
-A format encodes an array ``X`` of shape ``(R, nb, B)`` -- ``R`` rows (one per
-destination of an all-to-all), ``nb`` blocks of ``B`` elements per row (``B`` a
-multiple of 32) -- into ``R`` rows of uint32 words, and decodes them back. A row
-holds the packed codes of its blocks, then one float32 scale per block (formats
-without scales skip them), so its size is fixed at trace time::
-
-    row_bytes = nb * B * bits / 8 + nb * 4 * has_scale
+Each class is a mixin of :class:`~adaptjax.compression._blocks.BlockFormat`
+that reads its parameters from the codec it is mixed into (``block``, and
+``dtype`` or ``levels``): ``payload``, ``encode_blocks``, ``decode_blocks``
+and, where ``x`` makes it cheaper, ``reconstruct_blocks``. The codecs of
+:mod:`adaptjax.compression._quantizers` are these mixins on
+:class:`~adaptjax.compression.BlockCodec`, exactly as a user's codec is.
 
 Encoders compute their codes in uint32 arithmetic and pack them with one
 reduction (:func:`adaptjax.compression._bits.pack_words`), which also yields
@@ -21,7 +20,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from adaptjax.compression._bits import pack_words, random_bits, unpack_words
+from adaptjax.compression._bits import pack_words, unpack_words
+from adaptjax.compression._blocks import BlockFormat, Blocks
 
 _U32 = jnp.uint32
 
@@ -30,13 +30,13 @@ def _bitcast(x, dtype):
     return jax.lax.bitcast_convert_type(x, dtype)
 
 
-def _random24(seed, shape):
-    """Random integers in ``[0, 2^24)`` as float32 (exact).
+def _random24(blocks: Blocks):
+    """Random integers in ``[0, 2^24)`` as float32 (exact), one per element.
 
     Converted through int32: x86 has vector int32 <-> float32 conversions but
     none for uint32, which XLA then emulates element by element.
     """
-    return (random_bits(seed, shape) >> 8).astype(jnp.int32).astype(jnp.float32)
+    return (blocks.bits() >> 8).astype(jnp.int32).astype(jnp.float32)
 
 
 def _abs(x):
@@ -47,125 +47,67 @@ def _abs(x):
 
 
 def _block_stat(x, reduce_fn):
-    """A per-block statistic of (R, nb, B) in two cheap stages (32, then B/32)."""
+    """A per-block statistic of (R, nb, B) in two cheap stages (32, then B/32): (R, nb, 1)."""
     r, nb, b = x.shape
-    return reduce_fn(reduce_fn(x.reshape(r, nb, b // 32, 32), axis=-1), axis=-1)
+    return reduce_fn(reduce_fn(x.reshape(r, nb, b // 32, 32), axis=-1), axis=-1)[..., None]
+
+
+class CastBlocks(BlockFormat):
+    """bfloat16 / float16 cast (``dtype``), sent as 16-bit patterns (no scales)."""
+
+    dtype: str
+
+    def payload(self):
+        return {"codes": (jnp.uint16, self.block)}
+
+    def _cast(self, x):
+        if self.dtype == "float16":
+            fmax = float(jnp.finfo(jnp.float16).max)
+            x = jnp.clip(x, -fmax, fmax)  # saturate instead of overflowing to inf
+        return x.astype(jnp.dtype(self.dtype))
+
+    def encode_blocks(self, x, blocks):
+        del blocks
+        return {"codes": _bitcast(self._cast(x), jnp.uint16)}
+
+    def reconstruct_blocks(self, x, payload):
+        del payload
+        return self._cast(x).astype(jnp.float32)
+
+    def decode_blocks(self, payload):
+        return _bitcast(payload["codes"], jnp.dtype(self.dtype)).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
-class Format:
-    """Base: ``bits`` per code, ``block`` elements per scale, ``has_scale``."""
+class CastFormat(CastBlocks):
+    """A cast on its own (the bf16 lane of every codec): ``CastFormat(block, dtype)``."""
 
-    bits: int
-    block: int
-    has_scale: bool = True
-
-    @property
-    def bits_per_element(self) -> float:
-        return self.bits + (32.0 / self.block if self.has_scale else 0.0)
-
-    # -- to implement on (R, nb, B) float32: (words (R, nb, B*bits/32) uint32, scales (R, nb))
-    def encode_words(self, x, seed, valid=None):
-        """``valid``: real (unpadded) elements per block, broadcastable to (R, nb)."""
-        raise NotImplementedError
-
-    def decode_words(self, words, scales):
-        raise NotImplementedError
-
-    def encode(self, x: jax.Array, seed, valid=None) -> jax.Array:
-        """(R, nb, B) float32 -> (R, row_words) uint32.
-
-        ``valid`` (optional, broadcastable to ``(R, nb)``): real elements per block;
-        the rest of a block is zero padding that a mean-based scale must not count.
-        """
-        r, nb, _ = x.shape
-        words, scales = self.encode_words(x, seed, valid)
-        rows = words.reshape(r, -1)
-        if self.has_scale:
-            rows = jnp.concatenate([rows, _bitcast(scales.astype(jnp.float32), _U32)], axis=1)
-        return rows
-
-    def reconstruct(self, x: jax.Array, rows: jax.Array) -> jax.Array:
-        """``decode(rows)`` for ``rows = encode(x, ...)``, given ``x`` (R, nb, B) too.
-
-        The sender's own view of what it sent, for its error-feedback residual.
-        Formats whose decoded value follows from ``x`` and the block scale alone
-        override this to skip unpacking the codes (a full pass that XLA's CPU
-        backend runs several times slower than a copy).
-        """
-        return self.decode(rows, x.shape[1])
-
-    def _scales(self, rows: jax.Array, nb: int) -> jax.Array:
-        ncode = nb * self.block * self.bits // 32
-        return _bitcast(rows[:, ncode:], jnp.float32)
-
-    def decode(self, rows: jax.Array, nb: int) -> jax.Array:
-        """(R, row_words) uint32 -> (R, nb, B) float32."""
-        r = rows.shape[0]
-        ncode = nb * self.block * self.bits // 32
-        words = rows[:, :ncode].reshape(r, nb, -1)
-        scales = _bitcast(rows[:, ncode:], jnp.float32) if self.has_scale else None
-        return self.decode_words(words, scales)
-
-
-@dataclasses.dataclass(frozen=True)
-class Cast(Format):
-    """bfloat16 / float16 cast, sent as 16-bit patterns two per word (no scales)."""
-
+    block: int = 32
     dtype: str = "bfloat16"
 
-    def encode_words(self, x, seed, valid=None):
-        del seed, valid
-        y = x
-        if self.dtype == "float16":
-            fmax = float(jnp.finfo(jnp.float16).max)
-            y = jnp.clip(x, -fmax, fmax)  # saturate instead of overflowing to inf
-        h = _bitcast(y.astype(jnp.dtype(self.dtype)), jnp.uint16)
-        r, nb, b = x.shape
-        return _bitcast(h.reshape(r, nb, b // 2, 2), _U32), None
 
-    def reconstruct(self, x, rows):
-        del rows
-        y = x
-        if self.dtype == "float16":
-            fmax = float(jnp.finfo(jnp.float16).max)
-            y = jnp.clip(x, -fmax, fmax)
-        return y.astype(jnp.dtype(self.dtype)).astype(jnp.float32)
-
-    def decode_words(self, words, scales):
-        del scales
-        r, nb, w = words.shape
-        h = _bitcast(words, jnp.uint16).reshape(r, nb, 2 * w)
-        return _bitcast(h, jnp.dtype(self.dtype)).astype(jnp.float32)
+#: The bf16 lane's format: blocks of 32 elements cast to bfloat16.
+BF16 = CastFormat(32, "bfloat16")
 
 
-@dataclasses.dataclass(frozen=True)
-class Sign(Format):
+class SignBlocks(BlockFormat):
     """1 bit per element (the sign) and one scale per block: ``mean |x|``.
 
     The scale minimises ``‖x − s·c‖²`` over ``s`` for codes ``c = ±1`` (EF-signSGD's
     ``‖x‖₁/d``, per block), the mean taken over the block's real elements only
-    (``valid``; zero padding of a last partial block does not dilute it). A 1-bit
-    code has no zero: an exact 0 decodes to ``+s`` at even and ``−s`` at odd
-    positions, so a run of zeros decodes to a sum of at most ``s`` instead of
-    growing with its length (a block of zeros has ``s = 0`` and decodes to 0).
-    Codes and the block ``|x|`` sums come from one pass.
+    (``blocks.count``). A 1-bit code has no zero: an exact 0 decodes to ``+s``
+    at even and ``−s`` at odd positions, so a run of zeros decodes to a sum of
+    at most ``s`` instead of growing with its length (a block of zeros has
+    ``s = 0`` and decodes to 0). Codes and the block ``|x|`` sums come from one pass.
     """
 
-    def encode_words(self, x, seed, valid=None):
-        del seed
-        pos = jax.lax.broadcasted_iota(_U32, x.shape, 2)
-        # sign bit of x; for ±0 the parity of the position (alternating +s, −s)
+    def payload(self):
+        return {"codes": (_U32, self.block // 32), "scales": (jnp.float32, 1)}
+
+    def encode_blocks(self, x, blocks):
         code = 1 - self._negative(x)
-        a = jnp.abs(x)
-        if valid is None:
-            count = jnp.float32(self.block)
-        else:  # padding (which may hold decoded ±s from an earlier stage) is not counted
-            valid = jnp.broadcast_to(valid, x.shape[:2])
-            a = jnp.where(pos < valid.astype(_U32)[:, :, None], a, 0.0)
-            count = jnp.maximum(valid, 1.0)
-        words, (part,) = pack_words(code, 1, extra=((a, jnp.float32(0), jnp.add),))
-        return words, jnp.sum(part, axis=-1) / count
+        words, (part,) = pack_words(code, 1, extra=((jnp.abs(x), jnp.float32(0), jnp.add),))
+        return {"codes": words, "scales": jnp.sum(part, axis=-1, keepdims=True) / blocks.count}
 
     @staticmethod
     def _negative(x):
@@ -174,39 +116,46 @@ class Sign(Format):
         pos = jax.lax.broadcasted_iota(_U32, x.shape, 2)
         return jnp.where((xb << 1) == 0, pos & 1, xb >> 31)
 
-    def reconstruct(self, x, rows):
-        s = _bitcast(self._scales(rows, x.shape[1]), _U32)[:, :, None]
+    def reconstruct_blocks(self, x, payload):
+        s = _bitcast(payload["scales"], _U32)
         return _bitcast(s | (self._negative(x) << 31), jnp.float32)
 
-    def decode_words(self, words, scales):
+    def decode_blocks(self, payload):
         # the code's complement is the float's sign bit (s >= 0): bit operations only
-        code = unpack_words(words, 1)
-        s = _bitcast(scales, _U32)[:, :, None]
+        code = unpack_words(payload["codes"], 1)
+        s = _bitcast(payload["scales"], _U32)
         return _bitcast(s | ((code ^ 1) << 31), jnp.float32)
 
 
-@dataclasses.dataclass(frozen=True)
-class Ternary(Format):
+class TernaryBlocks(BlockFormat):
     """TernGrad: ``s·sign(x)·Bernoulli(|x|/s)``, ``s = max |x|`` per block; 2 bits."""
 
-    def encode_words(self, x, seed, valid=None):
-        del valid  # a max or a norm does not see zero padding
+    unbiased = True
+
+    def payload(self):
+        return {"codes": (_U32, self.block // 16), "scales": (jnp.float32, 1)}
+
+    def encode_blocks(self, x, blocks):
         s = _block_stat(jnp.abs(x), jnp.max)
         # keep with probability |x|/s: r < |x| 2^24/s for r uniform in [0, 2^24)
         inv = jnp.where(s > 0, jnp.float32(2.0**24) / jnp.where(s > 0, s, 1.0), 0.0)
-        keep = _random24(seed, x.shape) < _abs(x) * inv[:, :, None]
+        keep = _random24(blocks) < _abs(x) * inv
         code = keep.astype(_U32) * (1 + (_bitcast(x, _U32) >> 31))
         words, _ = pack_words(code, 2)
-        return words, s
+        return {"codes": words, "scales": s}
 
-    def decode_words(self, words, scales):
-        code = unpack_words(words, 2)
-        s = scales[:, :, None]
+    def decode_blocks(self, payload):
+        code = unpack_words(payload["codes"], 2)
+        s = payload["scales"]
         return jnp.where(code == 1, s, jnp.where(code == 2, -s, 0.0))
 
 
-@dataclasses.dataclass(frozen=True)
-class Levels(Format):
+def qsgd_bits(levels: int) -> int:
+    """Fewest bits for the ``2 levels + 1`` QSGD codes."""
+    return max(1, math.ceil(math.log2(2 * levels + 1)))
+
+
+class LevelsBlocks(BlockFormat):
     """QSGD with ``levels`` levels: ``‖x‖·sign(x)·ξ/s``, ``ξ`` stochastic rounding.
 
     ``ξ = floor(s|x|/‖x‖ + u)`` with ``u`` uniform in ``[0, 1)`` rounds
@@ -216,28 +165,36 @@ class Levels(Format):
     ``ceil(log2(2s + 1))``, the fewest that hold the ``2s + 1`` values.
     """
 
-    levels: int = 7
+    levels: int
+    unbiased = True
 
-    def encode_words(self, x, seed, valid=None):
-        del valid  # a max or a norm does not see zero padding
+    @property
+    def code_bits(self) -> int:
+        return qsgd_bits(self.levels)
+
+    def payload(self):
+        return {"codes": (_U32, self.block * self.code_bits // 32), "scales": (jnp.float32, 1)}
+
+    def encode_blocks(self, x, blocks):
+        bits = self.code_bits
         norm = jnp.sqrt(_block_stat(x * x, jnp.sum))
         inv = jnp.where(norm > 0, self.levels / jnp.where(norm > 0, norm, 1.0), 0.0)
-        u = _random24(seed, x.shape) * jnp.float32(2.0**-24)
-        xi = jnp.minimum((_abs(x) * inv[:, :, None] + u).astype(jnp.int32), self.levels)
-        code = ((_bitcast(x, _U32) >> 31) << (self.bits - 1)) | xi.astype(_U32)
-        words, _ = pack_words(code, self.bits)
-        return words, norm
+        u = _random24(blocks) * jnp.float32(2.0**-24)
+        xi = jnp.minimum((_abs(x) * inv + u).astype(jnp.int32), self.levels)
+        code = ((_bitcast(x, _U32) >> 31) << (bits - 1)) | xi.astype(_U32)
+        words, _ = pack_words(code, bits)
+        return {"codes": words, "scales": norm}
 
-    def decode_words(self, words, scales):
-        code = unpack_words(words, self.bits)
-        mag = (code & _U32(2 ** (self.bits - 1) - 1)).astype(jnp.int32).astype(jnp.float32)
-        val = mag * (scales / self.levels)[:, :, None]
+    def decode_blocks(self, payload):
+        bits = self.code_bits
+        code = unpack_words(payload["codes"], bits)
+        mag = (code & _U32(2 ** (bits - 1) - 1)).astype(jnp.int32).astype(jnp.float32)
+        val = mag * (payload["scales"] / self.levels)
         # the sign bit of the code becomes the float's sign bit
-        return _bitcast(_bitcast(val, _U32) | ((code >> (self.bits - 1)) << 31), jnp.float32)
+        return _bitcast(_bitcast(val, _U32) | ((code >> (bits - 1)) << 31), jnp.float32)
 
 
-@dataclasses.dataclass(frozen=True)
-class Natural(Format):
+class NaturalBlocks(BlockFormat):
     """Natural compression: stochastic rounding to a signed power of two; 8 bits.
 
     ``|x| = 2^e (1 + f)`` is sent as ``2^e`` with probability ``1 − f`` and
@@ -249,29 +206,28 @@ class Natural(Format):
     flushed to zero.
     """
 
-    def encode_words(self, x, seed, valid=None):
-        del valid  # a max or a norm does not see zero padding
+    unbiased = True
+
+    def payload(self):
+        return {"codes": (_U32, self.block // 4), "scales": (jnp.float32, 1)}
+
+    def encode_blocks(self, x, blocks):
         xb = _bitcast(x, _U32)
         e = ((xb >> 23) & 0xFF).astype(jnp.int32)
         # the exponent is monotone in |x|: the block's largest is that of max |x|
         big = _bitcast(_block_stat(jnp.abs(x), jnp.max), _U32)
         ref = ((big >> 23) & 0xFF).astype(jnp.int32) + 1  # the largest a rounding can reach
         mant = xb & _U32(0x7FFFFF)
-        up = (random_bits(seed, x.shape) >> 9) < mant
-        c = e + up.astype(jnp.int32) - ref[:, :, None] + 127
+        up = (blocks.bits() >> 9) < mant
+        c = e + up.astype(jnp.int32) - ref + 127
         c = jnp.where((e > 0) & (c > 0), c, 0).astype(_U32)
         code = ((xb >> 31) << 7) | c
         words, _ = pack_words(code, 8)
-        return words, ref.astype(jnp.float32)
+        return {"codes": words, "scales": ref.astype(jnp.float32)}
 
-    def decode_words(self, words, scales):
-        code = unpack_words(words, 8)
+    def decode_blocks(self, payload):
+        code = unpack_words(payload["codes"], 8)
         c = (code & 127).astype(jnp.int32)
-        e = c + (scales.astype(jnp.int32) - 127)[:, :, None]
+        e = c + (payload["scales"].astype(jnp.int32) - 127)
         bits = ((code >> 7) << 31) | (e.astype(_U32) << 23)
         return jnp.where((c > 0) & (e > 0), _bitcast(bits, jnp.float32), 0.0)
-
-
-def qsgd_bits(levels: int) -> int:
-    """Fewest bits for the ``2 levels + 1`` QSGD codes."""
-    return max(1, math.ceil(math.log2(2 * levels + 1)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-from adaptjax.compression._lanes import LANES, Leaf
+from adaptjax.compression._lanes import LANES, Leaf, lane_buckets
 from adaptjax.compression._layout import bf16_bytes, fp32_bytes
 
 
@@ -53,9 +53,14 @@ class PlanRow:
       method: the codec's name, ``"f32"`` (one float32 psum: under ``min_size``)
         or ``"bf16"`` (owner-compute bf16: the codec cannot compress it or would
         send more than a bf16 psum at this ``N``).
-      bytes: bytes per device per step for this leaf under ``method``.
+      bytes: bytes per device per step for this leaf under ``method`` (and the
+        transport of its bucket).
       fp32_bytes: a float32 psum's bytes, ``8d(N−1)/N``.
       bf16_bytes: a bf16 psum's bytes, ``4d(N−1)/N``.
+      bucket: the exchange it travels in (0 first: buckets go in reverse leaf
+        order, lane by lane).
+      transport: its bucket's transport (``"owner"``, ``"allgather"``) where
+        the lane has a choice, else None.
     """
 
     path: str
@@ -65,15 +70,26 @@ class PlanRow:
     bytes: float
     fp32_bytes: float
     bf16_bytes: float
+    bucket: int = 0
+    transport: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What a codec does with each leaf at ``n`` replicas (a printable table)."""
+    """What a codec does with each leaf at ``n`` replicas (a printable table).
+
+    Attributes:
+      codec: the codec's name.
+      n: the replica count.
+      rows: one :class:`PlanRow` per leaf.
+      bucket_bytes: the codec's ``bucket_bytes`` (then the table ends with
+        the exchanges in the order they go).
+    """
 
     codec: str
     n: int
     rows: tuple[PlanRow, ...]
+    bucket_bytes: int | None = None
 
     @property
     def bytes(self) -> float:
@@ -91,6 +107,11 @@ class Plan:
     def methods(self) -> dict[str, str]:
         """``{path: method}``."""
         return {r.path: r.method for r in self.rows}
+
+    @property
+    def buckets(self) -> int:
+        """Exchanges per step (buckets of every lane)."""
+        return len({r.bucket for r in self.rows})
 
     def __str__(self) -> str:
         head = ("leaf", "shape", "elements", "method", "bytes/dev", "vs fp32", "vs bf16")
@@ -130,6 +151,15 @@ class Plan:
             mid = [row[3].ljust(widths[3])]
             tail = [row[i].rjust(widths[i]) for i in (4, 5, 6)]
             out.append("  ".join(left + right + mid + tail).rstrip())
+        if self.bucket_bytes is not None:
+            first = {}
+            for r in self.rows:
+                first.setdefault(r.bucket, r)
+            many = "s" if self.buckets > 1 else ""
+            out.append(f"{self.buckets} exchange{many} of at most {self.bucket_bytes:,} float32 "
+                       "bytes, in order: " + ", ".join(
+                f"{r.method}{'/' + r.transport if r.transport else ''} from {r.path}"
+                for _, r in sorted(first.items())))
         return "\n".join(out)
 
 
@@ -139,7 +169,9 @@ def plan(grads, codec, n: int, *, show: bool = True) -> Plan:
     A leaf goes ``"f32"`` under the codec's ``min_size``; ``"bf16"`` when the codec
     cannot compress it (PowerSGD on a 1-D leaf) or would send more bytes than a
     bf16 psum at this ``n``; otherwise through the codec. Bytes are the
-    per-leaf formulas (owner-compute chunk padding and scales rounded per leaf).
+    per-leaf formulas, under the transport of the leaf's bucket (blocks and
+    scales rounded up per leaf). With ``bucket_bytes`` set and more than one
+    exchange, a last line lists the exchanges in the order they go.
 
     Args:
       grads: a pytree of arrays or ``jax.ShapeDtypeStruct`` (shapes only are used).
@@ -169,19 +201,23 @@ def plan(grads, codec, n: int, *, show: bool = True) -> Plan:
         raise ValueError(f"n must be an integer >= 1, got {n}")
     n = int(n)
     flat = jax.tree_util.tree_leaves_with_path(grads)
+    records = leaf_plan(codec, [p for p, _ in flat], [x.shape for _, x in flat], n)
+    where = {leaf.index: (b, bucket.transport)
+             for b, bucket in enumerate(lane_buckets(codec, records, n)) for leaf in bucket.leaves}
     rows = [
         PlanRow(
             leaf.path,
             leaf.shape,
             leaf.size,
             codec.name if leaf.lane == "codec" else leaf.lane,
-            LANES[leaf.lane].bytes(codec, leaf.shape, n),
+            LANES[leaf.lane].bytes(codec, leaf.shape, n, where[leaf.index][1]),
             fp32_bytes(leaf.size, n),
             bf16_bytes(leaf.size, n),
+            *where[leaf.index],
         )
-        for leaf in leaf_plan(codec, [p for p, _ in flat], [x.shape for _, x in flat], n)
+        for leaf in records
     ]
-    result = Plan(codec.name, n, tuple(rows))
+    result = Plan(codec.name, n, tuple(rows), getattr(codec, "bucket_bytes", None))
     if show:
         print(result)
     return result

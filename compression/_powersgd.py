@@ -164,6 +164,7 @@ def powersgd(
     error_feedback: str | None = "ef14",
     min_size: int = 1024,
     seed: int = 0,
+    bucket_bytes: int | None = None,
 ) -> Codec:
     """PowerSGD low-rank compression (see the module docstring).
 
@@ -176,6 +177,9 @@ def powersgd(
         or ``None``.
       min_size: leaves with fewer elements go in one float32 psum.
       seed: seed of the initial factors.
+      bucket_bytes: ``None`` (one exchange per lane) or the most float32 bytes
+        of gradient per exchange: leaves in reverse order, fused into buckets
+        that can travel during the backward pass (see :class:`Codec`).
 
     Returns:
       The codec.

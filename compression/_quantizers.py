@@ -1,25 +1,25 @@
-"""Element-wise quantisers moved by the owner-compute pattern.
+"""Block codecs: the protocol as a codec (:class:`BlockCodec`) and the built-in quantizers.
 
+A :class:`BlockCodec` is a codec of fixed-size blocks written to the protocol
+of :mod:`adaptjax.compression._blocks` (``payload``, ``encode_blocks``,
+``decode_blocks``, ``unbiased``); the library moves its payload by
+owner-compute or one all-gather (:mod:`adaptjax.compression._exchange`),
+in buckets, with error feedback, plans and wire bytes. The built-in ones are
+that protocol on the math of :mod:`adaptjax.compression._formats`:
 ``bf16``/``fp16`` (cast), ``onebit`` (sign + scale, 1 bit), ``terngrad``
 (stochastic ternary, 2 bits), ``qsgd`` (``s`` stochastic levels,
 ``ceil(log2(2s+1))`` bits) and ``natural`` (stochastic power-of-two, 8 bits).
-Each replica encodes its flat gradient, an all-to-all delivers chunk ``j`` of
-every replica to replica ``j``, which decodes, averages, re-encodes, and an
-all-gather returns every encoded chunk to everyone: ``2·(N−1)/N`` of one encoded
-gradient per device. With error feedback, the owner's re-encoding error is
-folded (times ``N``) into its own worker residual on the chunk it owns, so the
-mean of the residuals carries it into the next step and no server buffer is
-kept (a param-sized server buffer cost three full passes per step).
-With ``fast_axis`` set and a tuple ``axis_name`` (a 2-D mesh), the fast axis
-carries bf16 (reduce-scatter, then all-gather) and only the slow axes carry the
-compressed payload, on ``1/F`` of the gradient.
 
-``bucket_bytes`` (off by default: the codec's whole lane is one exchange)
-fuses the codec's leaves, in order, into buckets of at most that many bytes
-of float32 gradient and splits a larger leaf into pieces of that size
-(:func:`bucket_plan`, the bucketing :func:`adaptjax.costs.buckets` models);
-each bucket is one owner-compute exchange (one all-to-all and one all-gather,
-or one all-gather at 2 replicas) with seeds of its own.
+Owner-compute: each replica encodes its gradient, an all-to-all delivers the
+blocks replica ``j`` owns to replica ``j``, which decodes, averages,
+re-encodes, and an all-gather returns every owner's blocks to everyone:
+``2·(N−1)/N`` of one encoded gradient per device. With error feedback, the
+owner's re-encoding error is folded (times ``N``) into its own worker residual
+on the blocks it owns, so the mean of the residuals carries it into the next
+step and no server buffer is kept. With ``fast_axis`` set and a tuple
+``axis_name`` (a 2-D mesh), the fast axis carries bf16 (reduce-scatter, then
+all-gather) and only the slow axes carry the compressed payload, on ``1/F``
+of the gradient.
 """
 
 from __future__ import annotations
@@ -32,123 +32,119 @@ from typing import ClassVar
 import jax.numpy as jnp
 from adaptjax.compression._base import Codec, F, factory
 from adaptjax.compression._bits import mix_seed
-from adaptjax.compression._collectives import (
-    bound_size,
-    choose_transport,
-    owner_compute,
-    owner_compute_leaves,
+from adaptjax.compression._blocks import (
+    BlockFormat,
+    Blocks,
+    bits_per_element,
+    decode_checked,
+    encode_checked,
+    payload_spec,
 )
+from adaptjax.compression._exchange import bucket_transport, check_transport, reduce_blocks
 from adaptjax.compression._formats import (
-    Cast,
-    Format,
-    Levels,
-    Natural,
-    Sign,
-    Ternary,
-    qsgd_bits,
+    CastBlocks,
+    LevelsBlocks,
+    NaturalBlocks,
+    SignBlocks,
+    TernaryBlocks,
 )
-from adaptjax.compression._lanes import Ctx, LeafIn, LeafOut, leaf_outs
+from adaptjax.compression._lanes import block_leaf_bytes, leaf_outs
 from adaptjax.compression._layout import make_layout, prod
-
-# A lane of at most this many elements is sent as one flat bucket (one encode, traced
-# once: compiles faster); above it each leaf is viewed in place (no float32 concatenation,
-# which XLA's CPU backend runs at a tenth of copy speed).
-BUCKET_MAX = 1 << 20
-
-
-def bucket_plan(sizes, unit: int) -> list[list[tuple[int, int, int]]]:
-    """Leaves of ``sizes`` elements fused, in order, into buckets of at most ``unit``.
-
-    A leaf larger than ``unit`` closes the open bucket and is split into
-    pieces of ``unit`` elements (the last one shorter), each its own bucket;
-    this is :func:`adaptjax.costs.buckets` on ``4·size`` bytes with
-    ``4·unit``-byte buckets.
-
-    Returns:
-      One list per bucket of ``(leaf index, start, stop)`` element ranges.
-
-    Example:
-      >>> from adaptjax.compression._quantizers import bucket_plan
-      >>> bucket_plan([3, 3, 9, 1], 5)
-      [[(0, 0, 3)], [(1, 0, 3)], [(2, 0, 5)], [(2, 5, 9)], [(3, 0, 1)]]
-    """
-    out: list[list[tuple[int, int, int]]] = []
-    cur: list[tuple[int, int, int]] = []
-    fill = 0
-    for i, d in enumerate(int(x) for x in sizes):
-        if d > unit:
-            if cur:
-                out.append(cur)
-                cur, fill = [], 0
-            out += [[(i, a, min(d, a + unit))] for a in range(0, d, unit)]
-        elif fill + d > unit:
-            out.append(cur)
-            cur, fill = [(i, 0, d)], d
-        else:
-            cur.append((i, 0, d))
-            fill += d
-    if cur:
-        out.append(cur)
-    return out
-
-
-def _check_bucket_bytes(value):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value) or (
-        value < 4 or int(value) % 4
-    ):
-        raise ValueError(
-            f"bucket_bytes must be None or a positive multiple of 4 (bytes of float32 gradient "
-            f"per exchange), got {value!r}; e.g. 4 << 20"
-        )
-    return int(value)
+from adaptjax.compression._views import BUCKET_MAX
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # the factory call (Codec)
-class Quantizer(Codec):
-    """An element-wise codec moved by the owner-compute pattern.
+class BlockCodec(Codec, BlockFormat):
+    """A codec of fixed-size blocks: the protocol a user implements to add a codec.
+
+    A subclass is a frozen dataclass (``repr=False``: its ``repr`` is its
+    factory's call, see :func:`factory`) that implements the block-codec
+    protocol and nothing else:
+
+    * ``payload(self)``: what one block becomes, ``{name: (dtype, count)}``:
+      1-, 2- or 4-byte number types, a multiple of 4 bytes per block each;
+    * ``encode_blocks(self, x, blocks)``: ``x`` float32 ``(R, nb, block)``
+      (elements past ``blocks.count`` are zero) to ``{name: (R, nb, count)}``;
+      ``blocks`` (:class:`Blocks`) draws random numbers per element;
+    * ``decode_blocks(self, payload)``: back to float32 ``(R, nb, block)``;
+    * ``unbiased``: whether ``E[decode(encode(x))] = x``;
+    * optionally ``reconstruct_blocks(self, x, payload)`` (a cheaper decode of
+      what this replica sent, given ``x``) and ``state_merge`` (the merge rule
+      of its error-feedback buffers on a rescale, ``"mean"`` by default).
+
+    The library packs the payload into 32-bit words (:func:`pack_bits` packs
+    codes of fewer bits), moves it by owner-compute or one all-gather per
+    bucket, keeps error feedback (``"ef14"``, ``"ef21"``), and derives the
+    plan, wire bytes and checkpointed state from it. A payload that does not
+    match its ``payload()``, or a decode of the wrong shape, is a one-line
+    ValueError at trace time.
 
     Attributes:
-      block: elements per scale block (a multiple of 32).
+      block: elements per block (a multiple of 32).
       fast_axis: the fast axis of a 2-D mesh for the two-level mode, or None.
-      bucket_bytes: ``None`` (the codec's lane in one exchange) or the most
-        bytes of float32 gradient (4 per element) one exchange carries: leaves
-        are fused into buckets of at most this size and a larger leaf is
-        split (see :func:`bucket_plan`).
+      transport: ``None`` (each bucket by predicted time: owner-compute, or
+        one all-gather where that is faster, e.g. at 2 replicas), ``"owner"``
+        or ``"allgather"``.
+
+    Example:
+      >>> import dataclasses, jax.numpy as jnp
+      >>> from typing import ClassVar
+      >>> from adaptjax import compression as ajc
+      >>> @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+      ... class Halves(ajc.BlockCodec):     # bfloat16 halves of each value, 16 bits
+      ...     name: ClassVar[str] = "halves"
+      ...     def payload(self):
+      ...         return {"h": (jnp.bfloat16, self.block)}
+      ...     def encode_blocks(self, x, blocks):
+      ...         return {"h": (x / 2).astype(jnp.bfloat16)}
+      ...     def decode_blocks(self, payload):
+      ...         return payload["h"].astype(jnp.float32) * 2
+      >>> codec = Halves(block=32)
+      >>> codec, codec.bits, codec.decode(codec.encode(jnp.arange(3.0)), (3,)).tolist()
+      (Halves(block=32), 16.0, [0.0, 1.0, 2.0])
     """
 
     block: int = 512
     fast_axis: str | None = None
-    bucket_bytes: int | None = None
+    transport: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
-        object.__setattr__(self, "bucket_bytes", _check_bucket_bytes(self.bucket_bytes))
-        if int(self.block) != self.block or self.block < 32 or self.block % 32:
+        if isinstance(self.block, bool) or int(self.block) != self.block or (
+            self.block < 32 or self.block % 32
+        ):
             raise ValueError(f"block must be a positive multiple of 32, got {self.block}")
         object.__setattr__(self, "block", int(self.block))
         if self.fast_axis is not None and not (isinstance(self.fast_axis, str) and self.fast_axis):
             raise ValueError(f"fast_axis must be an axis name or None, got {self.fast_axis!r}")
-
-    @property
-    def fmt(self) -> Format:
-        raise NotImplementedError
+        check_transport(self.transport)
+        payload_spec(self)  # its one-line errors before anything is traced
 
     @property
     def bits(self) -> float:
-        return self.fmt.bits_per_element
+        """Bits per element on the wire, the payload's (scales included)."""
+        return bits_per_element(self)
 
-    def leaf_bytes(self, shape, n: int) -> float:
-        if n <= 1:
-            return 0.0
-        size = prod(shape)
-        scales = -(-size // self.fmt.block) * 4 if self.fmt.has_scale else 0
-        return 2.0 * (n - 1) / n * (size * self.fmt.bits / 8 + scales)
+    def leaf_bytes(self, shape, n: int, transport: str | None = None) -> float:
+        """Bytes per device for one leaf: ``2(N−1)/N·E`` by owner-compute, ``(N−1)·E`` gathered.
+
+        ``E = ceil(d / block) · block_bytes`` is one replica's encoded leaf;
+        ``transport`` is that of the leaf's bucket (default: a bucket of this leaf alone).
+        """
+        transport = transport or self.bucket_transport([prod(shape)], n) or "owner"
+        return block_leaf_bytes(self, prod(shape), n, transport)
+
+    def bucket_transport(self, sizes: Sequence[int], n: int) -> str | None:
+        """The transport of a bucket of leaves of ``sizes`` elements (None: two-level)."""
+        if self.fast_axis is not None:
+            return None
+        return bucket_transport(self, sizes, n, self.transport)
 
     def method(self, shape, n: int) -> str:
-        # Never worse than a bf16 psum (bits <= 16): compressible leaves use the codec.
-        return "f32" if prod(shape) < self.min_size else "codec"
+        # the bf16 lane where the codec sends more than bf16 (more than 16 bits per element)
+        if prod(shape) < self.min_size:
+            return "f32"
+        return "bf16" if self.bits > 16 else "codec"
 
     def _check_axes(self, names) -> None:
         if self.fast_axis is not None and self.fast_axis not in names:
@@ -157,87 +153,20 @@ class Quantizer(Codec):
                 f"axis_name=(slow, {self.fast_axis!r}) on a 2-D mesh"
             )
 
-    def reduce(self, leaves: Sequence[LeafIn], ctx: Ctx) -> list[LeafOut]:
-        xs = [i.x for i in leaves]
-        shapes = [i.leaf.shape for i in leaves]
-        if self.bucket_bytes is None:
-            return leaf_outs(*self._exchange(xs, shapes, ctx, ctx.seed_for(0), ctx.seed_for(1)))
-        return self._buckets(xs, shapes, ctx)
-
-    def _buckets(self, xs, shapes, ctx: Ctx) -> list[LeafOut]:
-        """One exchange per bucket of :func:`bucket_plan`; a split leaf is joined again."""
-        plan = bucket_plan([prod(sh) for sh in shapes], self.bucket_bytes // 4)
-        pieces: list[list[LeafOut]] = [[] for _ in xs]  # per leaf: the LeafOut of each piece
-        for b, segs in enumerate(plan):
-            seeds = (ctx.seed_for(0), ctx.seed_for(1))
-            if b:  # bucket 0 keeps the unbucketed seeds: one bucket is the default exactly
-                seeds = tuple(mix_seed(s, 0xB0C4E7, b) for s in seeds)
-            parts, part_shapes = [], []
-            for i, a, z in segs:
-                whole = (a, z) == (0, prod(shapes[i]))
-                parts.append(xs[i] if whole else jnp.ravel(xs[i])[a:z])
-                part_shapes.append(shapes[i] if whole else (z - a,))
-            got = leaf_outs(*self._exchange(parts, part_shapes, ctx, *seeds))
-            for (i, _, _), piece in zip(segs, got, strict=True):
-                pieces[i].append(piece)
-
-        def join(i, field):
-            got = [getattr(p, field) for p in pieces[i]]
-            if got[0] is None or len(got) == 1:
-                return got[0]
-            return jnp.concatenate([jnp.ravel(g) for g in got]).reshape(shapes[i])
-
-        fields = ("out", "residual", "server")
-        outs, res, srv = ([join(i, f) for i in range(len(xs))] for f in fields)
-        return leaf_outs(outs, res, srv)
-
-    def _exchange(self, xs, shapes, ctx: Ctx, seed_worker, seed_server):
-        """One exchange: the compressed mean of ``xs`` (the whole lane or one bucket).
-
-        Returns ``(outs, residuals or None, server residuals or None)``, lists like ``xs``.
-        """
-        big = sum(prod(sh) for sh in shapes) > BUCKET_MAX
-        if self.fast_axis is None and (big or choose_transport(ctx.n) != "owner"):
-            # the leaf-by-leaf path also carries the all-gather transport (2 replicas)
-            outs, res = owner_compute_leaves(
-                xs,
-                self.fmt,
-                names=ctx.names,
-                n=ctx.n,
-                seed_worker=seed_worker,
-                seed_server=seed_server,
-                residual=ctx.residual,
-                fold=ctx.residual,
-            )
-            return outs, res, None
-        # One flat bucket (a small lane, or the two-level mode): the codec's code is
-        # traced once for the lane instead of once per leaf (compile time).
-        fast = (self.fast_axis,) if self.fast_axis is not None else ()
-        slow = tuple(a for a in ctx.names if a not in fast)
-        f = bound_size(fast) if fast else 1
-        s = ctx.n // f
-        lay = make_layout([prod(sh) for sh in shapes], self.fmt.block, f * s)
-        out, res, srv = owner_compute(
-            lay.flatten(xs),
-            self.fmt,
-            slow=slow,
-            slow_size=s,
-            fast=fast,
-            fast_size=f,
-            seed_worker=seed_worker,
-            seed_server=seed_server,
-            valid=lay.block_counts(),
-            residual=ctx.residual,
-            server_mode="fold" if ctx.residual else None,
-        )
-        outs = lay.unflatten(out, shapes)
-        res = lay.unflatten(res, shapes) if res is not None else None
-        srv = lay.unflatten(srv, shapes) if srv is not None else None
-        return outs, res, srv
+    def reduce(self, leaves, ctx):
+        """One bucket by owner-compute, all-gather or the two-level mode (``_exchange``)."""
+        # BUCKET_MAX read when traced: benchmarks/compile_time.py sets it to 0 (per leaf)
+        return leaf_outs(*reduce_blocks(self, leaves, ctx, stages=(0, 1), pack_max=BUCKET_MAX,
+                                        transport=self.transport, fast_axis=self.fast_axis))
 
     # ------------------------------------------------------------- protocol
+    def _blocks_of(self, size: int, seed) -> Blocks:
+        nb = max(1, -(-size // self.block))
+        count = make_layout([size], self.block).block_counts().reshape(1, nb, 1)
+        return Blocks.of(mix_seed(seed), nb, self.block)._replace(count=jnp.asarray(count))
+
     def encode(self, x, *, seed=0):
-        """Encodes one array: ``{"codes": uint32 words, "scales": float32 per block}``.
+        """Encodes one array: its payload entries flattened (``{"codes": ..., "scales": ...}``).
 
         Example:
           >>> import jax.numpy as jnp
@@ -251,31 +180,23 @@ class Quantizer(Codec):
         """
         flat = jnp.ravel(jnp.asarray(x)).astype(jnp.float32)
         size = flat.shape[0]
-        fmt = self.fmt
-        nb = max(1, -(-size // fmt.block))
-        padded = jnp.pad(flat, (0, nb * fmt.block - size))
-        valid = make_layout([size], fmt.block).block_counts().reshape(1, nb)
-        words, scales = fmt.encode_words(
-            padded.reshape(1, nb, fmt.block), mix_seed(seed), jnp.asarray(valid)
-        )
-        payload = {"codes": words.reshape(-1)}
-        if fmt.has_scale:
-            payload["scales"] = scales.reshape(-1)
-        return payload
+        blocks = self._blocks_of(size, seed)
+        nb = blocks.base.shape[1]
+        padded = jnp.pad(flat, (0, nb * self.block - size)).reshape(1, nb, self.block)
+        return {k: v.reshape(-1) for k, v in encode_checked(self, padded, blocks).items()}
 
     def decode(self, payload, shape, *, seed=0):
         """Decodes :meth:`encode`'s payload to a float32 array of ``shape``."""
         del seed
-        fmt = self.fmt
         size = prod(shape)
-        nb = max(1, -(-size // fmt.block))
-        scales = payload["scales"].reshape(1, nb) if fmt.has_scale else None
-        y = fmt.decode_words(payload["codes"].reshape(1, nb, -1), scales)
+        nb = max(1, -(-size // self.block))
+        blocks = {e.name: payload[e.name].reshape(1, nb, e.count) for e in payload_spec(self)}
+        y = decode_checked(self, blocks, (1, nb, self.block))
         return y.reshape(-1)[:size].reshape(shape)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
-class _Cast(Quantizer):
+class _Cast(CastBlocks, BlockCodec):
     dtype: str = "bfloat16"
     block: int = 32
 
@@ -283,38 +204,25 @@ class _Cast(Quantizer):
     def name(self):  # type: ignore[override]
         return "bf16" if self.dtype == "bfloat16" else "fp16"
 
-    @property
-    def fmt(self) -> Format:
-        return Cast(bits=16, block=self.block, has_scale=False, dtype=self.dtype)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
-class _OneBit(Quantizer):
+class _OneBit(SignBlocks, BlockCodec):
     name: ClassVar[str] = "onebit"
 
-    @property
-    def fmt(self) -> Format:
-        return Sign(bits=1, block=self.block)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
-class _TernGrad(Quantizer):
+class _TernGrad(TernaryBlocks, BlockCodec):
     name: ClassVar[str] = "terngrad"
     randomness: ClassVar[str] = "per_replica"
 
-    @property
-    def fmt(self) -> Format:
-        return Ternary(bits=2, block=self.block)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
-class _QSGD(Quantizer):
+class _QSGD(LevelsBlocks, BlockCodec):
     levels: int = 7
     name: ClassVar[str] = "qsgd"
     randomness: ClassVar[str] = "per_replica"
 
     def __post_init__(self):
-        super().__post_init__()
         if isinstance(self.levels, bool) or int(self.levels) != self.levels or not (
             1 <= self.levels <= 127
         ):
@@ -322,41 +230,35 @@ class _QSGD(Quantizer):
                 f"levels must be an integer in [1, 127], got {self.levels}; e.g. 7 (4 bits)"
             )
         object.__setattr__(self, "levels", int(self.levels))
-
-    @property
-    def fmt(self) -> Format:
-        return Levels(
-            bits=qsgd_bits(self.levels), block=self.block, levels=self.levels
-        )
+        super().__post_init__()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
-class _Natural(Quantizer):
+class _Natural(NaturalBlocks, BlockCodec):
     name: ClassVar[str] = "natural"
     randomness: ClassVar[str] = "per_replica"
-
-    @property
-    def fmt(self) -> Format:
-        return Natural(bits=8, block=self.block)
 
 
 # The template of the six factories: a signature ending in these parameters, with
 # these defaults, an Args section ending in the line "{shared args}", and the body
 # `return cls(**locals())` (see _quantizer).
 _SHARED = {"axis_name": "data", "min_size": 1024, "fast_axis": None, "seed": 0,
-           "bucket_bytes": None}
+           "bucket_bytes": None, "transport": None}
 _SHARED_ARGS = """\
       axis_name: the data-parallel axis (or tuple of axes) of the optax form.
       min_size: leaves with fewer elements go in one float32 psum.
       fast_axis: two-level mode on a 2-D mesh: bf16 over this axis, the codec
         over the others (``axis_name`` must then be a tuple holding it).
-      seed: seed of the random numbers (mixed with the step and replica index).
-      bucket_bytes: ``None`` (one exchange for the codec's leaves) or the most
-        float32 bytes of gradient per exchange (see :class:`Quantizer`).
+      seed: seed of the random numbers (mixed with the step, leaf and replica index).
+      bucket_bytes: ``None`` (one exchange per lane) or the most float32 bytes
+        of gradient per exchange: leaves in reverse order, fused into buckets
+        that can travel during the backward pass (see :class:`Codec`).
+      transport: ``None`` (each bucket by predicted time), ``"owner"`` or
+        ``"allgather"`` (see :class:`BlockCodec`).
 """
 
 
-def _quantizer(cls: type[Quantizer]) -> Callable[[F], F]:
+def _quantizer(cls: type[BlockCodec]) -> Callable[[F], F]:
     """A factory of ``cls`` on the quantizers' template (checked), registered by :func:`factory`."""
 
     def make(fn: F) -> F:
@@ -379,6 +281,7 @@ def bf16(
     fast_axis: str | None = None,
     seed: int = 0,
     bucket_bytes: int | None = None,
+    transport: str | None = None,
 ) -> Codec:
     """bfloat16 gradients, moved as uint16 through all-to-all + all-gather.
 
@@ -411,6 +314,7 @@ def fp16(
     fast_axis: str | None = None,
     seed: int = 0,
     bucket_bytes: int | None = None,
+    transport: str | None = None,
 ) -> Codec:
     """float16 gradients (values beyond ±65504 saturate), moved as uint16.
 
@@ -443,6 +347,7 @@ def onebit(
     fast_axis: str | None = None,
     seed: int = 0,
     bucket_bytes: int | None = None,
+    transport: str | None = None,
 ) -> Codec:
     """Sign compression with a scale (EF-signSGD, Seide's 1-bit SGD), 8 per byte.
 
@@ -489,6 +394,7 @@ def terngrad(
     fast_axis: str | None = None,
     seed: int = 0,
     bucket_bytes: int | None = None,
+    transport: str | None = None,
 ) -> Codec:
     """TernGrad: ``s·sign(x)·Bernoulli(|x|/s)`` with ``s = max |x|`` per block.
 
@@ -527,6 +433,7 @@ def qsgd(
     fast_axis: str | None = None,
     seed: int = 0,
     bucket_bytes: int | None = None,
+    transport: str | None = None,
 ) -> Codec:
     """QSGD: ``‖x‖·sign(x_i)·ξ_i/s``, ``ξ_i`` stochastic rounding of ``s|x_i|/‖x‖``.
 
@@ -546,7 +453,7 @@ def qsgd(
 
     Example:
       >>> from adaptjax import compression as ajc
-      >>> ajc.qsgd(1).fmt.bits, ajc.qsgd(7).fmt.bits, ajc.qsgd(8).fmt.bits
+      >>> ajc.qsgd(1).code_bits, ajc.qsgd(7).code_bits, ajc.qsgd(8).code_bits
       (2, 4, 5)
 
     References:
@@ -566,6 +473,7 @@ def natural(
     fast_axis: str | None = None,
     seed: int = 0,
     bucket_bytes: int | None = None,
+    transport: str | None = None,
 ) -> Codec:
     """Natural compression: unbiased stochastic rounding to a power of two.
 
@@ -585,8 +493,8 @@ def natural(
 
     Example:
       >>> from adaptjax import compression as ajc
-      >>> ajc.natural().fmt.bits
-      8
+      >>> ajc.natural().bits     # 8-bit codes and a float32 scale per 512
+      8.0625
 
     References:
       Horváth et al., "Natural compression for distributed deep learning", 2019.

@@ -338,43 +338,45 @@ def sparse_bytes(k: int, n: int) -> float:
 
 
 def _sparse_reduce(leaves: Sequence[LeafIn], ks, ctx: Ctx, variant, residual):
-    """Top-k of each leaf, one sparse collective; returns (outs, residuals or None).
+    """Top-k of each leaf, one sparse exchange; returns (outs, residuals or None).
 
     Under ``OWNER_MIN_N`` replicas one all-gather of every replica's pairs; from
-    it on, :func:`owner_sparse` (routing to owners, owners re-select), whose
-    unsent pairs stay in this replica's residual and whose pairs an owner did
-    not keep join the owner's residual (``N`` times them), so error feedback
-    loses nothing. Pairs are indexed into the concatenation of the leaves
-    (:attr:`LeafIn.offset`).
+    it on, :func:`owner_sparse` (each leaf's pairs routed to the owners of its
+    index ranges, owners re-select), whose unsent pairs stay in this replica's
+    residual and whose pairs an owner did not keep join the owner's residual
+    (``N`` times them), so error feedback loses nothing. Every leaf is
+    selected and routed on its own, with seeds of its own: its result does not
+    depend on the leaves of its bucket.
     """
     sizes = [i.leaf.size for i in leaves]
-    total = sum(sizes)
-    vals, gidx, lidx = [], [], []
-    for j, (leaf, k) in enumerate(zip(leaves, ks, strict=True)):
-        idx, v = select_topk(jnp.ravel(leaf.x), k, variant, ctx.seed_for(16 + j))
-        vals.append(v)
-        gidx.append(jnp.where(idx < leaf.leaf.size, idx + leaf.offset, total))
-        lidx.append(idx)
-    vals, gidx = jnp.concatenate(vals), jnp.concatenate(gidx)
+    pairs = []
+    for leaf, k in zip(leaves, ks, strict=True):
+        idx, v = select_topk(jnp.ravel(leaf.x), k, variant, ctx.seed_for(16, leaf=leaf.leaf.index))
+        pairs.append((v, idx))
     if ctx.n >= OWNER_MIN_N:
-        select = functools.partial(select_topk, variant=variant, seed=ctx.seed_for(15))
-        means, sent, d_idx, d_val = owner_sparse(vals, gidx, sizes, ctx.names, ctx.n, select)
+        selects = [functools.partial(select_topk, variant=variant,
+                                     seed=ctx.seed_for(15, leaf=i.leaf.index)) for i in leaves]
+        routed = owner_sparse(pairs, sizes, ctx.names, ctx.n, selects)
     else:
-        means = allgather_sparse(vals, gidx, sizes, ks, ctx.names, ctx.n)
-        sent, d_idx, d_val = None, None, None
-    outs, res, at = [], [], 0
-    for leaf, idx, k, mean in zip(leaves, lidx, ks, means, strict=True):
-        x, size, off = leaf.x, leaf.leaf.size, leaf.offset
+        off, vals, gidx = 0, [], []
+        for (v, idx), size in zip(pairs, sizes, strict=True):
+            vals.append(v)
+            gidx.append(jnp.where(idx < size, idx + off, sum(sizes)))
+            off += size
+        means = allgather_sparse(jnp.concatenate(vals), jnp.concatenate(gidx), sizes, ks,
+                                 ctx.names, ctx.n)
+        routed = [(mean, None, None, None) for mean in means]
+    outs, res = [], []
+    for leaf, (_, idx), (mean, sent, d_idx, d_val) in zip(leaves, pairs, routed, strict=True):
+        size = leaf.leaf.size
         outs.append(mean.reshape(leaf.leaf.shape))
         if residual:
             if sent is not None:
-                idx = jnp.where(jax.lax.slice(sent, (at,), (at + k,)), idx, size)
-            r = jnp.ravel(x).at[idx].set(0.0, mode="drop")
+                idx = jnp.where(sent, idx, size)
+            r = jnp.ravel(leaf.x).at[idx].set(0.0, mode="drop")
             if d_idx is not None:
-                mine = (d_idx >= off) & (d_idx < off + size)
-                r = r.at[jnp.where(mine, d_idx - off, size)].add(ctx.n * d_val, mode="drop")
+                r = r.at[d_idx].add(ctx.n * d_val, mode="drop")
             res.append(r.reshape(leaf.leaf.shape))
-        at += k
     return outs, (res if residual else None)
 
 
@@ -456,6 +458,11 @@ class _RandomK(Codec):
     linear: ClassVar[bool] = True
     randomness: ClassVar[str] = "shared"
 
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        """Scaled (no error feedback): unbiased; with error feedback the unscaled contraction."""
+        return self.error_feedback is None
+
     def __post_init__(self):
         super().__post_init__()
         object.__setattr__(self, "ratio", positive_ratio(self.ratio))
@@ -477,10 +484,10 @@ class _RandomK(Codec):
 
     def reduce(self, leaves: Sequence[LeafIn], ctx: Ctx) -> list[LeafOut]:
         vals, idxs = [], []
-        for j, leaf in enumerate(leaves):
+        for leaf in leaves:
             size = leaf.leaf.size
             s, count = _strata(self.ratio, size)
-            idx = _randk_indices(ctx.seed_for(32 + j, shared=True), s, count)
+            idx = _randk_indices(ctx.seed_for(32, shared=True, leaf=leaf.leaf.index), s, count)
             f = jnp.ravel(leaf.x)
             vals.append(jnp.where(idx < size, f[jnp.minimum(idx, size - 1)], 0.0))
             idxs.append(idx)
@@ -582,6 +589,7 @@ def topk(
     error_feedback: str | None = "ef14",
     min_size: int = 1024,
     seed: int = 0,
+    bucket_bytes: int | None = None,
 ) -> Codec:
     """Top-k sparsification: the ``ceil(ratio·d)`` largest-magnitude entries per leaf.
 
@@ -609,6 +617,9 @@ def topk(
         et al. 2018), ``"ef21"`` or ``None``.
       min_size: leaves with fewer elements go in one float32 psum.
       seed: seed of the sampled variant.
+      bucket_bytes: ``None`` (one exchange per lane) or the most float32 bytes
+        of gradient per exchange: leaves in reverse order, fused into buckets
+        that can travel during the backward pass (see :class:`Codec`).
 
     Returns:
       The codec.
@@ -635,6 +646,7 @@ def randomk(
     error_feedback: str | None = None,
     min_size: int = 1024,
     seed: int = 0,
+    bucket_bytes: int | None = None,
 ) -> Codec:
     """Random-k sparsification with coordinates shared by all replicas; one psum.
 
@@ -651,6 +663,9 @@ def randomk(
         or ``"ef21"`` (then unscaled, a contraction).
       min_size: leaves with fewer elements go in one float32 psum.
       seed: seed of the shared coordinates.
+      bucket_bytes: ``None`` (one exchange per lane) or the most float32 bytes
+        of gradient per exchange: leaves in reverse order, fused into buckets
+        that can travel during the backward pass (see :class:`Codec`).
 
     Returns:
       The codec.
@@ -678,6 +693,7 @@ def dgc(
     axis_name: str | tuple[str, ...] = "data",
     min_size: int = 1024,
     seed: int = 0,
+    bucket_bytes: int | None = None,
 ) -> Codec:
     """Deep Gradient Compression: top-k of a momentum-corrected accumulation.
 
@@ -691,7 +707,9 @@ def dgc(
     so :func:`adaptjax.wire_bytes` lists every stage's all-gather). Use it with
     plain SGD: the momentum lives here.
     The momentum correction is DGC's own error feedback (what is not sent stays
-    in ``v``), so it takes no ``error_feedback``.
+    in ``v``), so it takes no ``error_feedback``. Local clipping scales by the
+    norm of the whole gradient, so with ``clip_norm`` every bucket waits for
+    the whole backward pass (``bucket_bytes`` then saves nothing).
 
     Args:
       ratio: final density, in (0, 1].
@@ -703,6 +721,9 @@ def dgc(
       axis_name: the data-parallel axis of the optax form.
       min_size: leaves with fewer elements go in one float32 psum.
       seed: seed of the sampled variant.
+      bucket_bytes: ``None`` (one exchange per lane) or the most float32 bytes
+        of gradient per exchange: leaves in reverse order, fused into buckets
+        that can travel during the backward pass (see :class:`Codec`).
 
     Returns:
       The codec.

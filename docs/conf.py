@@ -88,36 +88,14 @@ autosummary_context = {
 # until their source is fixed (each is in the docs' report to the source's owner).
 # An entry whose text is gone from the docstring fails the build: delete it then.
 DOCSTRING_FIXES: dict[str, list[tuple[str, str]]] = {
-    # "``X``s": reST ends an inline literal only before a space or punctuation.
-    "adaptjax.abstract_state": [("``ShapeDtypeStruct``s.", "``ShapeDtypeStruct`` leaves.")],
-    # "Class attributes (...):" is not a section napoleon knows, so its list breaks.
-    "adaptjax.compression.Codec": [
-        ("Class attributes (the flags of the codec protocol):", "Class attributes:"),
-    ],
-    # Napoleon reads "Words: text" on a property's first line (or in Returns) as "type: text".
-    "adaptjax.ArrayDataset.cursor": [
-        ("Samples handed out so far: the stream position of the next batch.",
-         "int: samples handed out so far, the stream position of the next batch."),
-    ],
-    "adaptjax.TrainState.model": [
-        ("The model: the NNX module", "The model, the NNX module"),
-    ],
-    "adaptjax.IterableDataset.next_batch": [
-        ("The batch: the examples' pytree", "The batch, the examples' pytree"),
-    ],
 }
 
 # Constants whose definition has no ``#:`` comment yet (same rule: delete once it has).
-CONSTANT_DOCS: dict[str, str] = {
-    "adaptjax.policies.Action": "Any one action: the union of the action classes a policy returns.",
-    "adaptjax.policies.ACTION_TYPES": "The action classes, as a tuple (for ``isinstance``).",
-}
+CONSTANT_DOCS: dict[str, str] = {}
 
 # References in annotations or docstrings to names that are not public, shown as
 # plain text until their source names a public one (same rule: delete once fixed).
 PENDING_REFERENCES: dict[str, str] = {
-    "Quantizer": "compression/_quantizers.py: the factories' docstrings say :class:`Quantizer`",
-    "adaptjax.compression._feedback": "compression/_base.py: Codec.feedback's docstring",
     "adaptjax.compression._feedback.NoFeedback": "compression/_base.py: Codec.feedback's type",
     "ajp.Policy": "adaptjax/controller/_controller.py: Controller(policies: Sequence[ajp.Policy])",
 }

@@ -24,8 +24,9 @@ Sharded (``--mesh data=2,fsdp=4``, or ``data=2,fsdp=2,model=2``): parameters
 and AdamW's moments are split over ``fsdp`` (and the attention and MLP weights
 over ``model``, Megatron-style: see :func:`lm_sharding`), the noise scale
 measured over ``data``; the script prints ``params+optimizer bytes per device:
-<n>`` and trains with :func:`adaptjax.data_parallel_step` directly (the
-controller takes a 1-D mesh until issue 34's second phase), without policies.
+<n>`` before training, through the same controller and policies, with
+``ElasticScale`` moving between mesh shapes (the data axis halved at 40% of
+the steps, back at 70%; from one replica, the fsdp axis instead).
 On GPUs or TPUs the same flag shards a larger model over real devices: put
 ``fsdp``/``model`` last so they stay inside a node, and leave the
 ``XLA_FLAGS`` device count unset.
@@ -225,22 +226,21 @@ _TENSOR_PARALLEL = {
 }
 
 
-def lm_sharding(mesh):
-    """``(path, leaf) -> PartitionSpec``: tensor parallel over ``model`` if the mesh has it, then
-    :class:`adaptjax.FSDP` over ``fsdp`` on every leaf of 4096 elements or more."""
-    fsdp = adaptjax.FSDP()
+def lm_sharding(path, leaf, mesh):
+    """A leaf's ``PartitionSpec`` on ``mesh``: tensor parallel over ``model`` if the mesh has it,
+    then :class:`adaptjax.FSDP` over ``fsdp`` on every leaf of 4096 elements or more.
 
-    def rule(path, leaf):
-        names = [getattr(k, "key", None) for k in path]
-        layer = next((n for n in names if n in _TENSOR_PARALLEL), None)
-        base = P()
-        if "model" in mesh.axis_names and layer is not None and names[-2] == "kernel":
-            base = _TENSOR_PARALLEL[layer]
-        elif "model" in mesh.axis_names and layer == "up" and names[-2] == "bias":
-            base = P("model")
-        return fsdp.spec(np.shape(leaf), mesh, base)
-
-    return rule
+    The rule takes the mesh (a third parameter), so it serves every mesh a
+    rescale moves the run to.
+    """
+    names = [getattr(k, "key", None) for k in path]
+    layer = next((n for n in names if n in _TENSOR_PARALLEL), None)
+    base = P()
+    if "model" in mesh.axis_names and layer is not None and names[-2] == "kernel":
+        base = _TENSOR_PARALLEL[layer]
+    elif "model" in mesh.axis_names and layer == "up" and names[-2] == "bias":
+        base = P("model")
+    return adaptjax.FSDP().spec(np.shape(leaf), mesh, base)
 
 
 def bytes_per_device(state) -> int:
@@ -254,36 +254,23 @@ def bytes_per_device(state) -> int:
     )
 
 
-def train_sharded(args, cfg, model, train, evaluate):
-    """Trains on a sharded mesh with :func:`adaptjax.data_parallel_step` (no controller)."""
+def mesh_arguments(args, steps: int) -> tuple[dict, ajp.ElasticScale]:
+    """The controller's mesh arguments and its ``ElasticScale``: 1-D over ``--devices``, or
+    the ``--mesh`` shape with :func:`lm_sharding` (the data axis halved at 40% of the steps,
+    or from one replica the fsdp axis, and back at 70%)."""
+    early, late = int(steps * 0.4), int(steps * 0.7)
+    if args.mesh is None:
+        elastic = ajp.ElasticScale({early: max(args.devices // 2, 1), late: args.devices})
+        return {"devices": args.devices}, elastic
+    shape = parse_mesh(args.mesh)
     try:
-        mesh = adaptjax.make_mesh(parse_mesh(args.mesh))
+        adaptjax.make_mesh(shape)
     except ValueError as error:
         raise SystemExit(f"lm.py: --mesh {args.mesh}: {error}") from None
-    rule = lm_sharding(mesh)
-    tx = adaptjax.chain(
-        adaptjax.sync_gradients("data", monitors=(adaptjax.GradientNoiseScale(),)),
-        optax.adamw(args.lr, weight_decay=0.01),
-    )
-    model.train()
-    state = adaptjax.init_state(model, tx, mesh, sharding=rule)
-    print(f"mesh: {dict(mesh.shape)}  params+optimizer bytes per device: {bytes_per_device(state)}")
-    step = adaptjax.data_parallel_step(loss_fn, tx, mesh, sharding=rule)
-    rng = np.random.default_rng(args.seed)
-    every = args.eval_every or max(args.steps // 6, 1)
-    t0, metrics = time.perf_counter(), None
-    for t in range(args.steps):
-        rows = rng.integers(0, len(train), size=args.batch_size)
-        state, metrics = step(state, {"tokens": train[rows]})
-        if (t + 1) % every == 0 or t + 1 == args.steps:
-            m = jax.device_get(metrics)
-            print(f"step {t + 1}: loss {float(m['loss']):.4f}  "
-                  f"noise scale {float(m['noise_scale']):.1f}")
-    seconds = time.perf_counter() - t0
-    tokens = args.steps * args.batch_size * cfg.context
-    print(f"steps: {args.steps}  tokens: {tokens}  wall: {seconds:.1f}s  "
-          f"({tokens / seconds:.0f} tokens/s)")
-    return evaluate(state.model)
+    axis = "data" if shape.get("data", 1) > 1 else "fsdp"
+    smaller = {**shape, axis: max(shape.get(axis, 1) // 2, 1)}
+    elastic = ajp.ElasticScale({early: smaller, late: shape})
+    return {"mesh_shape": shape, "sharding": lm_sharding}, elastic
 
 
 def model_config(args) -> LMConfig:
@@ -307,21 +294,18 @@ def main(argv=None):
     model = ByteLM(cfg, nnx.Rngs(params=args.seed, dropout=args.seed + 1))
     print(f"model: {cfg}  parameters: {param_count(model)}")
     evaluate = make_eval(val, ByteLM(cfg, nnx.Rngs(0)))
-    if args.mesh is not None:
-        result = train_sharded(args, cfg, model, train, evaluate)
-        print(f"validation loss: {result['loss']:.4f} nats/byte")
-        print(f"validation bits per byte: {result['bpb']:.4f}")
-        return result
+    steps = args.steps
+    mesh, elastic = mesh_arguments(args, steps)
     if os.path.exists(args.run_dir):
         shutil.rmtree(args.run_dir)  # a new run starts fresh
-    steps = args.steps
+    model.train()  # dropout on while training (evaluation builds its own model)
     ctrl = adaptjax.Controller(
         model=model,
         loss_fn=loss_fn,
         optimizer=optax.adamw,
         hyperparams={"learning_rate": args.lr, "weight_decay": 0.01},
         data=adaptjax.ArrayDataset({"tokens": train}, seed=args.seed),
-        devices=args.devices,
+        **mesh,
         batch_size=args.batch_size,
         policies=[
             ajp.cooldown(
@@ -330,8 +314,7 @@ def main(argv=None):
                                       optimizer_kind="adam", multiple_of=8),
                 steps=max(steps // 10, 1),
             ),
-            ajp.ElasticScale({int(steps * 0.4): max(args.devices // 2, 1),
-                              int(steps * 0.7): args.devices}),
+            elastic,
             ajp.SwitchCompression(ajc.onebit(), when_comm_share_above=0.5),
         ],
         policy_every=args.policy_every,
@@ -342,13 +325,17 @@ def main(argv=None):
         run_dir=args.run_dir,
         progress=not args.no_progress,
     )
+    if args.mesh is not None:
+        print(f"mesh: {ctrl.config.axes}  params+optimizer bytes per device: "
+              f"{bytes_per_device(ctrl.state)}")
     t0 = time.perf_counter()
     ctrl.run(steps)
     seconds = time.perf_counter() - t0
     result = evaluate(ctrl.model)
     events = ctrl.log.events
     batches = sorted({e["config"]["batch_size"] for e in events if e["kind"] == "compile"})
-    rescales = [(e["devices_from"], e["devices_to"]) for e in events if e["kind"] == "rescale"]
+    rescales = [(e.get("mesh_from", e["devices_from"]), e.get("mesh_to", e["devices_to"]))
+                for e in events if e["kind"] == "rescale"]
     codecs = [(e["step"], e["codec"]) for e in events if e["kind"] == "set_codec"]
     tokens = ctrl.samples_seen * cfg.context
     print(f"steps: {ctrl.step}  tokens: {tokens}  wall: {seconds:.1f}s  "

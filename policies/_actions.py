@@ -109,20 +109,29 @@ class SetBatchSize:
 class Rescale:
     """Move training to another device count or mesh shape (through a checkpoint).
 
+    ``devices`` counts replicas (the ``"data"`` axis): on a sharded mesh the
+    other axes keep their sizes. ``mesh_shape`` names the whole new mesh,
+    ``{"data": d, "fsdp": f}`` (``"model"`` too; a mapping of ``"data"``
+    alone is the 1-D mesh), kept as a read-only mapping in the given axis
+    order; a tuple of ints gives the sizes of the run's own axes, in order.
+
     Args:
-      devices: the new number of devices (a 1-D data-parallel mesh), >= 1.
-      mesh_shape: the new mesh shape, every dimension >= 1.
-        Give exactly one of ``devices`` and ``mesh_shape``.
+      devices: the new number of replicas, >= 1.
+      mesh_shape: the new mesh shape, ``{axis: size}`` (every size >= 1, a
+        ``"data"`` axis) or a tuple of sizes. Give exactly one of
+        ``devices`` and ``mesh_shape``.
 
     Example:
       >>> Rescale(devices=4)
       Rescale(devices=4, mesh_shape=None)
       >>> Rescale(mesh_shape=[2, 4]).mesh_shape
       (2, 4)
+      >>> Rescale(mesh_shape={"data": 1, "fsdp": 4})
+      Rescale(devices=None, mesh_shape={'data': 1, 'fsdp': 4})
     """
 
     devices: int | None = None
-    mesh_shape: tuple[int, ...] | None = None
+    mesh_shape: tuple[int, ...] | Mapping[str, int] | None = None
     reason: str = dataclasses.field(default="", compare=False, repr=False, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -137,9 +146,13 @@ class Rescale:
             devices = check_int(self.devices, owner=owner, name="devices", minimum=1)
             object.__setattr__(self, "devices", devices)
             return
+        if isinstance(self.mesh_shape, Mapping):
+            object.__setattr__(self, "mesh_shape", _named_shape(self.mesh_shape, owner))
+            return
         if isinstance(self.mesh_shape, str | bytes) or not hasattr(self.mesh_shape, "__iter__"):
             raise ValueError(
-                f"{owner}: mesh_shape must be a tuple of ints, got {short_repr(self.mesh_shape)}"
+                f"{owner}: mesh_shape must be a tuple of ints or a dict {{axis: size}}, got "
+                f"{short_repr(self.mesh_shape)}"
             )
         shape = tuple(
             check_int(d, owner=owner, name="every mesh_shape dimension", minimum=1)
@@ -148,6 +161,20 @@ class Rescale:
         if not shape:
             raise ValueError(f"{owner}: mesh_shape must have at least one dimension, got ()")
         object.__setattr__(self, "mesh_shape", shape)
+
+
+def _named_shape(shape: Mapping, owner: str) -> FrozenMapping:
+    """``{axis: size}`` checked: str axes, int sizes >= 1, a ``"data"`` axis (the replicas)."""
+    out = {}
+    for axis, size in shape.items():
+        check_str(axis, owner=owner, name="every mesh_shape axis", allow_empty=False)
+        out[axis] = check_int(size, owner=owner, name=f"mesh_shape[{axis!r}]", minimum=1)
+    if "data" not in out:
+        raise ValueError(
+            f"{owner}: mesh_shape {out} has no 'data' axis (the replicas); add one, e.g. "
+            f"{{'data': 1, **{out}}}"
+        )
+    return FrozenMapping(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,6 +374,7 @@ class Probe:
             )
 
 
+#: The action classes, as a tuple (for ``isinstance``).
 ACTION_TYPES: tuple[type, ...] = (
     SetHyperparams,
     SetBatchSize,
@@ -360,6 +388,7 @@ ACTION_TYPES: tuple[type, ...] = (
     Probe,
 )
 
+#: Any one action: the union of the action classes a policy returns.
 Action: TypeAlias = (
     SetHyperparams
     | SetBatchSize
@@ -429,8 +458,10 @@ def action_signature(action: Action) -> list[Any]:
     if isinstance(action, SetBatchSize):
         return ["SetBatchSize", action.batch_size, action.microbatches]
     if isinstance(action, Rescale):
-        shape = None if action.mesh_shape is None else list(action.mesh_shape)
-        return ["Rescale", action.devices, shape]
+        shape = action.mesh_shape
+        if isinstance(shape, Mapping):
+            shape = [[axis, size] for axis, size in shape.items()]
+        return ["Rescale", action.devices, None if shape is None else list(shape)]
     if isinstance(action, SetCodec):
         return ["SetCodec", opaque_key(action.codec)]
     if isinstance(action, SetSync):

@@ -40,12 +40,19 @@ class Context:
         current devices, micro-batches, codec, sync and precision (run, or
         compiled ahead): a move to one waits for no compile. Any iterable of
         ints >= 1, kept as a ``frozenset``; empty when unknown.
+      mesh_shape: the sharded mesh's axes in order, ``{"data": devices, "fsdp": f, ...}``
+        (a read-only mapping), or ``None`` on a 1-D data-parallel mesh. On a
+        sharded mesh ``devices`` and ``max_devices`` count replicas (the
+        ``"data"`` axis) at the current model axes.
 
     Example:
       >>> ctx = Context(step=0, batch_size=64, microbatches=1, devices=8, max_devices=8,
       ...               hyperparams={"learning_rate": 0.1})
       >>> ctx.batch_size // (ctx.devices * ctx.microbatches)
       8
+      >>> Context(step=0, batch_size=64, microbatches=1, devices=2, max_devices=2,
+      ...         hyperparams={}, mesh_shape={"data": 2, "fsdp": 4}).mesh_shape["fsdp"]
+      4
     """
 
     step: int
@@ -60,6 +67,7 @@ class Context:
     sync: object | None = None
     precision: object | None = None
     compiled_batch_sizes: frozenset[int] = frozenset()
+    mesh_shape: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         owner = "Context"
@@ -102,3 +110,18 @@ class Context:
         object.__setattr__(self, "compiled_batch_sizes", frozenset(
             check_int(b, owner=owner, name="every compiled batch size", minimum=1) for b in sizes
         ))
+        if self.mesh_shape is not None:
+            object.__setattr__(self, "mesh_shape", self._checked_mesh(owner))
+
+    def _checked_mesh(self, owner: str) -> FrozenMapping:
+        check_mapping(self.mesh_shape, owner=owner, name="mesh_shape")
+        shape = {}
+        for axis, size in self.mesh_shape.items():
+            check_str(axis, owner=owner, name="every axis of mesh_shape", allow_empty=False)
+            shape[axis] = check_int(size, owner=owner, name=f"mesh_shape[{axis!r}]", minimum=1)
+        if shape.get("data") != self.devices:
+            raise ValueError(
+                f"{owner}: mesh_shape {shape} must have 'data' = devices = {self.devices} "
+                "(devices counts replicas)"
+            )
+        return FrozenMapping(shape)

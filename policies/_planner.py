@@ -17,21 +17,24 @@ class Candidate(NamedTuple):
     """A configuration a policy may move to.
 
     Attributes:
-      devices: replicas.
+      devices: replicas (the ``"data"`` axis).
       batch_size: the global batch.
       microbatches: micro-batches per replica.
       codec: the codec object (opaque), or ``None`` for a dense sync.
+      mesh_shape: a sharded mesh's axes, ``{"data": devices, "fsdp": f, ...}``,
+        or ``None`` for the 1-D mesh of ``devices``.
 
     Example:
       >>> from adaptjax.policies import Candidate
       >>> Candidate(8, 64)._replace(devices=4)
-      Candidate(devices=4, batch_size=64, microbatches=1, codec=None)
+      Candidate(devices=4, batch_size=64, microbatches=1, codec=None, mesh_shape=None)
     """
 
     devices: int
     batch_size: int
     microbatches: int = 1
     codec: object = None
+    mesh_shape: object = None
 
 
 @runtime_checkable
@@ -59,7 +62,7 @@ class Predictor(Protocol):
 
 def current(ctx: Context) -> Candidate:
     """The :class:`Candidate` a context is in."""
-    return Candidate(ctx.devices, ctx.batch_size, ctx.microbatches, ctx.codec)
+    return Candidate(ctx.devices, ctx.batch_size, ctx.microbatches, ctx.codec, ctx.mesh_shape)
 
 
 def predict(planner, candidate: Candidate) -> float | None:

@@ -15,6 +15,10 @@ stretch the job (``benchmarks/fault_trials.py``: 20 and 2).
 ``--hold-in-save S`` stops the job inside Orbax's save of step S, once its
 temporary directory exists and its writes were launched (still in the main
 thread, before the save returns), until the test has signalled it (``--gate``).
+``--sharded`` runs the job on a ``{"data": 2, "fsdp": 4}`` mesh whose schedule
+rescales over both axes (:func:`sharded_schedule`); ``--hold restore`` then
+stops the job inside the first rescale, after its checkpoint is committed and
+before the state is restored onto the new mesh.
 """
 
 import os
@@ -113,6 +117,44 @@ def schedule(scale=1):
     )
 
 
+def sharded_schedule():
+    return ajp.Schedule(
+        {
+            10: ajp.SetBatchSize(32),
+            20: ajp.Rescale(mesh_shape={"data": 1, "fsdp": 4}),
+            30: ajp.SetBatchSize(96),
+            40: ajp.Rescale(mesh_shape={"data": 4, "fsdp": 2}),
+        }
+    )
+
+
+def sharded_kwargs(**overrides):
+    """:func:`job_kwargs` on a (data 2, fsdp 4) mesh, rescaled by :func:`sharded_schedule`."""
+    kwargs = dict(
+        devices=None,
+        mesh_shape={"data": 2, "fsdp": 4},
+        sharding=adaptjax.FSDP(min_size=16),  # the MLP is tiny: shard its leaves of >= 16
+        policies=[LossDrivenPolicy(), Announce(sharded_schedule())],
+    )
+    kwargs.update(overrides)
+    return job_kwargs(**kwargs)
+
+
+def hold_in_restore(gate):
+    """Stops the job inside its first restore onto a new mesh (the test's handshake)."""
+    from adaptjax.controller import _controller
+
+    original = _controller.restore_latest
+
+    def held(checkpoints, steps, config):
+        _controller.restore_latest = original  # once
+        print(f"RESTORING {checkpoints.latest_step()}", flush=True)
+        hold(gate, f"restore {checkpoints.latest_step()} mesh {config.axes}")
+        return original(checkpoints, steps, config)
+
+    _controller.restore_latest = held
+
+
 def job_kwargs(**overrides):
     kwargs = dict(
         model=init_params(),
@@ -161,7 +203,11 @@ def main():
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--schedule-scale", type=int, default=1, help="schedule steps x this")
     parser.add_argument("--gate", default=None, help="the handshake directory of --hold")
+    parser.add_argument("--sharded", action="store_true", help="a (data 2, fsdp 4) mesh")
     args = parser.parse_args()
+    if args.hold == "restore":
+        hold_in_restore(args.gate)
+        args.hold = None
     kind, value = args.hold.split("=") if args.hold else (None, 0)
     held = []
 
@@ -186,10 +232,13 @@ def main():
         atomicity.AtomicRenameTemporaryPath.finalize = finalize
     if args.hold_in_save is not None:
         hold_in_save(args.hold_in_save, args.gate)
-    kwargs = job_kwargs(
-        on_step=on_step, checkpoint_every=args.checkpoint_every,
-        policies=[LossDrivenPolicy(), Announce(schedule(args.schedule_scale))],
-    )
+    common = dict(on_step=on_step, checkpoint_every=args.checkpoint_every)
+    if args.sharded:
+        kwargs = sharded_kwargs(**common)
+    else:
+        kwargs = job_kwargs(
+            **common, policies=[LossDrivenPolicy(), Announce(schedule(args.schedule_scale))],
+        )
     ckpts = os.path.join(args.run_dir, "checkpoints")
     if os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)):
         ctrl = adaptjax.Controller.resume(args.run_dir, **kwargs)

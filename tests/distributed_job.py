@@ -5,6 +5,9 @@
 Controller, resuming from ``RUN_DIR``'s checkpoints when it has any. Process 0
 writes the final parameters (and the optimizer state's leaves) to
 ``RUN_DIR/final.npz``. It prints ``STEP <step> <devices>`` per step.
+``--mesh data=2,fsdp=4`` trains on that sharded mesh (``adaptjax.FSDP(min_size=16)``:
+every leaf of the MLP is split), and a ``--rescale`` target may then be a
+shape too (``6:data=4,fsdp=2``).
 ``--count-all-reduces`` writes the step's all-reduces, as traced and as
 compiled, to ``RUN_DIR/all_reduces.json``. ``--kill RANK:STEP`` makes that
 rank SIGKILL itself after that step, once per run directory (a marker file
@@ -75,6 +78,7 @@ def main():
     parser.add_argument("--hold", type=int, default=None, help="STEP: stop there (--gate)")
     parser.add_argument("--gate", default=None, help="the handshake directory of --hold")
     parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--mesh", default=None, help="a sharded mesh: data=2,fsdp=4")
     parser.add_argument("--count-all-reduces", action="store_true",
                         help="write RUN_DIR/all_reduces.json: the step's all-reduces")
     args = parser.parse_args()
@@ -84,8 +88,14 @@ def main():
         import adaptjax.compression as ajc
 
         codec = ajc.onebit(min_size=16)  # the tiny layers get error-feedback state too
+    def shape(text):
+        return {a: int(n) for a, n in (p.split("=") for p in text.split(","))}
+
     pairs = (r.split(":") for r in args.rescale)
-    schedule = {int(s): ajp.Rescale(devices=int(d)) for s, d in pairs}
+    schedule = {int(s): ajp.Rescale(mesh_shape=shape(d)) if "=" in d
+                else ajp.Rescale(devices=int(d)) for s, d in pairs}
+    mesh = {} if args.mesh is None else {
+        "devices": None, "mesh_shape": shape(args.mesh), "sharding": adaptjax.FSDP(min_size=16)}
     kill_rank, kill_step = map(int, args.kill.split(":")) if args.kill else (None, None)
     marker = os.path.join(args.run_dir, f".killed-{kill_rank}-{kill_step}")
 
@@ -131,7 +141,7 @@ def main():
         optimizer=optax.adam,
         hyperparams={"learning_rate": 1e-2},
         data=Recorded(make_data(), seed=3),
-        devices=args.devices,
+        **({"devices": args.devices} | mesh),
         batch_size=args.batch,
         codec=codec,
         policies=[ajp.Schedule(schedule)] if schedule else [],

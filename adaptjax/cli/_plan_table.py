@@ -4,6 +4,11 @@ Reads a run's ``costs.json`` (a :class:`adaptjax.costs.Planner`'s model, its
 measured step times and the collectives of each compiled step) and the last
 noise scale of its metrics. It imports the cost model, hence jax: the
 ``adaptjax`` command imports it only for ``plan`` (see ``_plan.py``).
+
+A run on a sharded mesh is ranked over mesh shapes: every factorisation of
+the device count into the run's axes whose ``"data"`` size divides the batch
+(:func:`adaptjax.costs.mesh_shapes`), each with the parameter and optimizer
+bytes a device would hold there (``state/dev``, from :attr:`Planner.memory`).
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ import json
 import os
 
 from adaptjax.controller._run_config import RunConfig
+from adaptjax.costs._meshes import mesh_shapes
 from adaptjax.costs._model import CannotPredict, Prediction, StepTimeModel
-from adaptjax.costs._planner import Planner
+from adaptjax.costs._planner import Planner, shape_label
 from adaptjax.costs._simulate import Cluster, wire_for
 from adaptjax.policies import statistical_efficiency
 
@@ -31,7 +37,7 @@ def ranked_table(run_dir: str, *, devices: int | None, bandwidth: float | None,
         raise SystemExit(f"adaptjax plan: {run_dir}/costs.json holds no measured step")
     if devices is not None or bandwidth is not None:
         model = Cluster(devices=devices, bandwidth=bandwidth, latency=latency).apply(model)
-    top_devices = devices or max(c.devices for c in seen)
+    top_devices = devices or max(c.device_count for c in seen)
     phi = _last_noise_scale(run_dir)
     ranked, unknown = _rank(planner, model, seen, top_devices, phi)
     return "\n".join(_table(planner, seen, ranked, unknown, phi, top))
@@ -49,22 +55,21 @@ def _rank(planner: Planner, model: StepTimeModel, seen: list[RunConfig], top_dev
           phi: float | None) -> tuple[list[tuple[float, RunConfig, Prediction]], list[str]]:
     """``(goodput, config, prediction)`` best first, and why the others cannot be predicted.
 
-    Every replica count up to ``top_devices`` x the batches, micro-batches and
-    codecs the run measured; goodput is samples per second x statistical
-    efficiency at the noise scale ``phi`` (Pollux) against the first batch.
+    Every replica count up to ``top_devices`` (on a sharded run: every mesh
+    shape of ``top_devices``) x the batches, micro-batches and codecs the run
+    measured; goodput is samples per second x statistical efficiency at the
+    noise scale ``phi`` (Pollux) against the first batch.
     """
     base = seen[0].batch_size
     batches = sorted({c.batch_size for c in seen})
     micros = sorted({c.microbatches for c in seen})
     codecs = list(dict.fromkeys(c.codec for c in seen))
     out, unknown = [], []
-    for n in range(1, top_devices + 1):
-        for b in batches:
-            for k in micros:
-                if b % (n * k) or b < n:
-                    continue
+    for b in batches:
+        for k in micros:
+            for target in _meshes(seen[0], top_devices, b, k):
                 for codec in codecs:
-                    config = seen[0].replace(devices=n, batch_size=b, microbatches=k, codec=codec)
+                    config = seen[0].replace(**target, batch_size=b, microbatches=k, codec=codec)
                     try:
                         wire = planner._wires.get(config) or wire_for(planner.model, config)
                         p = model.predict(config, wire)
@@ -75,6 +80,15 @@ def _rank(planner: Planner, model: StepTimeModel, seen: list[RunConfig], top_dev
                     out.append((b / p.step_time * eff, config, p))
     out.sort(key=lambda r: -r[0])
     return out, unknown
+
+
+def _meshes(config: RunConfig, top_devices: int, batch: int, micro: int) -> list[dict]:
+    """``RunConfig`` fields of each mesh to rank: replica counts, or a sharded run's shapes."""
+    if config.mesh_shape is None:
+        return [{"devices": n} for n in range(1, top_devices + 1)
+                if batch % (n * micro) == 0 and batch >= n]
+    return [{"devices": s["data"], "mesh_shape": s}
+            for s in mesh_shapes(top_devices, tuple(config.axes), batch, micro)]
 
 
 def _table(planner: Planner, seen: list[RunConfig], ranked, unknown: list[str],
@@ -89,12 +103,17 @@ def _table(planner: Planner, seen: list[RunConfig], ranked, unknown: list[str],
     head = (f"configurations ranked by predicted goodput ({what}; base batch "
             f"{seen[0].batch_size}; {len(seen)} measured)")
     head += "; meas ms: measured, - : predicted only"
-    lines = [head, f"{'#':>3s} {'dev':>3s} {'batch':>5s} {'mb':>2s} {'step ms':>9s} "
+    sharded = seen[0].mesh_shape is not None
+    mesh = f" {'mesh':>18s} {'state/dev':>11s}" if sharded else ""
+    lines = [head, f"{'#':>3s} {'dev':>3s}{mesh} {'batch':>5s} {'mb':>2s} {'step ms':>9s} "
              f"{'meas ms':>9s} {'bytes/dev':>11s} {'samples/s':>10s} {'goodput':>9s}  codec"]
     for i, (g, c, p) in enumerate(ranked[:top], 1):
         measured = planner._times.get(c)
         meas = "-" if measured is None else f"{measured * 1e3:.2f}"
-        lines.append(f"{i:3d} {c.devices:3d} {c.batch_size:5d} {c.microbatches:2d} "
+        if sharded:
+            state = planner.memory.get(shape_label(c.axes))
+            mesh = f" {shape_label(c.axes):>18s} {'-' if state is None else state:>11}"
+        lines.append(f"{i:3d} {c.devices:3d}{mesh} {c.batch_size:5d} {c.microbatches:2d} "
                      f"{p.step_time * 1e3:9.2f} {meas:>9s} {p.bytes:11.0f} "
                      f"{c.batch_size / p.step_time:10.1f} {g:9.1f}  {label.get(c.codec, 'none')}")
     if unknown:

@@ -29,6 +29,7 @@ from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
 from adaptjax._state import merge_model, split_model
 from adaptjax._tree import check_float_tree
 from adaptjax._walk import find_held
+from adaptjax.controller._meshes import job_devices, start_shape
 from adaptjax.controller._options import (
     CheckpointOptions,
     CompileOptions,
@@ -43,7 +44,7 @@ from adaptjax.controller._run_config import RunConfig, codec_key
 from adaptjax.controller._run_dir import CHECKPOINTS, check_writable_run_dir, user_stacklevel
 from adaptjax.controller._run_lock import RunLock
 from adaptjax.controller._transition import monitor_sample_needs, one_gradient_sample, sample_split
-from adaptjax.launch._distributed import can_give, is_primary, max_processes
+from adaptjax.launch._distributed import can_give, is_primary
 from adaptjax.sync._registry import resolve_sync, sync_key
 
 
@@ -71,6 +72,7 @@ class Checked:
     # whether announced configurations are compiled in the background: asked for, on one
     # process, with a dataset that gives a batch's shapes without reading it (batch_at)
     compile_ahead: bool
+    device_limit: int = 1  # the devices the job may have (a mesh of more is refused)
 
 
 class NoPolicy(ajp.Policy):
@@ -92,13 +94,15 @@ def check_arguments(args: Mapping[str, Any]) -> Checked:
     progress, tensorboard = args["progress"], args["tensorboard"]
     if plan is not None:  # write only into the plan directory, start fresh
         run_dir, resume, tensorboard, progress = plan.run_dir, False, False, False
-    devices, codec, sync = args["devices"], args["codec"], args["sync"]
+    devices, mesh_shape = start_shape(args["devices"], args.get("mesh_shape"))
+    codec, sync = args["codec"], args["sync"]
     resolve_sync(sync).check(devices, codec)
     batch_size, microbatches = args["batch_size"], args["microbatches"]
     if microbatches is None:
         one_even = devices == 1 and isinstance(batch_size, int) and batch_size % 2 == 0
         microbatches = 2 if one_even else 1
-    config = RunConfig(devices, batch_size, microbatches, codec_key(codec), sync_key(sync))
+    config = RunConfig(devices, batch_size, microbatches, codec_key(codec), sync_key(sync),
+                       mesh_shape=mesh_shape)
     max_devices = check_devices(config, args["max_devices"], resume)
     loop = check_loop_options(args)
     checkpoint, evaluation, compile_ = check_option_groups(args)
@@ -126,6 +130,7 @@ def check_arguments(args: Mapping[str, Any]) -> Checked:
         evaluation=evaluation, compile=compile_, progress=progress, tensorboard=tensorboard,
         plan=plan, **loop, compile_ahead=compile_.precompile_upcoming
         and jax.process_count() == 1 and hasattr(args["data"], "batch_at"),
+        device_limit=job_devices(),
     )
 
 
@@ -144,7 +149,7 @@ def resume_arguments(run_dir, kwargs: dict) -> dict:
 def check_devices(config: RunConfig, max_devices: int | None, resume: bool) -> int:
     """The most replicas a policy may ask for (default: every device the job may have)."""
     # Under a launcher that may start more processes, a policy may ask for their devices.
-    available = max(len(jax.devices()), jax.local_device_count() * max_processes())
+    available = job_devices()
     limit = available if max_devices is None else check_count(max_devices, "max_devices",
                                                               positive=True)
     if limit > available:
@@ -159,10 +164,10 @@ def check_devices(config: RunConfig, max_devices: int | None, resume: bool) -> i
         )
     # On resume the checkpoint's configuration decides (a relaunch may have fewer devices).
     if jax.process_count() == 1 and not resume:
-        make_mesh(config.devices)  # more devices than exist -> one-line error
-    elif not resume and not can_give(config.devices):
+        make_mesh(config.axes if config.mesh_shape else config.devices)  # too many: one line
+    elif not resume and not can_give(config.device_count):
         raise ValueError(
-            f"devices={config.devices} cannot be spread evenly over "
+            f"devices={config.device_count} cannot be spread evenly over "
             f"{jax.process_count()} processes of {jax.local_device_count()} devices; use a "
             f"multiple of {jax.process_count()} up to {len(jax.devices())}"
         )

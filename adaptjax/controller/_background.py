@@ -136,6 +136,17 @@ class BackgroundCompiler:
         if not pending.cancelled() and pending.exception() is None:
             self.compiled_ahead.add(config)
 
+    def compile_now(self, now: RunConfig, data, codec=..., **changes) -> tuple[RunConfig, float]:
+        """:meth:`adaptjax.Controller.precompile`: ``now`` with ``changes`` (``None``: kept)
+        and ``codec`` (``...``: kept), compiled on this thread; ``(config, seconds)``."""
+        codec = now.codec if codec is ... else self.steps.add_codec(codec)
+        config = now.replace(**{k: v for k, v in changes.items() if v is not None}, codec=codec)
+        if not hasattr(data, "batch_at"):
+            raise ValueError("precompile needs a dataset with batch_at (e.g. ArrayDataset)")
+        seconds = self.steps.compile(config, data)
+        self.compiled_ahead.add(config)  # its first step's wait is no compile's cost
+        return config, seconds
+
     def finished(self) -> list[dict]:
         """``background_compile`` events (without their step) of compiles that ended, once each."""
         events = []

@@ -46,6 +46,10 @@ class Carried:
       relaunch: the process count the run continues on when it differs from
         this job's: the state stays on the old mesh, and the loop checkpoints and
         exits with ``EXIT_RESCALE``; else ``None``.
+      restore: a move to or from a sharded mesh: the state stays on the old
+        mesh, the loop checkpoints it (recording :attr:`config`) and restores
+        that checkpoint onto the new mesh's shardings (:func:`restore_latest`),
+        as a resume would.
     """
 
     state: Any
@@ -53,6 +57,7 @@ class Carried:
     events: tuple[dict, ...] = ()
     transition: dict | None = None
     relaunch: int | None = None
+    restore: bool = False
 
 
 def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> Carried:
@@ -65,13 +70,15 @@ def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> C
     another compiled step over the same state; a ``set_precision`` event);
     then the batch, micro-batches and devices of ``plan.config`` (a rounded
     batch is a ``batch_rounded`` event). A new
-    device count moves the state to the new mesh in memory by the rule a
-    restore applies (:func:`adaptjax.merge_replicas`), unless it needs another
-    process count (:attr:`Carried.relaunch`).
+    device count on the 1-D mesh moves the state to the new mesh in memory by
+    the rule a restore applies (:func:`adaptjax.merge_replicas`); a move to or
+    from a sharded mesh goes through a checkpoint and an Orbax restore onto
+    the new shardings (:attr:`Carried.restore`); either waits for a relaunch
+    when it needs another process count (:attr:`Carried.relaunch`).
     """
     events: list[dict] = []
     if plan.hyperparams:
-        state = write_hyperparams(state, plan.hyperparams, steps.mesh(config.devices))
+        state = write_hyperparams(state, plan.hyperparams, steps.mesh(config))
         events.append({"kind": "set_hyperparams", **plan.hyperparams})
     if plan.codec_changed:
         state, config = swap_codec(state, config, plan.codec, steps)
@@ -89,14 +96,19 @@ def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> C
             "batch_size": new.batch_size, "replicas": new.devices,
             "microbatches": new.microbatches,
         })
-    if new.devices == config.devices:
+    if (new.devices, new.mesh_shape) == (config.devices, config.mesh_shape):
         return Carried(state, new, tuple(events))
     move = {"kind": "rescale", "devices_from": config.devices, "devices_to": new.devices}
-    processes = processes_for(new.devices)
+    sharded = new.mesh_shape is not None or config.mesh_shape is not None
+    if sharded:
+        move.update(mesh_from=config.axes, mesh_to=new.axes)
+    processes = processes_for(new.device_count)
     relaunched = jax.process_count() > 1 or max_processes() > 1
     if relaunched and processes != jax.process_count():
         move.update(processes_from=jax.process_count(), processes_to=processes)
         return Carried(state, new, tuple(events), move, relaunch=processes)
+    if sharded:
+        return Carried(state, new, tuple(events), move, restore=True)
     return Carried(reshard(state, new.devices, steps), new, tuple(events), move)
 
 
@@ -124,7 +136,8 @@ def swap_codec(state, config: RunConfig, codec, steps: StepCache):
     new = config.replace(codec=key)
     if config.sync is not None:  # a strategy with local models: one rebuild
         tx = steps.tx(new.codec, new.sync)
-        return rebuild_state(state, tx, steps.mesh(new.devices), carry_sync=False), new
+        mesh = steps.mesh(new)
+        return rebuild_state(state, tx, mesh, carry_sync=False, sharding=steps.sharding), new
     fresh = steps.init_state(new)
     sync = fresh.opt_state[SYNC]._replace(
         count=state.opt_state[SYNC].count,
@@ -142,13 +155,27 @@ def swap_sync(state, config: RunConfig, strategy, steps: StepCache):
     new = config.replace(sync=key)
     tx = steps.tx(new.codec, new.sync)
     carry = key is None and config.sync is None
-    return rebuild_state(state, tx, steps.mesh(new.devices), carry_sync=carry), new
+    return rebuild_state(
+        state, tx, steps.mesh(new), carry_sync=carry, sharding=steps.sharding
+    ), new
 
 
 def reshard(state, devices: int, steps: StepCache):
-    """``state`` on a mesh of ``devices`` replicas, merged as a restore would."""
+    """``state`` on a 1-D mesh of ``devices`` replicas, merged as a restore would."""
     state = merge_replicas(state, devices)
     return jax.device_put(state, train_state_shardings(state, steps.mesh(devices)))
+
+
+def restore_latest(checkpoints: RunCheckpoints, steps: StepCache, config: RunConfig) -> Carried:
+    """The latest checkpoint's state restored onto ``config``'s mesh (its shardings).
+
+    The second half of a move to or from a sharded mesh (:attr:`Carried.restore`):
+    the state lands on the new mesh exactly as a resume from that checkpoint would.
+    """
+    state, _ = checkpoints.restore(
+        target_state=steps.abstract_state(config), mesh=steps.mesh(config)
+    )
+    return Carried(state, config)
 
 
 def roll_back(checkpoints: RunCheckpoints, steps: StepCache, reason: str) -> Carried:
@@ -164,7 +191,7 @@ def roll_back(checkpoints: RunCheckpoints, steps: StepCache, reason: str) -> Car
     t0 = time.perf_counter()
     config = config_from(checkpoints.read_meta(latest), steps)
     state, _ = checkpoints.restore(
-        latest, target_state=steps.abstract_state(config), mesh=steps.mesh(config.devices)
+        latest, target_state=steps.abstract_state(config), mesh=steps.mesh(config)
     )
     event = {"kind": "rollback", "latency_s": time.perf_counter() - t0, "reason": reason,
              "to_checkpoint": latest}

@@ -33,7 +33,11 @@ Restoring onto a mesh with a different replica count reads replicated leaves
 straight onto the new mesh and per-replica leaves at their saved count (as host
 arrays), maps them to the new count with :func:`adaptjax.merge_replicas`
 (each marker's rule, e.g. error-feedback debt's mean is preserved) and places
-the result with :func:`adaptjax.train_state_shardings`.
+the result with :func:`adaptjax.train_state_shardings`. Every leaf lands on the
+target's own sharding when it has one (a state from :func:`adaptjax.init_state`
+or :func:`adaptjax.abstract_state` on the new mesh), so a checkpoint written on
+a (2, 4) ``("data", "fsdp")`` mesh restores onto (4, 2), (8,) or (1,) and back:
+Orbax reads each device's shard of the saved global arrays.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from jax.sharding import PartitionSpec as P
 from adaptjax._data import check_count
 from adaptjax._mesh import check_mesh
 from adaptjax._per_replica import merge_replicas, state_partition_specs
-from adaptjax._state import TrainState, train_state_shardings, train_state_specs
+from adaptjax._state import TrainState, train_state_specs
 from adaptjax.controller._options import check_max_to_keep
 from adaptjax.launch._distributed import broadcast_json
 
@@ -299,6 +303,18 @@ def _check_train_state(state, name: str) -> None:
             f"{name} must be an adaptjax.TrainState (from adaptjax.init_state), got "
             f"{type(state).__name__}"
         )
+
+
+def _target_shardings(leaves, specs, mesh) -> list:
+    """Each target leaf's own ``NamedSharding`` on ``mesh`` (an array's, or a
+    ``ShapeDtypeStruct``'s from :func:`adaptjax.abstract_state`: sharded meshes
+    place parameters by their rule), else its replicated or per-replica spec."""
+    out = []
+    for leaf, spec in zip(leaves, specs, strict=True):
+        own = getattr(leaf, "sharding", None)
+        usable = isinstance(own, NamedSharding) and own.mesh == mesh
+        out.append(own if usable else NamedSharding(mesh, spec))
+    return out
 
 
 def _handler_registry():
@@ -643,8 +659,9 @@ class RunCheckpoints:
 
         leaves, treedef = jax.tree.flatten(target_state)
         specs = jax.tree.leaves(train_state_specs(target_state, axis_name), is_leaf=_is_spec)
+        placed = _target_shardings(leaves, specs, mesh)
         abstract, restore_args = [], []
-        for leaf, spec in zip(leaves, specs, strict=True):
+        for leaf, spec, sharding in zip(leaves, specs, placed, strict=True):
             dtype = np.dtype(leaf.dtype)
             shape = tuple(int(d) for d in np.shape(leaf))
             if len(spec) > 0:  # per-replica: leading axis = replica count
@@ -654,7 +671,6 @@ class RunCheckpoints:
                 abstract.append(jax.ShapeDtypeStruct(shape, dtype))
                 restore_args.append(ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype))
             else:
-                sharding = NamedSharding(mesh, spec)
                 abstract.append(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
                 restore_args.append(
                     ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
@@ -669,7 +685,7 @@ class RunCheckpoints:
         self._verify(restored, payload, where)
         if rescale:
             restored = merge_replicas(restored, n_new)
-            restored = jax.device_put(restored, train_state_shardings(restored, mesh, axis_name))
+            restored = jax.device_put(restored, treedef.unflatten(placed))
         return restored, payload["meta"]
 
     def _read(self, step: int, what: str, **items):

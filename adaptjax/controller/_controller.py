@@ -35,10 +35,17 @@ from adaptjax.controller._arguments import (
     replica_rows,
     resume_arguments,
 )
-from adaptjax.controller._background import BackgroundCompiler
-from adaptjax.controller._carry_out import Carried, carry_out, hyperparams_of, roll_back
+from adaptjax.controller._background import BackgroundCompiler, announced_configs
+from adaptjax.controller._carry_out import (
+    Carried,
+    carry_out,
+    hyperparams_of,
+    restore_latest,
+    roll_back,
+)
 from adaptjax.controller._compilation_cache import enable_compilation_cache
 from adaptjax.controller._feed import next_batch
+from adaptjax.controller._meshes import mesh_context
 from adaptjax.controller._metrics_reader import MetricsReader, Snapshot, add_host_metrics
 from adaptjax.controller._options import CheckpointOptions, CompileOptions, EvalOptions
 from adaptjax.controller._persistence import (
@@ -165,6 +172,8 @@ class Controller:
       data: an :class:`adaptjax.ArrayDataset` (or anything with ``next_batch``,
         ``state_dict`` and ``load_state_dict``).
       devices, batch_size: the initial replica count and global batch.
+      mesh_shape, sharding: a sharded mesh, e.g. ``{"data": 2, "fsdp": 4}`` (``devices``: its
+        ``"data"`` size), and how parameters lie on it (``None``: :class:`adaptjax.FSDP`).
       run_dir: logs and checkpoints (none in it yet unless ``resume``).
       microbatches: gradient accumulation steps (``None``: 1, or 2 on one device
         with an even batch, so that the noise scale has two gradient samples).
@@ -212,7 +221,7 @@ class Controller:
     def __init__(
         self, *, model, loss_fn: Callable[..., Any],
         optimizer: Callable[..., optax.GradientTransformation], hyperparams: Mapping[str, Any],
-        data, devices: int, batch_size: int, run_dir: str | os.PathLike,
+        data, devices: int | None = None, batch_size: int, run_dir: str | os.PathLike,
         microbatches: int | None = None, policies: Sequence[ajp.Policy] = (), codec=None,
         sync=None, monitors: Sequence[Any] | None = None, norm_chunks: int | None = None,
         has_aux: bool = False, policy_every: int = 10, checkpoint_every: int | None = None,
@@ -224,6 +233,7 @@ class Controller:
         max_nonfinite_steps: int | None = 100, precompile_upcoming: bool = True, precision=None,
         checkpoint_options: CheckpointOptions | None = None,
         eval_options: EvalOptions | None = None, compile_options: CompileOptions | None = None,
+        mesh_shape: Mapping[str, int] | None = None, sharding=None,
     ):
         """See the class. Checks every argument, then takes ``run_dir`` and the state."""
         a = check_arguments(locals())  # nothing has touched the disk before this returns
@@ -234,12 +244,13 @@ class Controller:
         self.compile_options, self._plan_request = a.compile, a.plan
         self.steps = StepCache(model=model, loss_fn=loss_fn, optimizer=optimizer,
                                hyperparams=a.hyperparams, monitors=a.monitors,
-                               norm_chunks=norm_chunks, has_aux=has_aux)
+                               norm_chunks=norm_chunks, has_aux=has_aux, sharding=sharding)
         register_held(self.steps, codec, sync, policies)
         a = dataclasses.replace(a, config=self.steps.start(a.config, data, precision))
         min_samples, min_replicas = a.sample_needs  # what the monitors need of a configuration
         self._limits = dict(max_devices=a.max_devices, strategies=self.steps.strategies,
-                            min_samples=min_samples, min_replicas=min_replicas)
+                            min_samples=min_samples, min_replicas=min_replicas,
+                            device_limit=a.device_limit, check_mesh=self.steps.check_mesh)
         enable_compilation_cache(a.compile.cache_dir)
         self.data = data
         self.reader = MetricsReader(functools.partial(comm_seconds, self.steps, data,
@@ -317,7 +328,8 @@ class Controller:
         return ajp.Context(
             step=self.step if step is None else step, batch_size=self.config.batch_size,
             microbatches=self.config.microbatches, devices=self.config.devices,
-            max_devices=self.max_devices, hyperparams=self.hyperparams,
+            **mesh_context(self.config, self.max_devices, self._limits["device_limit"]),
+            hyperparams=self.hyperparams,
             codec=self.steps.codecs.get(self.config.codec), samples_seen=self.samples_seen,
             sync=self.steps.strategies.get(self.config.sync), precision=self.config.precision_name,
             compiled_batch_sizes=self._compiler.compiled_batch_sizes(self.config),
@@ -466,13 +478,15 @@ class Controller:
             plan = self._transition(actions, hyperparam_names=names)
         t0 = time.perf_counter()
         carried = carry_out(self.state, self.config, plan, self.steps)
-        self._land(carried)
+        self._land(carried)  # a sharded move: the state is restored from its checkpoint below
         if plan.hyperparams and self._host_hparams is not None:
             self._host_hparams = {**self._host_hparams, **plan.hyperparams}
         if carried.relaunch is not None:
             self._relaunch(carried)
         if carried.transition is not None:  # logged with its checkpoint, once that is complete
             self._checkpoint(transition=carried.transition, since=t0)
+            if carried.restore:  # onto the new mesh's shardings, as a resume would
+                self._land(restore_latest(self._dir.checkpoints, self.steps, self.config))
             self.reader.restart_clock()
         elif plan.checkpoint:
             self._checkpoint()
@@ -519,7 +533,7 @@ class Controller:
         self._dir.confirm(block=True)
         self.log.event("relaunch", step=self.step, processes=carried.relaunch,
                        exit_code=EXIT_RESCALE)
-        write_rescale_request(carried.relaunch, self.config.devices)
+        write_rescale_request(carried.relaunch, self.config.device_count)
         self.close()
         raise SystemExit(EXIT_RESCALE)
 
@@ -539,12 +553,10 @@ class Controller:
         """Switches the synchronisation strategy (a strategy, its name, or ``None``: S-SGD)."""
         self.apply([ajp.SetSync(strategy)])
 
-    def rescale(self, devices: int) -> None:
-        """Moves training to ``devices`` replicas (at most ``max_devices``) through a checkpoint.
-
-        The global batch is rounded to a multiple of replicas x microbatches if needed.
-        """
-        self.apply([ajp.Rescale(devices=check_count(devices, "devices", positive=True))])
+    def rescale(self, devices: int | None = None, *, mesh_shape=None) -> None:
+        """Moves training to ``devices`` replicas (at most ``max_devices``) or to ``mesh_shape``
+        (``{"data": 1, "fsdp": 4}``) through a checkpoint; the batch is rounded if needed."""
+        self.apply([ajp.Rescale(devices=devices, mesh_shape=mesh_shape)])
 
     def precompile(self, devices: int | None = None, batch_size: int | None = None,
                    microbatches: int | None = None, codec=...) -> float:
@@ -554,11 +566,9 @@ class Controller:
         background): its first step then finds the program compiled. Arguments
         default to the configuration in force, e.g. ``ctrl.precompile(batch_size=256)``.
         """
-        changes = dict(devices=devices, batch_size=batch_size, microbatches=microbatches)
-        codec = self.config.codec if codec is ... else self.steps.add_codec(codec)
-        config = self.config.replace(**{k: v for k, v in changes.items() if v is not None},
-                                     codec=codec)
-        seconds = self._compiler.precompile(config, self.data)
+        config, seconds = self._compiler.compile_now(self.config, self.data, codec, devices=devices,
+                                                     batch_size=batch_size,
+                                                     microbatches=microbatches)
         self.log.event("precompile", step=self.step, latency_s=seconds,
                        config=dataclasses.asdict(config))
         return seconds

@@ -86,13 +86,13 @@ def resume_from(run_dir: RunDirectory, steps: StepCache, data, policy) -> Resume
     def load(step: int):
         meta = run_dir.checkpoints.read_meta(step)
         config = config_from(meta, steps)
-        wanted = processes_for(config.devices)
+        wanted = processes_for(config.device_count)
         if (jax.process_count() > 1 or max_processes() > 1) and wanted != jax.process_count():
             # The run continues on another process count: ask the launcher for it.
-            write_rescale_request(wanted, config.devices)
+            write_rescale_request(wanted, config.device_count)
             raise SystemExit(EXIT_RESCALE)
         state, _ = run_dir.checkpoints.restore(
-            step, target_state=steps.abstract_state(config), mesh=steps.mesh(config.devices)
+            step, target_state=steps.abstract_state(config), mesh=steps.mesh(config)
         )
         return config, state, meta
 
@@ -119,6 +119,8 @@ def warn_overrides(passed: Mapping[str, Any], config: RunConfig,
                    hyperparams: Mapping[str, Any], held: Mapping[str, float]) -> None:
     """Warns, once each, of a passed value the checkpoint's overrides."""
     for key, value in passed.items():
+        if key == "devices" and passed.get("mesh_shape", None) != config.mesh_shape:
+            continue  # the "data" size of a mesh_shape the warning below names
         if value != getattr(config, key):
             _warn_override(key, value, getattr(config, key))
     for key, value in hyperparams.items():

@@ -34,8 +34,10 @@ def move_actions(now: RunConfig, config: RunConfig, steps: StepCache) -> list[aj
         actions.append(ajp.SetSync(steps.strategies.get(config.sync)))
     if config.codec != now.codec:
         actions.append(ajp.SetCodec(steps.codecs.get(config.codec)))
-    if config.devices != now.devices:
-        actions.append(ajp.Rescale(devices=config.devices))
+    if (config.devices, config.mesh_shape) != (now.devices, now.mesh_shape):
+        sharded = config.mesh_shape is not None or now.mesh_shape is not None
+        actions.append(ajp.Rescale(mesh_shape=config.axes) if sharded
+                       else ajp.Rescale(devices=config.devices))
     if config.batch_size != now.batch_size or config.microbatches != now.microbatches:
         actions.append(ajp.SetBatchSize(config.batch_size, config.microbatches))
     return actions
@@ -68,6 +70,8 @@ class Probe:
                                 controller.max_devices)
         self.configs = [c for c in configs if c.devices <= controller.max_devices]
         self._calibrate = self.planner.links is None
+        sharded = controller.config.mesh_shape is not None
+        self._mesh_shape = controller.config.axes if sharded else None  # links per axis
         # time only the collective kinds the probed steps use (finish)
         self.planner.attach(controller, calibrate=False)
         self.times: dict[RunConfig, float] = {}
@@ -88,7 +92,7 @@ class Probe:
         if self._calibrate:
             kinds = sorted({c.kind for config in times for c in planner._wire(config).collectives
                             if message_steps(c.kind, c.group_size) > 0})
-            planner.calibrate(max_devices, kinds=kinds)
+            planner.calibrate(max_devices, kinds=kinds, mesh_shape=self._mesh_shape)
         planner.run_dir = run_dir
         for config, t in times.items():
             planner.observe(config, t)

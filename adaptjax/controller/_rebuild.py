@@ -12,7 +12,7 @@ from adaptjax._state import init_state, train_state_shardings
 from adaptjax.sync._strategy import _mark, consensus_params
 
 
-def rebuild_state(state, new_tx, mesh, *, carry_sync: bool):
+def rebuild_state(state, new_tx, mesh, *, carry_sync: bool, sharding=None):
     """Host side: the train state under ``new_tx`` (another strategy or codec), nothing lost.
 
     The new global parameters are :func:`consensus_params` of the old state;
@@ -23,11 +23,13 @@ def rebuild_state(state, new_tx, mesh, *, carry_sync: bool):
     monitor states and metrics carry over too; the codec's state and a DiLoCo
     outer momentum start afresh. ``new_tx`` is the controller's named chain
     (``"sync"``, ``"optimizer"``, ...) or a :func:`sync_chain` (a tuple).
+    ``sharding``: how parameters lie on a sharded ``mesh`` (as in
+    :func:`adaptjax.init_state`).
     """
-    n = int(np.prod(mesh.devices.shape))
+    n = int(mesh.shape["data"] if "data" in mesh.axis_names else np.prod(mesh.devices.shape))
     old = jax.device_get(state)
     params = jax.device_get(consensus_params(old.params, old.opt_state))
-    fresh = jax.device_get(init_state(params, new_tx, mesh))
+    fresh = jax.device_get(init_state(params, new_tx, mesh, sharding=sharding))
     named = isinstance(fresh.opt_state, dict)
     opt_key, sync_slot = ("optimizer", "sync") if named else (1, 0)
     opt_state = dict(fresh.opt_state) if named else list(fresh.opt_state)
@@ -60,7 +62,7 @@ def rebuild_state(state, new_tx, mesh, *, carry_sync: bool):
         opt_state=type(fresh.opt_state)(opt_state) if named else tuple(opt_state),
     )
     new = jax.tree.map(np.array, new)
-    return jax.device_put(new, train_state_shardings(new, mesh))
+    return jax.device_put(new, train_state_shardings(new, mesh, sharding=sharding))
 
 
 def _is_marked(opt_state) -> bool:

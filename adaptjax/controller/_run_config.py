@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+from collections.abc import Mapping
 
 from adaptjax._data import check_count
+from adaptjax._mesh import checked_shape
 from adaptjax._precision import Precision
 
 
@@ -18,7 +21,8 @@ class RunConfig:
     replicas x micro-batches.
 
     Attributes:
-      devices: replicas on the 1-D ``"data"`` mesh.
+      devices: replicas: the size of the ``"data"`` axis (on the default 1-D
+        mesh, the devices).
       batch_size: global batch (samples per step).
       microbatches: gradient accumulation steps per replica.
       codec: the codec's key (see :func:`codec_key`), or ``None`` for a dense sync.
@@ -29,13 +33,22 @@ class RunConfig:
         ``"bf16"`` is turned into it), or ``None`` for float32: a float32
         precision is stored as ``None``, so a configuration written before
         precision existed compares equal to one that names float32.
+      mesh_shape: the mesh's named axes in order, as ``((axis, size), ...)``
+        (a ``{axis: size}`` mapping is turned into it), with ``"data"`` of
+        size ``devices``; ``None`` for the 1-D ``("data",)`` mesh (a mesh of
+        ``"data"`` alone is stored as ``None``, so configurations written
+        before sharded meshes compare equal). :meth:`replace` with a new
+        ``devices`` keeps the other axes.
 
     Example:
       >>> from adaptjax import RunConfig
       >>> RunConfig(devices=8, batch_size=64)
-      RunConfig(devices=8, batch_size=64, microbatches=1, codec=None, sync=None, precision=None)
-      >>> RunConfig(8, 64, precision="bf16").precision, RunConfig(8, 64, precision="float32")
-      ('bfloat16', RunConfig(devices=8, batch_size=64, microbatches=1, codec=None, sync=None, precision=None))
+      RunConfig(devices=8, batch_size=64, microbatches=1, codec=None, sync=None, precision=None, mesh_shape=None)
+      >>> RunConfig(8, 64, precision="bf16").precision, RunConfig(8, 64, precision="float32").precision
+      ('bfloat16', None)
+      >>> c = RunConfig(2, 64, mesh_shape={"data": 2, "fsdp": 4})
+      >>> c.mesh_shape, c.device_count, c.replace(devices=1).mesh_shape
+      ((('data', 2), ('fsdp', 4)), 8, (('data', 1), ('fsdp', 4)))
       >>> RunConfig(devices=8, batch_size=60)
       Traceback (most recent call last):
       ...
@@ -48,10 +61,12 @@ class RunConfig:
     codec: str | None = None
     sync: str | None = None
     precision: str | None = None
+    mesh_shape: tuple[tuple[str, int], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("devices", "batch_size", "microbatches"):
             object.__setattr__(self, name, check_count(getattr(self, name), name, positive=True))
+        object.__setattr__(self, "mesh_shape", mesh_key(self.mesh_shape, self.devices))
         if self.codec is not None and not isinstance(self.codec, str):
             raise ValueError(f"codec must be a codec key (str) or None, got {self.codec!r}")
         if self.sync is not None and not isinstance(self.sync, str):
@@ -77,9 +92,67 @@ class RunConfig:
         """:attr:`precision` with float32 named: ``"float32"`` for ``None``."""
         return "float32" if self.precision is None else self.precision
 
+    @property
+    def axes(self) -> dict[str, int]:
+        """``{axis: size}`` of the mesh, in order (``{"data": devices}`` on a 1-D mesh)."""
+        return dict(self.mesh_shape) if self.mesh_shape is not None else {"data": self.devices}
+
+    @property
+    def device_count(self) -> int:
+        """The number of devices of the mesh (``devices`` times the model axes' sizes)."""
+        return math.prod(self.axes.values())
+
     def replace(self, **changes) -> RunConfig:
-        """A copy with ``changes`` (checked like the original)."""
+        """A copy with ``changes`` (checked like the original).
+
+        A new ``devices`` without a new ``mesh_shape`` resizes the ``"data"``
+        axis and keeps the others.
+        """
+        if "devices" in changes and "mesh_shape" not in changes and self.mesh_shape is not None:
+            changes["mesh_shape"] = tuple(
+                (a, int(changes["devices"]) if a == "data" else n) for a, n in self.mesh_shape
+            )
         return dataclasses.replace(self, **changes)
+
+
+def mesh_key(shape, devices: int | None = None) -> tuple[tuple[str, int], ...] | None:
+    """A :attr:`RunConfig.mesh_shape`: ``((axis, size), ...)``, or ``None`` for data alone.
+
+    ``shape`` is ``None``, a ``{axis: size}`` mapping or ``(axis, size)``
+    pairs (as JSON gives them back), checked by :func:`shape_dict`; with
+    ``devices`` its ``"data"`` size must be ``devices`` (else a one-line
+    ``ValueError``).
+
+    Example:
+      >>> from adaptjax.controller._run_config import mesh_key
+      >>> mesh_key({"data": 8}), mesh_key([["fsdp", 4], ["data", 2]])
+      (None, (('fsdp', 4), ('data', 2)))
+    """
+    if shape is None:
+        return None
+    shape = shape_dict(shape)
+    if devices is not None and shape["data"] != devices:
+        raise ValueError(
+            f"mesh_shape {shape} has data={shape['data']} but devices={devices}; devices is "
+            f"the replica count (the 'data' axis): pass devices={shape['data']} or leave it out"
+        )
+    if list(shape) == ["data"]:
+        return None
+    return tuple(shape.items())
+
+
+def shape_dict(shape) -> dict[str, int]:
+    """``{axis: size}`` from a mapping or ``(axis, size)`` pairs, checked as
+    :func:`adaptjax.make_mesh` checks it (known axes, sizes >= 1, a ``"data"`` axis)."""
+    if not isinstance(shape, Mapping):
+        try:
+            shape = {name: size for name, size in shape}
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"mesh_shape must be a dict {{axis: size}} such as {{'data': 2, 'fsdp': 4}}, "
+                f"got {shape!r}"
+            ) from None
+    return checked_shape(shape)
 
 
 def precision_key(precision) -> str | None:

@@ -15,7 +15,6 @@ import optax
 from adaptjax import policies as ajp
 from adaptjax._chain import named_chain
 from adaptjax._codec import GradientCodec
-from adaptjax._mesh import make_mesh
 from adaptjax._metrics import update_norm
 from adaptjax._precision import Precision, check_precision, with_precision
 from adaptjax._state import abstract_state, init_state, shape_struct, split_model
@@ -23,8 +22,8 @@ from adaptjax._step import DataParallelStep, data_parallel_step
 from adaptjax._sync import sync_gradients
 from adaptjax._walk import find_held
 from adaptjax._wire import wire_bytes
+from adaptjax.controller._meshes import build_mesh, check_shardings
 from adaptjax.controller._run_config import RunConfig, codec_key, controller_precision
-from adaptjax.launch._distributed import mesh_devices
 from adaptjax.sync._registry import register_strategies, resolve_sync, sync_key
 from adaptjax.sync._ssgd import SSGD
 
@@ -33,7 +32,7 @@ SYNC, OPTIMIZER, UPDATE_NORM = "sync", "optimizer", "update_norm"
 #: The strategy's model synchronisation (only for strategies with local models).
 MODEL_SYNC = "model_sync"
 #: Communication options a schedule may choose for a configuration's step.
-STEP_OPTIONS = ("dense_lane", "bucket_bytes")
+STEP_OPTIONS = ("dense_lane", "bucket_bytes", "transport")
 
 
 @dataclasses.dataclass
@@ -47,9 +46,15 @@ class StepCache:
     local models (``RunConfig.sync``, see :class:`adaptjax.SyncStrategy`) the
     chain is ``("sync", pass-through), ("optimizer", per-replica optimizer),
     ("model_sync", the strategy's post step), ("update_norm", ...)``. Meshes
-    are cached by device count, transformations by codec and strategy key,
-    compiled steps by the whole configuration: returning to a configuration
-    seen before compiles nothing.
+    are cached by shape (:attr:`RunConfig.mesh_shape`, or the device count of
+    a 1-D mesh), transformations by codec and strategy key, compiled steps by
+    the whole configuration: returning to a configuration seen before
+    compiles nothing.
+
+    On a sharded mesh (``RunConfig.mesh_shape`` with ``"fsdp"`` or
+    ``"model"``), ``sharding`` (see :func:`adaptjax.param_specs`; ``None``:
+    :class:`adaptjax.FSDP`) places the parameters and the state that follows
+    them, for every state built here and every step.
 
     A configuration's ``precision`` (:attr:`RunConfig.precision`) is applied
     to the loss function by :func:`adaptjax.with_precision`, with ``decode``
@@ -60,10 +65,10 @@ class StepCache:
 
     ``schedule`` (set by :meth:`adaptjax.costs.Planner.attach`) maps a
     configuration to its step's communication options (:data:`STEP_OPTIONS`):
-    ``dense_lane`` (of :func:`adaptjax.sync_gradients`, without a codec) and
-    ``bucket_bytes`` (a field of the codec, set on a copy of it). They change
-    the step's collectives, never the state's structure, so states are built
-    without them; each configuration's options are asked for once, when its
+    ``dense_lane`` (of :func:`adaptjax.sync_gradients`, without a codec),
+    ``bucket_bytes`` and ``transport`` (fields of the codec, set on a copy of
+    it). They change the step's collectives, never the state's structure, so
+    states are built without them; each configuration's options are asked for once, when its
     step is first built, and kept in :attr:`options_of`. Without a schedule
     every step is built as before.
 
@@ -91,10 +96,11 @@ class StepCache:
     strategies: dict[str | None, Any] = dataclasses.field(default_factory=lambda: {None: SSGD()})
     schedule: Callable[[RunConfig], Mapping[str, Any]] | None = None
     decode: Callable[[Any], Any] | None = None  # the dataset's: batch codes -> features
+    sharding: Any = None  # how parameters lie on a sharded mesh (None: adaptjax.FSDP())
 
     def __post_init__(self) -> None:
         self.options_of: dict[RunConfig, dict[str, Any]] = {}
-        self._meshes: dict[int, Any] = {}
+        self._meshes: dict[tuple, Any] = {}
         self._txs: dict[tuple, optax.GradientTransformation] = {}
         self._steps: dict[RunConfig, DataParallelStep] = {}
         self._wire: dict[RunConfig, float | None] = {}
@@ -122,11 +128,20 @@ class StepCache:
             )
         return self.strategies[key]
 
-    def mesh(self, devices: int):
+    def mesh(self, config: RunConfig | int):
+        """``config``'s mesh (an int: the 1-D mesh of that many devices), built once."""
+        if not isinstance(config, RunConfig):
+            config = RunConfig(config, config)
+        key = (config.devices, config.mesh_shape)
         with self._lock:
-            if devices not in self._meshes:
-                self._meshes[devices] = make_mesh(devices, device_list=mesh_devices(devices))
-            return self._meshes[devices]
+            if key not in self._meshes:
+                self._meshes[key] = build_mesh(config)
+            return self._meshes[key]
+
+    def check_mesh(self, config: RunConfig, what: str = "") -> None:
+        """A one-line ``ValueError`` (starting with ``what``) unless the model's shardings fit
+        ``config``'s mesh (:func:`check_shardings`); nothing is compiled or placed."""
+        check_shardings(self.model, config, self.sharding, what=what)
 
     def options(self, config: RunConfig) -> dict[str, Any]:
         """The communication options of ``config``'s step (``{}`` without a schedule)."""
@@ -157,7 +172,7 @@ class StepCache:
             return self._tx(key, sync, **options)
 
     def _tx(self, key: str | None, sync: str | None, **options: Any):
-        defaults = {"dense_lane": "all-reduce", "bucket_bytes": None}
+        defaults = {"dense_lane": "all-reduce", "bucket_bytes": None, "transport": None}
         options = {k: v for k, v in options.items() if defaults.get(k, ...) != v}
         cache = (key, sync, *sorted(options.items()))
         if cache not in self._txs:
@@ -170,8 +185,10 @@ class StepCache:
             codec = self.codecs[key]
             strategy.check(2, codec)
             lane = {"dense_lane": options["dense_lane"]} if "dense_lane" in options else {}
-            if options.get("bucket_bytes") is not None and codec is not None:
-                codec = dataclasses.replace(codec, bucket_bytes=options["bucket_bytes"])
+            fields = {k: options[k] for k in ("bucket_bytes", "transport")
+                      if options.get(k) is not None}
+            if fields and codec is not None:
+                codec = dataclasses.replace(codec, **fields)
             opt = optax.inject_hyperparams(self.optimizer, hyperparam_dtype=np.float32)(
                 **self.hyperparams
             )
@@ -206,9 +223,11 @@ class StepCache:
 
         Takes the dataset's ``decode`` (an :class:`adaptjax.ArrayDataset` with
         quantized ``features``): every step then decodes its batch inside the
-        compiled program, and only the codes cross host -> device.
+        compiled program, and only the codes cross host -> device. On a sharded
+        mesh the model's shardings are checked against it (:meth:`check_mesh`).
         """
         self.decode = getattr(data, "decode", None)
+        self.check_mesh(config)
         return config.replace(precision=self.check_precision(precision))
 
     def loss(self, config: RunConfig) -> Callable[..., Any]:
@@ -223,10 +242,11 @@ class StepCache:
                 self._steps[config] = data_parallel_step(
                     self.loss(config),
                     self.tx(config.codec, config.sync, **self.options(config)),
-                    self.mesh(config.devices),
+                    self.mesh(config),
                     microbatches=config.microbatches,
                     has_aux=self.has_aux,
                     sync=self.strategy(config.sync),
+                    sharding=self.sharding,
                 )
             return self._steps[config]
 
@@ -238,12 +258,14 @@ class StepCache:
 
     def init_state(self, config: RunConfig):
         return init_state(
-            self.model, self.tx(config.codec, config.sync), self.mesh(config.devices)
+            self.model, self.tx(config.codec, config.sync), self.mesh(config),
+            sharding=self.sharding,
         )
 
     def abstract_state(self, config: RunConfig):
         return abstract_state(
-            self.model, self.tx(config.codec, config.sync), self.mesh(config.devices)
+            self.model, self.tx(config.codec, config.sync), self.mesh(config),
+            sharding=self.sharding,
         )
 
     def abstract_args(self, config: RunConfig, data):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from adaptjax import policies as ajp
+from adaptjax.controller._meshes import describe, rescale_target
 from adaptjax.controller._run_config import (
     RunConfig,
     codec_key,
@@ -25,10 +25,10 @@ class Transition:
     Carried out as: ``rollback`` -> ``hyperparams`` -> ``codec`` and ``sync``
     (one rebuild of the state when the strategy changes) -> ``precision``
     (nothing in the state changes: another compiled step) -> the new
-    ``config`` (batch, micro-batches, devices; a new device count goes through a
-    checkpoint that records ``config`` as the configuration the run continues
-    in) -> ``checkpoint`` -> ``probe`` (branches trained from the state the run
-    continues with, which they leave untouched; see
+    ``config`` (batch, micro-batches, devices and mesh shape; a new mesh goes
+    through a checkpoint that records ``config`` as the configuration the run
+    continues in) -> ``checkpoint`` -> ``probe`` (branches trained from the
+    state the run continues with, which they leave untouched; see
     :mod:`adaptjax.controller._probe_branch`) -> ``stop``. When two actions ask
     for the same thing, the later one wins; hyperparameter updates merge.
 
@@ -82,6 +82,8 @@ def plan_transition(
     strategies: Mapping[str | None, object] | None = None,
     min_samples: int = 1,
     min_replicas: int = 1,
+    device_limit: int | None = None,
+    check_mesh: Callable[[RunConfig, str], None] | None = None,
 ) -> Transition:
     """Folds ``actions`` into one :class:`Transition` from ``config``; checks every request.
 
@@ -100,6 +102,12 @@ def plan_transition(
     such a configuration (for at least ``min_samples`` devices) takes the
     split back, unless an action set the micro-batches; fewer replicas than
     ``min_replicas``, or micro-batches set too few, raise.
+
+    A ``Rescale`` sets the replicas (``devices``, the ``"data"`` axis) and,
+    on a sharded mesh, the other axes (:func:`rescale_target`): a mesh of more
+    than ``device_limit`` devices raises, and ``check_mesh(config, what)``
+    (the step cache's) raises when the model's shardings cannot take the new
+    shape, naming the leaf.
     """
     asked = _fold(actions, config)
     devices = asked.devices
@@ -125,12 +133,14 @@ def plan_transition(
     rounded = round_batch(wanted, devices, micro)
     new = config.replace(
         devices=devices,
+        mesh_shape=asked.mesh_shape,
         batch_size=rounded,
         microbatches=micro,
         codec=codec_key(codec) if codec_changed else config.codec,
         sync=sync_key(sync) if sync_changed else config.sync,
         precision=precision,
     )
+    _check_mesh(config, new, device_limit, check_mesh)
     return Transition(
         config=new,
         requested_batch=wanted if rounded != wanted else None,
@@ -152,6 +162,7 @@ class _Asked:
     """What a decision's actions ask for, before any check (``_KEEP``: not asked)."""
 
     devices: int
+    mesh_shape: tuple | None
     microbatches: int
     microbatches_set: bool = False
     batch: int | None = None
@@ -167,7 +178,9 @@ class _Asked:
 
 def _fold(actions: Sequence[ajp.Action], config: RunConfig) -> _Asked:
     """Folds ``actions`` in order: the later one wins; hyperparameter updates merge."""
-    asked = _Asked(devices=config.devices, microbatches=config.microbatches)
+    asked = _Asked(
+        devices=config.devices, mesh_shape=config.mesh_shape, microbatches=config.microbatches
+    )
     for action in ajp.validate_actions(list(actions)):
         if isinstance(action, ajp.SetHyperparams):
             asked.hyperparams.update({k: float(v) for k, v in action.values.items()})
@@ -176,9 +189,7 @@ def _fold(actions: Sequence[ajp.Action], config: RunConfig) -> _Asked:
             if action.microbatches is not None:
                 asked.microbatches, asked.microbatches_set = int(action.microbatches), True
         elif isinstance(action, ajp.Rescale):
-            asked.devices = (
-                int(action.devices) if action.devices is not None else math.prod(action.mesh_shape)
-            )
+            asked.devices, asked.mesh_shape = rescale_target(action, config)
         elif isinstance(action, ajp.SetCodec):
             asked.codec = action.codec
         elif isinstance(action, ajp.SetSync):
@@ -208,6 +219,19 @@ def _check_devices(devices: int, max_devices: int, min_replicas: int) -> None:
             f"norms need {min_replicas} replicas; use GradientNoiseScale(differencing=True) "
             "to measure on one device"
         )
+
+
+def _check_mesh(config: RunConfig, new: RunConfig, device_limit, check_mesh) -> None:
+    """The new mesh fits the job's devices and the model's shardings (one-line errors)."""
+    if (new.devices, new.mesh_shape) == (config.devices, config.mesh_shape):
+        return
+    if device_limit is not None and new.device_count > device_limit:
+        raise ValueError(
+            f"cannot rescale to {describe(new)}: it needs {new.device_count} devices and the job "
+            f"has {device_limit}; use a shape whose sizes multiply to at most {device_limit}"
+        )
+    if check_mesh is not None and new.mesh_shape is not None:
+        check_mesh(new, f"Rescale to a shape the model's shardings cannot take ({new.axes}): ")
 
 
 def _microbatches(asked: _Asked, config: RunConfig, min_samples: int) -> int:

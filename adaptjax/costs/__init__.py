@@ -21,11 +21,15 @@ from adaptjax._lazy import attach
 # Public name -> the private module that defines it (a test checks this table,
 # __all__ and the TYPE_CHECKING imports agree).
 _NAMES = {
+    "calibrate_axis_links": "adaptjax.costs._calibrate",
     "calibrate_links": "adaptjax.costs._calibrate",
+    "time_axis_collectives": "adaptjax.costs._calibrate",
     "time_collectives": "adaptjax.costs._calibrate",
     "time_tuple_all_reduce": "adaptjax.costs._calibrate",
     "ComputeModel": "adaptjax.costs._compute",
     "fit_compute": "adaptjax.costs._compute",
+    "mesh_shapes": "adaptjax.costs._meshes",
+    "state_bytes_per_device": "adaptjax.costs._meshes",
     "LinkModel": "adaptjax.costs._links",
     "fit_alpha_beta": "adaptjax.costs._links",
     "fit_operand_alpha": "adaptjax.costs._links",
@@ -37,6 +41,7 @@ _NAMES = {
     "StepTimeModel": "adaptjax.costs._model",
     "config_key": "adaptjax.costs._model",
     "rescale_report": "adaptjax.costs._model",
+    "reshape_report": "adaptjax.costs._model",
     "Planner": "adaptjax.costs._planner",
     "buckets": "adaptjax.costs._schedule",
     "choose_bucket_bytes": "adaptjax.costs._schedule",
@@ -51,9 +56,16 @@ _NAMES = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
-    from adaptjax.costs._calibrate import calibrate_links, time_collectives, time_tuple_all_reduce
+    from adaptjax.costs._calibrate import (
+        calibrate_axis_links,
+        calibrate_links,
+        time_axis_collectives,
+        time_collectives,
+        time_tuple_all_reduce,
+    )
     from adaptjax.costs._compute import ComputeModel, fit_compute
     from adaptjax.costs._links import LinkModel, fit_alpha_beta, fit_operand_alpha, message_steps
+    from adaptjax.costs._meshes import mesh_shapes, state_bytes_per_device
     from adaptjax.costs._model import (
         CannotPredict,
         CodecCost,
@@ -62,6 +74,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
         StepTimeModel,
         config_key,
         rescale_report,
+        reshape_report,
     )
     from adaptjax.costs._planner import Planner
     from adaptjax.costs._schedule import buckets, choose_bucket_bytes, choose_dense_lane
@@ -88,6 +101,7 @@ __all__ = [
     "Simulation",
     "StepTimeModel",
     "buckets",
+    "calibrate_axis_links",
     "calibrate_links",
     "choose_bucket_bytes",
     "choose_dense_lane",
@@ -95,11 +109,15 @@ __all__ = [
     "fit_alpha_beta",
     "fit_compute",
     "fit_operand_alpha",
+    "mesh_shapes",
     "message_steps",
     "predicted_times",
     "read_run",
     "rescale_report",
+    "reshape_report",
     "simulate",
+    "state_bytes_per_device",
+    "time_axis_collectives",
     "time_collectives",
     "time_tuple_all_reduce",
     "wire_for",

@@ -11,6 +11,7 @@ A few seconds in all.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -189,4 +190,85 @@ def calibrate_links(
         tuples = time_tuple_all_reduce(n, size=min(sizes), repeats=repeats)
         links["all-reduce"] = fit_operand_alpha(links["all-reduce"], "all-reduce",
                                                 *zip(*tuples, strict=True))
+    return links
+
+
+def time_axis_collectives(
+    mesh_shape,
+    kinds: Sequence[str] = DEFAULT_KINDS,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 7,
+) -> list[tuple[str, str, int, float, float]]:
+    """Times micro-collectives over each axis of a ``{axis: size}`` mesh, the others apart.
+
+    On a (data 2, fsdp 4) mesh an all-gather over ``"fsdp"`` runs in two
+    groups of four at once, as FSDP's do; its links are those inside a
+    replica (a node, when ``"fsdp"`` is the last axis on GPUs). Axes of one
+    device are skipped.
+
+    Returns:
+      ``(kind, axis, group size, bytes each device sent, seconds)`` per timing.
+    """
+    from adaptjax.launch._distributed import mesh_devices  # the run's own device order
+
+    shape = {str(a): int(n) for a, n in dict(mesh_shape).items()}
+    axes, total = tuple(shape), math.prod(shape.values())
+    mesh = Mesh(np.array(mesh_devices(total), dtype=object).reshape(tuple(shape.values())), axes)
+    out = []
+    for axis, k in shape.items():
+        if k < 2:
+            continue
+        others = tuple(a for a in axes if a != axis)
+        for size in sizes:
+            elems = max(size // 4 // k, 1) * k
+            x = jax.make_array_from_callback(
+                (total * elems,), NamedSharding(mesh, P(axes)),
+                lambda index, n=total * elems: np.ones((n,), np.float32)[index])
+            base = jax.jit(jax.shard_map(lambda v: v * 2.0, mesh=mesh, in_specs=P(axes),
+                                         out_specs=P(axes)))
+            t_base = _median_seconds(base, x, repeats)
+            for kind in kinds:
+                whole = kind in ("all-reduce", "all-gather")  # the axis's copies agree
+                spec_out = P(others if others else None) if whole else P(axes)
+                body = _program(kind, axis)
+                fn = jax.jit(jax.shard_map(lambda v, body=body: body(v * 2.0), mesh=mesh,
+                                           in_specs=P(axes), out_specs=spec_out,
+                                           check_vma=False))
+                report = wire_bytes(fn, x)
+                sent = sum(c.compiled_bytes for c in report.collectives if c.kind == kind)
+                secs = max(_median_seconds(fn, x, repeats) - t_base, 0.0)
+                out.append((kind, axis, k, float(sent), secs))
+    return out
+
+
+def calibrate_axis_links(
+    mesh_shape,
+    *,
+    kinds: Sequence[str] = DEFAULT_KINDS,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 7,
+) -> dict[str, LinkModel]:
+    """α and β of each collective kind on each axis of a mesh: ``{"all-gather@fsdp": ...}``.
+
+    Keys are ``"kind@axis"``; a :class:`~adaptjax.costs.StepTimeModel`
+    prices a collective over one axis by its axis's link before its kind's
+    (:meth:`~adaptjax.costs.StepTimeModel.link`).
+
+    Example:
+      >>> from adaptjax.costs import calibrate_axis_links
+      >>> links = calibrate_axis_links({"data": 2, "fsdp": 4}, kinds=("all-gather",),
+      ...                              sizes=(4096, 65536), repeats=3)
+      >>> sorted(links)
+      ['all-gather@data', 'all-gather@fsdp']
+    """
+    from adaptjax.costs._model import link_key
+
+    rows = time_axis_collectives(mesh_shape, kinds, sizes, repeats)
+    links = {}
+    for kind in kinds:
+        for axis in dict.fromkeys(r[1] for r in rows):
+            mine = [r for r in rows if r[:2] == (kind, axis)]
+            if mine:
+                links[link_key(kind, (axis,))] = fit_alpha_beta(
+                    kind, [r[2] for r in mine], [r[3] for r in mine], [r[4] for r in mine])
     return links

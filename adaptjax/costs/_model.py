@@ -7,10 +7,15 @@ strategy) and the collectives of its compiled step (:func:`adaptjax.wire_bytes`)
            − min(async communication, overlap · compute)
 
 ``compute`` is a :class:`~adaptjax.costs.ComputeModel` fitted on the dense
-steps; ``codec`` is each codec's own encode/decode work (``fixed +
-per_device·n``), fitted on the steps measured with it; each collective costs
+steps (on a sharded mesh ``n`` counts every device: FSDP splits each
+replica's rows over its axis, tensor parallelism its matmuls); ``codec`` is
+each codec's own encode/decode work (``fixed + per_device·n``), fitted on the
+steps measured with it; each collective costs
 ``message_steps·α + β·bytes`` (:class:`~adaptjax.costs.LinkModel`, one per
-collective kind); branches of a ``lax.cond`` are averaged as in
+collective kind, or per kind and mesh axis: ``"all-gather@fsdp"`` prices
+FSDP's all-gathers on the link inside a replica, ``"all-reduce@data"`` the
+sync between replicas; :func:`reshape_report` moves a step's collectives to
+another mesh shape); branches of a ``lax.cond`` are averaged as in
 :attr:`adaptjax.WireReport.total`. Collectives XLA schedules asynchronously
 (``-start``/``-done``) may hide behind computation: ``overlap`` (fitted, 0 when
 the program has none) is the fraction of compute they can hide behind.
@@ -58,6 +63,42 @@ def config_key(config: Any) -> tuple[int, int, int, str | None, str | None]:
             config.codec, None if sync is None else str(sync))
 
 
+def compute_devices(config: Any) -> int:
+    """The devices that share a step's computation: every device of the mesh.
+
+    ``config.device_count`` (a :class:`adaptjax.RunConfig` on a sharded mesh)
+    or its replicas.
+    """
+    return int(getattr(config, "device_count", config.devices))
+
+
+def link_key(kind: str, axes: Sequence[str] | str = ()) -> str:
+    """The key of a kind's link on mesh ``axes``: ``"all-gather@fsdp"`` (``kind`` without axes).
+
+    Example:
+      >>> from adaptjax.costs._model import link_key
+      >>> link_key("all-gather", ("fsdp",)), link_key("all-reduce", "data+fsdp"), link_key("all-to-all")
+      ('all-gather@fsdp', 'all-reduce@data+fsdp', 'all-to-all')
+    """  # noqa: E501
+    axes = axes if isinstance(axes, str) else "+".join(axes)
+    return f"{kind}@{axes}" if axes else kind
+
+
+def _message(kind: str, sent: float, n: int) -> float:
+    """The message behind ``sent`` bytes per device of a ``kind`` collective over ``n`` devices:
+    the all-reduced buffer, the gathered result, the scattered or exchanged buffer."""
+    if kind == "all-reduce":
+        return sent * n / (2 * (n - 1)) if n > 1 else 0.0
+    if kind == "collective-permute":
+        return sent
+    return sent * n / (n - 1) if n > 1 else 0.0
+
+
+def _sent(kind: str, n: int, message: float) -> float:
+    """Bytes per device of a ``kind`` collective of ``message`` over ``n`` devices."""
+    return _ring_bytes("all-to-all" if kind == "all-gather" else kind, n, message)
+
+
 def as_report(wire: WireReport | Sequence[Collective]) -> WireReport:
     """A :class:`adaptjax.WireReport` from a report or a sequence of collectives."""
     if isinstance(wire, WireReport):
@@ -88,22 +129,61 @@ def rescale_report(wire: WireReport | Sequence[Collective], devices: int) -> Wir
         if c.group_size != old or c.group_size == devices:
             out.append(c)
             continue
-        new = {}
-        for field in ("bytes", "compiled_bytes"):
-            value = getattr(c, field)
-            n = c.group_size
-            if c.kind == "all-reduce":
-                message = value * n / (2 * (n - 1)) if n > 1 else 0.0
-            elif c.kind == "collective-permute":
-                message = value
-            else:  # all-gather: the gathered result; all-to-all, reduce-scatter: the buffer
-                message = value * n / (n - 1) if n > 1 else 0.0
-            if c.kind == "all-gather":
-                new[field] = _ring_bytes("all-to-all", devices, message)
-            else:
-                new[field] = _ring_bytes(c.kind, devices, message)
+        new = {f: _sent(c.kind, devices, _message(c.kind, getattr(c, f), c.group_size))
+               for f in ("bytes", "compiled_bytes")}
         out.append(dataclasses.replace(c, group_size=devices, **new))
     return WireReport(tuple(out), devices, report.conditionals)
+
+
+def reshape_report(wire: WireReport | Sequence[Collective], old: Mapping[str, int],
+                   new: Mapping[str, int]) -> WireReport:
+    """The same program's collectives on mesh ``new`` (``{axis: size}``), from mesh ``old``.
+
+    Each collective keeps its axes (:attr:`adaptjax.Collective.axes`) and
+    spans the new sizes of them (one that spans a single device is left out:
+    it sends nothing). Its message follows the sharding: a collective over
+    ``"data"`` alone moves each device's shard of the gradients, which grows
+    by ``old / new`` model-axes devices (``fsdp × model``); the model axes'
+    collectives (FSDP's all-gathers of weights, the reductions of their
+    gradients) move whole weights and keep their message. Bytes follow the
+    ring formula. An estimate where leaves stay whole (small ones, or where
+    the rule finds no divisible dimension on the new mesh).
+
+    Raises:
+      CannotPredict: a collective whose axes the report does not know.
+
+    Example:
+      >>> from adaptjax import Collective
+      >>> from adaptjax.costs import reshape_report
+      >>> sync = Collective("all-reduce", "f32", (250,), 250, 2, 1000.0, 1000.0, "f32",
+      ...                   axes=("data",))
+      >>> gather = Collective("all-gather", "f32", (250,), 250, 4, 3000.0, 3000.0, "f32",
+      ...                     axes=("fsdp",))
+      >>> r = reshape_report([sync, gather], {"data": 2, "fsdp": 4}, {"data": 4, "fsdp": 2})
+      >>> [(c.group_size, c.bytes) for c in r.collectives]  # 2 x the shard; the same weights
+      [(4, 3000.0), (2, 2000.0)]
+    """
+    report = as_report(wire)
+
+    def model(shape):
+        return math.prod(n for a, n in shape.items() if a != "data")
+
+    growth = model(old) / model(new)
+    out = []
+    for c in report.collectives:
+        if not c.axes:
+            raise CannotPredict(
+                f"cannot move a {c.kind} to mesh {dict(new)}: its mesh axes are unknown (a "
+                "costs.json written before sharded meshes?); record the step again"
+            )
+        n = math.prod(int(new.get(a, 1)) for a in c.axes)
+        if n <= 1:
+            continue
+        scale = growth if c.axes == ("data",) else 1.0
+        sent = {f: _sent(c.kind, n, scale * _message(c.kind, getattr(c, f), c.group_size))
+                for f in ("bytes", "compiled_bytes")}
+        out.append(dataclasses.replace(c, group_size=n, **sent))
+    return WireReport(tuple(out), math.prod(new.values()), report.conditionals)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +284,10 @@ class StepTimeModel:
     observations: tuple[Observation, ...] = ()
 
     # ---- prediction --------------------------------------------------------------------
-    def link(self, kind: str) -> LinkModel:
+    def link(self, kind: str, axes: Sequence[str] | str = ()) -> LinkModel:
+        """The link of ``kind`` on mesh ``axes``: ``"kind@axes"``, else ``kind``, else ``"*"``."""
+        if axes and link_key(kind, axes) in self.links:
+            return self.links[link_key(kind, axes)]
         if kind in self.links:
             return self.links[kind]
         if "*" in self.links:
@@ -227,8 +310,8 @@ class StepTimeModel:
         def secs(c: Collective) -> float:
             if message_steps(c.kind, c.group_size) == 0 or c.compiled_bytes == 0:
                 return 0.0
-            return self.link(c.kind).time(c.kind, c.group_size, c.compiled_bytes,
-                                          c.num_operands)
+            return self.link(c.kind, c.axes).time(c.kind, c.group_size, c.compiled_bytes,
+                                                  c.num_operands)
 
         def secs_async(c: Collective) -> float:
             return secs(c) if c.is_async else 0.0
@@ -264,9 +347,10 @@ class StepTimeModel:
                 "a run directory) first"
             )
         report = as_report(wire)
-        compute = self.compute.time(devices=devices, batch_size=batch, microbatches=micro)
+        every = compute_devices(config)
+        compute = self.compute.time(devices=every, batch_size=batch, microbatches=micro)
         codec = self.codec_time(config)
-        comm, comm_async = self.comm_time(report) if devices > 1 else (0.0, 0.0)
+        comm, comm_async = self.comm_time(report) if every > 1 else (0.0, 0.0)
         hidden = min(comm_async, self.overlap * compute)
         return Prediction(compute + codec + comm - hidden, compute, codec, comm, hidden,
                           report.total)
@@ -333,7 +417,8 @@ class StepTimeModel:
     def _fit_compute(self, dense: list[Observation]) -> StepTimeModel:
         rows = []
         for o in dense:
-            n, b, k, _, _ = config_key(o.config)
+            _, b, k, _, _ = config_key(o.config)
+            n = compute_devices(o.config)
             comm, comm_async = self.comm_time(o.wire) if n > 1 else (0.0, 0.0)
             rows.append((n, b, k, o.step_time, comm, comm_async))
         if len({b / n for n, b, *_ in rows}) < 2:
@@ -385,6 +470,10 @@ class _Dense:
     @property
     def microbatches(self):
         return getattr(self.inner, "microbatches", 1)
+
+    @property
+    def device_count(self):
+        return compute_devices(self.inner)
 
     codec = None
     sync = None

@@ -21,6 +21,14 @@ all-reduce, or reduce-scatter + all-gather) and a quantizer codec's bucket
 size, whichever the calibrated links predict fastest at its device count.
 Each choice is logged (a ``schedule`` event) and saved in ``costs.json``.
 
+On a sharded mesh (:attr:`adaptjax.RunConfig.mesh_shape`) the links are also
+calibrated per mesh axis (:func:`adaptjax.costs.calibrate_axis_links`), a
+candidate may name a mesh shape (its collectives are the observed step's,
+moved by :func:`adaptjax.costs.reshape_report`), and :attr:`Planner.memory`
+holds the parameter and optimizer bytes per device of every shape of the
+run's device count (:func:`adaptjax.costs.state_bytes_per_device`), which
+``adaptjax plan`` prints next to each shape's predicted step.
+
 References:
   Jones, Schonlau and Welch, "Efficient Global Optimization of Expensive
   Black-Box Functions", 1998 (expected improvement).
@@ -41,8 +49,9 @@ import jax
 
 from adaptjax._wire import Collective, WireReport, wire_bytes
 from adaptjax.controller._run_config import RunConfig, codec_key
-from adaptjax.costs._calibrate import DEFAULT_KINDS, calibrate_links
+from adaptjax.costs._calibrate import DEFAULT_KINDS, calibrate_axis_links, calibrate_links
 from adaptjax.costs._links import LinkModel
+from adaptjax.costs._meshes import mesh_shapes, state_bytes_per_device
 from adaptjax.costs._model import (
     CannotPredict,
     Observation,
@@ -53,6 +62,19 @@ from adaptjax.costs._model import (
 )
 from adaptjax.costs._schedule import OWNER_COMPUTE, buckets, choose_bucket_bytes, choose_dense_lane
 from adaptjax.costs._simulate import wire_for
+
+#: A codec's ``transport`` for each exchange kind the planner prices.
+CODEC_TRANSPORT = {OWNER_COMPUTE: "owner", "all-gather": "allgather"}
+
+
+def _transport_kinds(codec) -> tuple[str, ...]:
+    """The exchange kinds to price for ``codec``: its own transport if it names one."""
+    if not hasattr(codec, "transport"):
+        return (OWNER_COMPUTE,)
+    if codec.transport is None:
+        return tuple(CODEC_TRANSPORT)
+    return tuple(k for k, t in CODEC_TRANSPORT.items() if t == codec.transport)
+
 
 FILENAME = "costs.json"
 
@@ -112,6 +134,9 @@ class Planner:
         self._steps = None  # the controller's StepCache, once attached
         #: ``{config: {option: value, "predicted_s": {...}}}``: the choices of :meth:`schedule`.
         self.schedules: dict[RunConfig, dict[str, Any]] = {}
+        #: ``{"data=2,fsdp=4": bytes}``: parameters and optimizer state per device of each
+        #: mesh shape of a sharded run's device count (set by :meth:`attach`).
+        self.memory: dict[str, int] = {}
         self.model = StepTimeModel(self.links or {})
 
     # ---- wiring ------------------------------------------------------------------------
@@ -134,9 +159,19 @@ class Planner:
 
         self.wire_of = wire_of
         self.run_dir = controller.run_dir
+        config = controller.config
+        sharded = config.mesh_shape is not None
         if self.links is None and calibrate:
-            self.calibrate(controller.max_devices)
+            self.calibrate(controller.max_devices, mesh_shape=config.axes if sharded else None)
         self._steps = steps
+        if sharded:
+            tx = steps.tx(config.codec, config.sync)
+            self.memory = {
+                shape_label(shape): state_bytes_per_device(steps.model, tx, shape,
+                                                           sharding=steps.sharding)
+                for shape in mesh_shapes(config.device_count, tuple(config.axes),
+                                         config.batch_size, config.microbatches)
+            }
 
         def schedule(config: RunConfig) -> dict[str, Any]:
             options = self.schedule(config)
@@ -153,13 +188,18 @@ class Planner:
 
         Without a codec (under a strategy that averages gradients),
         ``{"dense_lane": ...}`` from :func:`adaptjax.costs.choose_dense_lane`
-        on the gradients' bytes; with a codec that has a ``bucket_bytes``
-        field (the quantizers), ``{"bucket_bytes": B}`` from
+        on the gradients' bytes; with a block codec (the quantizers),
+        ``{"bucket_bytes": B, "transport": T}`` from
         :func:`adaptjax.costs.choose_bucket_bytes` over the leaves the codec
-        compresses (``None``: one exchange, the codec's default, when the best
-        bucket holds the whole lane), with the backward pass the model has
-        fitted as overlap. ``{}`` when nothing is attached, on one device, or
-        when the links cannot tell (a collective kind never timed). The choice
+        compresses (``B = None``: one exchange, the codec's default, when the
+        best bucket holds the whole lane), with the backward pass the model has
+        fitted as overlap, and ``T`` the transport (``"owner"``: an all-to-all
+        then an all-gather; ``"allgather"``: one all-gather) whose best bucket
+        the links predict faster, so the planner's links, not the codec's
+        default transport model, decide it (codecs without a ``transport``
+        field are priced as owner-compute and given ``B`` alone). ``{}`` when
+        nothing is attached, on one device, or when the links cannot tell (a
+        collective kind never timed). The choice
         and its predicted seconds are kept in :attr:`schedules`.
         """
         steps, n = self._steps, config.devices
@@ -181,7 +221,8 @@ class Planner:
             if not (dataclasses.is_dataclass(codec) and hasattr(codec, "bucket_bytes")
                     and hasattr(codec, "method") and getattr(codec, "bits", None)):
                 return {}
-            lane_bytes = [4.0 * math.prod(shape) for shape, _ in leaves
+            # the codec's buckets: whole leaves, from the last (the backward pass's first)
+            lane_bytes = [4.0 * math.prod(shape) for shape, _ in reversed(leaves)
                           if codec.method(shape, n) == "codec"]
             if not lane_bytes:
                 return {}
@@ -191,27 +232,41 @@ class Planner:
                     devices=n, batch_size=config.batch_size, microbatches=config.microbatches)
             whole = sum(lane_bytes)
             candidates = sorted({*(2.0**k for k in range(12, 29) if 2.0**k < whole), whole})
-            best, times = choose_bucket_bytes(
-                self.model, lane_bytes, n, kind=OWNER_COMPUTE, candidates=candidates,
-                overlap_compute=overlap, wire_fraction=float(codec.bits) / 32.0)
+            kinds = _transport_kinds(codec)
+            by_kind = {kind: choose_bucket_bytes(
+                self.model, lane_bytes, n, kind=kind, candidates=candidates,
+                overlap_compute=overlap, wire_fraction=float(codec.bits) / 32.0, split=False)
+                for kind in kinds}
         except CannotPredict:
             return {}
-        count = len(buckets(lane_bytes, best))
+        # ties: at 2 replicas the one all-gather (the same bytes), else owner-compute
+        kind = min(by_kind, key=lambda k: (by_kind[k][1][by_kind[k][0]],
+                                           (k == OWNER_COMPUTE) == (n == 2)))
+        best, times = by_kind[kind]
+        count = len(buckets(lane_bytes, best, split=False))
         bucket = None if count == 1 else int(best)
-        self.schedules[config] = {"bucket_bytes": bucket, "buckets": count,
-                                  "predicted_s": times[best], "one_exchange_s": times[whole]}
-        return {"bucket_bytes": bucket}
+        chosen = {"bucket_bytes": bucket}
+        if hasattr(codec, "transport"):
+            chosen["transport"] = CODEC_TRANSPORT[kind]
+        self.schedules[config] = {**chosen, "buckets": count, "predicted_s": times[best],
+                                  "one_exchange_s": times[whole]}
+        return chosen
 
-    def calibrate(self, devices: int, kinds: Sequence[str] | None = None) -> dict:
+    def calibrate(self, devices: int, kinds: Sequence[str] | None = None, *,
+                  mesh_shape=None) -> dict:
         """Times micro-collectives on up to ``devices`` devices and uses them as the links.
 
         ``kinds`` (default: every kind :func:`adaptjax.costs.calibrate_links`
         times); with fewer than two devices there is nothing to time and the
-        links are empty.
+        links are empty. With ``mesh_shape`` (``{"data": 2, "fsdp": 4}``) each
+        kind is also timed over each axis of that mesh
+        (:func:`adaptjax.costs.calibrate_axis_links`: ``"all-gather@fsdp"``, ...).
         """
         n = min(int(devices), len(jax.devices()))
         kinds = DEFAULT_KINDS if kinds is None else tuple(kinds)
         self.links = calibrate_links(n, kinds=kinds) if n >= 2 and kinds else {}
+        if mesh_shape is not None and kinds:
+            self.links.update(calibrate_axis_links(mesh_shape, kinds=kinds))
         self.model = dataclasses.replace(self.model, links=self.links)
         return self.links
 
@@ -221,7 +276,8 @@ class Planner:
         codec = candidate.codec
         return RunConfig(int(candidate.devices), int(candidate.batch_size),
                          int(candidate.microbatches),
-                         codec if isinstance(codec, str) or codec is None else codec_key(codec))
+                         codec if isinstance(codec, str) or codec is None else codec_key(codec),
+                         mesh_shape=getattr(candidate, "mesh_shape", None))
 
     def _wire(self, config: RunConfig) -> WireReport:
         if config in self._wires:
@@ -330,6 +386,7 @@ class Planner:
             ],
             "schedules": [{"config": dataclasses.asdict(c), **chosen}
                           for c, chosen in self.schedules.items()],
+            "memory": dict(self.memory),
         }
 
     def save(self, path: str) -> None:
@@ -355,6 +412,7 @@ class Planner:
             config = RunConfig(**row["config"])
             planner._times[config] = float(row["step_time"])
             planner._wires[config] = _wire_from_json(row["wire"])
+        planner.memory = {str(k): int(v) for k, v in data.get("memory", {}).items()}
         planner.refit()
         return planner
 
@@ -366,7 +424,8 @@ def _wire_json(report: WireReport) -> dict:
         "collectives": [
             {"kind": c.kind, "group_size": c.group_size, "bytes": c.bytes,
              "compiled_bytes": c.compiled_bytes, "is_async": c.is_async,
-             "num_operands": c.num_operands, "branch": [list(b) for b in c.branch]}
+             "num_operands": c.num_operands, "branch": [list(b) for b in c.branch],
+             "axes": list(c.axes)}
             for c in report.collectives
         ],
     }
@@ -377,11 +436,17 @@ def _wire_from_json(data: dict) -> WireReport:
         Collective(c["kind"], "", (), 0, int(c["group_size"]), float(c["bytes"]),
                    float(c["compiled_bytes"]), "", is_async=bool(c["is_async"]),
                    num_operands=int(c.get("num_operands", 1)),
-                   branch=tuple((str(n), int(b)) for n, b in c["branch"]))
+                   branch=tuple((str(n), int(b)) for n, b in c["branch"]),
+                   axes=tuple(str(a) for a in c.get("axes", ())))
         for c in data["collectives"]
     )
     return WireReport(colls, data["num_devices"], tuple((str(n), int(k))
                                                         for n, k in data["conditionals"]))
+
+
+def shape_label(shape) -> str:
+    """``"data=2,fsdp=4"``: a mesh shape as ``adaptjax plan`` and ``lm.py --mesh`` write it."""
+    return ",".join(f"{a}={n}" for a, n in dict(shape).items())
 
 
 def _phi_cdf(z: float) -> float:

@@ -111,20 +111,29 @@ def choose_dense_lane(
     return min(times, key=lambda k: (times[k], k != "all-reduce")), times
 
 
-def buckets(leaf_bytes: Sequence[float], bucket_bytes: float) -> list[float]:
+def buckets(leaf_bytes: Sequence[float], bucket_bytes: float, *,
+            split: bool = True) -> list[float]:
     """Leaves (in order) fused into buckets of at most ``bucket_bytes``; big leaves split.
+
+    With ``split=False`` a leaf larger than a bucket is a bucket of its own, as
+    a codec's buckets are (``adaptjax.compression``: leaves are never split).
 
     Example:
       >>> from adaptjax.costs import buckets
-      >>> buckets([10, 10, 50, 5], 20)
-      [20.0, 20.0, 20.0, 10.0, 5.0]
+      >>> buckets([10, 10, 50, 5], 20), buckets([10, 10, 50, 5], 20, split=False)
+      ([20.0, 20.0, 20.0, 10.0, 5.0], [20.0, 50.0, 5.0])
     """
     if not bucket_bytes > 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     out: list[float] = []
     fill = 0.0
     for size in leaf_bytes:
-        if size > bucket_bytes:
+        if size > bucket_bytes and not split:
+            if fill:
+                out.append(fill)
+                fill = 0.0
+            out.append(float(size))
+        elif size > bucket_bytes:
             if fill:
                 out.append(fill)
                 fill = 0.0
@@ -149,6 +158,7 @@ def choose_bucket_bytes(
     candidates: Sequence[float] = tuple(2.0**k for k in range(12, 29)),
     overlap_compute: float = 0.0,
     wire_fraction: float = 1.0,
+    split: bool = True,
 ) -> tuple[float, dict[float, float]]:
     """The bucket size with the least predicted exposed communication.
 
@@ -157,6 +167,8 @@ def choose_bucket_bytes(
     encoded share of a float32 bucket, e.g. ``bits / 32``):
     ``Σ t(bᵢ) − min(Σ t(bᵢ) − t(b_k), overlap_compute)`` — all but the last
     bucket can run while ``overlap_compute`` seconds of backward pass remain.
+    ``leaf_bytes`` in the order the buckets are sent; ``split``: as in
+    :func:`buckets`.
 
     Returns:
       ``(best bucket bytes, {bucket bytes: predicted seconds})``; ties go to
@@ -176,7 +188,7 @@ def choose_bucket_bytes(
     times = {}
     for size in candidates:
         parts = [exchange_time(model, kind, devices, wire_fraction * b)
-                 for b in buckets(leaf_bytes, size)]
+                 for b in buckets(leaf_bytes, size, split=split)]
         total = math.fsum(parts)
         hidden = min(total - (parts[-1] if parts else 0.0), overlap_compute)
         times[float(size)] = total - hidden

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -43,7 +44,13 @@ from adaptjax.controller._run_config import RunConfig, codec_key
 from adaptjax.controller._run_log import event_latencies
 from adaptjax.controller._transition import one_gradient_sample, plan_transition
 from adaptjax.costs._links import LinkModel
-from adaptjax.costs._model import CannotPredict, StepTimeModel, config_key, rescale_report
+from adaptjax.costs._model import (
+    CannotPredict,
+    StepTimeModel,
+    config_key,
+    rescale_report,
+    reshape_report,
+)
 
 TIME_KEYS = (
     "step_time", "throughput", "comm_time", "comm_share", "compile_seconds", "train_seconds",
@@ -118,8 +125,28 @@ def wire_for(model: StepTimeModel, config):
         raise CannotPredict(
             f"cannot predict {config_key(config)}: no recorded run has {what}; record one first"
         )
-    ref = max(same, key=lambda o: config_key(o.config)[0])  # the widest group seen
-    return rescale_report(ref.wire, int(config.devices))
+    target = _axes(config)
+    if list(target) == ["data"] and all(list(_axes(o.config)) == ["data"] for o in same):
+        ref = max(same, key=lambda o: config_key(o.config)[0])  # the widest group seen
+        return rescale_report(ref.wire, int(config.devices))
+    # On a sharded mesh: a step that ran every collective the target needs (each axis the
+    # target spans over > 1 device spanned > 1 there too), closest in device count.
+    covering = [o for o in same if all(_axes(o.config).get(a, 1) > 1 for a, n in target.items()
+                                       if n > 1)]
+    if not covering:
+        raise CannotPredict(
+            f"cannot predict mesh {target}: no recorded step spans each of its axes of more "
+            f"than one device (recorded: {[_axes(o.config) for o in same]}); record one"
+        )
+    ref = min(covering, key=lambda o: abs(math.prod(_axes(o.config).values())
+                                          - math.prod(target.values())))
+    return reshape_report(ref.wire, _axes(ref.config), target)
+
+
+def _axes(config) -> dict[str, int]:
+    """``{axis: size}`` of a configuration's mesh (``{"data": devices}`` on a 1-D one)."""
+    axes = getattr(config, "axes", None)
+    return dict(axes) if axes is not None else {"data": int(config.devices)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,6 +424,7 @@ def _decide(run: _Recorded, replay: _Replay, policy, s: int, row: dict) -> None:
         devices=config.devices, max_devices=run.cap, hyperparams=replay.hyper,
         codec=replay.codec,
         samples_seen=replay.samples + config.batch_size,  # the next step is dispatched first
+        mesh_shape=config.axes if config.mesh_shape is not None else None,
     )
     metrics_in = {k: float(v) for k, v in row.items()
                   if k != "step" and isinstance(v, int | float)}

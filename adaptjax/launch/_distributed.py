@@ -240,6 +240,37 @@ def process_rows(batch_size: int, devices: int) -> tuple[int, int]:
     return i * per, (i + 1) * per
 
 
+def mesh_rows(mesh, batch_size: int) -> tuple[int, int]:
+    """The rows ``[start, stop)`` of a global batch split over ``mesh``'s ``"data"`` axis that
+    this process's devices hold (on a 1-D mesh, :func:`process_rows`).
+
+    On a sharded mesh a process holds whole data replicas (several, one, or
+    its part of one that spans processes: then every process of that replica
+    feeds its rows). One-line ``ValueError`` when the rows are not contiguous
+    (a mesh not built on :func:`mesh_devices`).
+
+    Example:
+      >>> import adaptjax
+      >>> from adaptjax.launch._distributed import mesh_rows
+      >>> mesh_rows(adaptjax.make_mesh({"data": 2, "fsdp": 4}), 32)
+      (0, 32)
+    """
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if jax.process_count() == 1:
+        return 0, int(batch_size)
+    indices = NamedSharding(mesh, P("data")).addressable_devices_indices_map((int(batch_size),))
+    rows = sorted({(i[0].start or 0, int(batch_size) if i[0].stop is None else i[0].stop)
+                   for i in indices.values()})
+    if any(a[1] != b[0] for a, b in zip(rows, rows[1:], strict=False)):
+        raise ValueError(
+            f"this process's devices hold rows {rows} of the batch, not one block; build the "
+            "mesh on adaptjax.launch's mesh_devices (devices in process order)"
+        )
+    return rows[0][0], rows[-1][1]
+
+
 def global_batch(local, mesh, batch_size: int):
     """The global batch (sharded over ``"data"``) from this process's rows of it."""
     from jax.sharding import NamedSharding

@@ -61,17 +61,20 @@ QUANTIZERS = {
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
 def test_quantizer_payload_size_is_fixed_and_formula(name):
     codec = QUANTIZERS[name]
-    fmt = codec.fmt
+    code_bits = {"bf16": 16, "fp16": 16, "onebit": 1, "terngrad": 2, "qsgd": 4, "qsgd1": 2,
+                 "natural": 8}[name]
+    scaled = name not in ("bf16", "fp16")
+    assert codec.bits == code_bits + (32 / codec.block if scaled else 0)
     for size in (1, 100, 1000, 4096):
         x = jax.ShapeDtypeStruct((size,), jnp.float32)
         p = jax.eval_shape(lambda v, c=codec: c.encode(v), x)
-        nb = math.ceil(size / fmt.block)
-        assert p["codes"].shape == (nb * fmt.block * fmt.bits // 32,)  # uint32 words
-        assert p["codes"].dtype == jnp.uint32
-        if fmt.has_scale:
-            assert p["scales"].shape == (nb,)
+        nb = math.ceil(size / codec.block)
+        # the codes of every block, packed: exactly code_bits per element
+        assert p["codes"].size * p["codes"].dtype.itemsize * 8 == nb * codec.block * code_bits
+        if scaled:
+            assert p["scales"].shape == (nb,) and p["scales"].dtype == jnp.float32
         else:
-            assert "scales" not in p
+            assert set(p) == {"codes"}
 
 
 def test_bf16_and_fp16_round_trip_to_the_cast():

@@ -1,6 +1,7 @@
 """Bad inputs raise one-line ValueErrors naming the fix, before anything runs."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,8 @@ def test_leaf_thinner_than_the_rank_goes_to_the_dense_lane():
     assert state.shared["p"]["w"] is None and state.shared["p"]["m"].shape == (300, 4)
     plan = ajc.plan(params, codec, 8, show=False)
     assert plan.methods() == {"['m']": "powersgd", "['w']": "bf16"}
-    assert plan.rows[1].bytes == 4 * 3003 * 7 / 8  # a bf16 psum: 4d(N-1)/N
+    # bf16 blocks of 32 by owner-compute: 2(N-1)/N of ceil(d/32) blocks of 64 bytes
+    assert plan.rows[1].bytes == 2 * 7 / 8 * math.ceil(3003 / 32) * 64
     # encode() of that one matrix still cannot give rank-4 factors
     with pytest.raises(ValueError, match=r"rank 4 > min\(n, m\) = 3") as e:
         codec.encode(jnp.zeros((1001, 3)))

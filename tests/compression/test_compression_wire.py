@@ -3,9 +3,12 @@
 Formulas (bytes per device per step, ``N`` replicas, ring collectives):
 all-reduce of ``S`` bytes ``2(N−1)/N·S``, all-gather of ``S`` per device ``(N−1)·S``,
 all-to-all of ``S`` ``(N−1)/N·S``. Hence owner-compute (all-to-all of ``N`` rows
-plus all-gather of one row) is ``2(N−1)·row``; top-k ``8k(N−1)``; random-k
-``8k(N−1)/N``; PowerSGD ``8r(n+m)(N−1)/N`` for P and Q together, and alternating
-``8rn(N−1)/N`` on a P step, ``8rm(N−1)/N`` on a Q step (one ``lax.cond`` branch each).
+plus all-gather of one row) is ``2(N−1)·row``, a row being ``ceil(blocks/N)``
+encoded blocks of a lane this small (one packed view); top-k per leaf
+``8k(N−1)`` under 4 replicas, ``8(N−1)(ceil(2k/N) + ceil(k/N))`` routed to owners;
+random-k ``8k(N−1)/N``; PowerSGD ``8r(n+m)(N−1)/N`` for P and Q together, and
+alternating ``8rn(N−1)/N`` on a P step, ``8rm(N−1)/N`` on a Q step (one
+``lax.cond`` branch each).
 """
 
 import math
@@ -16,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from adaptjax.compression._blocks import block_bytes
+from adaptjax.compression._formats import BF16
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -77,7 +82,7 @@ def _small_psum(n):
 def _owner_compute(fmt, n, sizes):
     nb = sum(math.ceil(d / fmt.block) for d in sizes)
     cb = math.ceil(nb / n)
-    row = cb * (fmt.block * fmt.bits // 8 + (4 if fmt.has_scale else 0))  # bytes
+    row = cb * block_bytes(fmt)  # bytes: codes and scales of cb blocks
     return 2 * (n - 1) * row
 
 
@@ -87,13 +92,14 @@ def expected_bytes(name, n):
     sizes = [math.prod(SHAPES[k]) for k in COMPRESSED]
     total = _small_psum(n)
     if name in ("bf16", "fp16", "onebit", "terngrad", "qsgd", "natural"):
-        return total + _owner_compute(codec.fmt, n, sizes)
+        return total + _owner_compute(codec, n, sizes)
     if name in ("topk", "dgc"):
-        k = sum(math.ceil(0.01 * d) for d in sizes)
+        ks = [math.ceil(0.01 * d) for d in sizes]
         if n < 4:  # one all-gather of every replica's pairs
-            return total + 8 * k * (n - 1)
-        # routed to owners: all-to-all of ceil(2k/N) pairs per owner, all-gather of ceil(k/N)
-        return total + 8 * (n - 1) * (math.ceil(2 * k / n) + math.ceil(k / n))
+            return total + 8 * sum(ks) * (n - 1)
+        # each leaf routed to owners: all-to-all of ceil(2k/N) pairs per owner,
+        # all-gather of ceil(k/N)
+        return total + sum(8 * (n - 1) * (math.ceil(2 * k / n) + math.ceil(k / n)) for k in ks)
     if name == "randomk":
         k = 0
         for d in sizes:
@@ -109,7 +115,7 @@ def powersgd_branches(name, n):
     """Bytes of a call per branch: alternating (Q step, P step), the order of
     ``lax.cond(step % 2 == 0, p_step, q_step)``'s branches; else (P and Q,)."""
     r, (rows, cols) = 4, SHAPES["w"]
-    base = _small_psum(n) + _owner_compute(ajc.bf16().fmt, n, [math.prod(SHAPES["v"])])
+    base = _small_psum(n) + _owner_compute(BF16, n, [math.prod(SHAPES["v"])])
     if name == "powersgd2":
         return (base + 8 * r * (rows + cols) * (n - 1) / n,)
     return (base + 8 * r * cols * (n - 1) / n, base + 8 * r * rows * (n - 1) / n)
@@ -159,8 +165,8 @@ def test_ratios_against_fp32_psum_on_the_model_sizes():
     for n in (8, 16):
         d = 8_000_000
         fp32 = 8 * d * (n - 1) / n
-        assert fp32 / _owner_compute(ajc.onebit().fmt, n, [d]) >= 28
-        assert fp32 / _owner_compute(ajc.terngrad().fmt, n, [d]) >= 14
+        assert fp32 / _owner_compute(ajc.onebit(), n, [d]) >= 28
+        assert fp32 / _owner_compute(ajc.terngrad(), n, [d]) >= 14
 
 
 def test_two_level_sends_bf16_on_the_fast_axis_and_bits_on_the_slow_one():
@@ -168,12 +174,11 @@ def test_two_level_sends_bf16_on_the_fast_axis_and_bits_on_the_slow_one():
     codec = ajc.onebit(fast_axis="fast")
     report = _report(codec, mesh, ("slow", "fast"))
     f, s = 4, 2
-    fmt = codec.fmt
-    nb = sum(math.ceil(math.prod(SHAPES[k]) / fmt.block) for k in COMPRESSED)
+    nb = sum(math.ceil(math.prod(SHAPES[k]) / codec.block) for k in COMPRESSED)
     cb = math.ceil(nb / (f * s))
-    length = f * s * cb * fmt.block  # the padded flat vector
+    length = f * s * cb * codec.block  # the packed view
     fast = (f - 1) / f * 2 * length + (f - 1) * 2 * length / f  # bf16 (as u16) a2a + gather
-    slow = 2 * (s - 1) * cb * (fmt.block // 8 + 4)
+    slow = 2 * (s - 1) * cb * (codec.block // 8 + 4)
     by_group = {}
     for c in report.collectives:
         by_group.setdefault(c.group_size, 0.0)

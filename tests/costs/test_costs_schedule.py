@@ -71,23 +71,35 @@ def test_planner_builds_the_step_with_the_faster_dense_lane(tmp_path, lane):
     assert row["dense_lane"] == lane
 
 
-def test_planner_buckets_a_quantizer_only_where_overlap_hides_them(tmp_path):
-    planner = Planner({"*": LinkModel(1e-4, 1e-9)})
+# all-gather's bandwidth slow: the owner-compute transport (an all-to-all, then 1/N
+# of the bytes in an all-gather) sends less of it than one all-gather of everything
+SLOW_GATHER = {"*": LinkModel(1e-4, 1e-9), "all-gather": LinkModel(1e-4, 1e-5)}
+
+
+@pytest.mark.parametrize("links, transport", [({"*": LinkModel(1e-4, 1e-9)}, "allgather"),
+                                              (SLOW_GATHER, "owner")])
+def test_planner_buckets_a_quantizer_only_where_overlap_hides_them(tmp_path, links, transport):
+    planner = Planner(links)
     ctrl = _controller(tmp_path, codec=ajc.onebit())
     planner.attach(ctrl)
-    # the α–β model alone: every extra bucket pays its latency again, so one exchange
-    assert planner.schedule(ctrl.config) == {"bucket_bytes": None}
+    # the α–β model alone: every extra bucket pays its latency again, so one exchange;
+    # equal links: one all-gather (one latency) beats two collectives for so few bytes
+    assert planner.schedule(ctrl.config) == {"bucket_bytes": None, "transport": transport}
     # with a fitted overlap and a long backward pass, all but the last bucket hide
     planner.model = dataclasses.replace(planner.model, compute=ComputeModel(fixed=1.0),
                                         overlap=1.0)
     report = planner.wire_of(ctrl.config)  # builds the controller's step, which asks schedule
-    chosen = ctrl.steps.options_of[ctrl.config]["bucket_bytes"]
-    lane = [4.0 * 3000, 4.0 * 8 * 512]  # v, w in tree order; b is under min_size
-    count = len(buckets(lane, chosen))
-    # the smallest candidate (least left exposed): v in 3 pieces, w in 4
-    assert chosen == 4096 and count == -(-12000 // 4096) + 16384 // 4096 == 7
-    assert report.count("all-to-all") == report.count("all-gather") == count
+    chosen = ctrl.steps.options_of[ctrl.config]
+    # the codec's buckets: whole leaves from the last, w then v (b is under min_size)
+    lane = [4.0 * 8 * 512, 4.0 * 3000]
+    count = len(buckets(lane, chosen["bucket_bytes"], split=False))
+    # two buckets leave only v exposed; the largest bucket that still makes two wins ties
+    assert chosen == {"bucket_bytes": 16384, "transport": transport} and count == 2
     assert planner.schedules[ctrl.config]["buckets"] == count
+    if transport == "owner":  # one all-to-all per bucket (XLA:CPU combines the all-gathers)
+        assert report.count("all-to-all") == count
+    else:
+        assert report.count("all-to-all") == 0 and report.count("all-gather") >= 1
     ctrl.close()
 
 
@@ -120,5 +132,5 @@ def test_step_cache_without_a_schedule_builds_as_before():
     assert cache.tx(None, dense_lane=RSAG) is not cache.tx(None)
     cache.schedule = lambda c: {"ring": True}
     with pytest.raises(ValueError, match=r"^schedule returned unknown step options \['ring'\]; "
-                                         r"use \('dense_lane', 'bucket_bytes'\)$"):
+                                         r"use \('dense_lane', 'bucket_bytes', 'transport'\)$"):
         cache.step(adaptjax.RunConfig(2, 32))

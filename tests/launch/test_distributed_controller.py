@@ -163,3 +163,21 @@ def test_rescale_two_four_two_processes_through_the_exit_code(runs, tmp_path):
     for epoch in range(len(stream) // N_SAMPLES):
         seen = collections.Counter(stream[epoch * N_SAMPLES : (epoch + 1) * N_SAMPLES])
         assert sorted(seen) == list(range(N_SAMPLES)) and set(seen.values()) == {1}
+
+
+def test_two_processes_on_a_sharded_mesh_match_one_through_rescales(runs, tmp_path):
+    """2 processes x 4 devices on a (data 2, fsdp 4) mesh: each process holds one replica
+    on every axis and feeds its rows. A rescale to (4, 2) stays on two processes (a
+    checkpoint, then each process restores its shards); one to (1, 4) needs one process
+    (exit code 76, the launcher relaunches), and the run ends where one process does."""
+    args = (16, "--mesh", "data=2,fsdp=4", "--rescale", "5:data=4,fsdp=2", "10:data=1,fsdp=4")
+    want = get(runs, "one-sharded", lambda d: reference(d, 8, *args))
+    got, _, err = launched(tmp_path, 2, 4, *args, max_processes=2, max_restarts=0)
+    assert any("relaunching with 1 process(es) (was 2)" in line for line in err), err
+    assert_same_state(got, want)
+    assert_logged_once(tmp_path, 16)
+    moves = [(e["step"], e["mesh_to"]) for e in rows(tmp_path, "events.jsonl")
+             if e["kind"] == "rescale"]
+    assert moves == [(6, {"data": 4, "fsdp": 2}), (11, {"data": 1, "fsdp": 4})]
+    fed = [r for r in rows(tmp_path, "fed.jsonl") if r["cursor"] == 32]  # step 1's rows
+    assert sorted((r["rank"], len(r["idx"])) for r in fed) == [(0, 16), (1, 16)]
