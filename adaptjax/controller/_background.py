@@ -192,14 +192,6 @@ class BackgroundCompiler:
         """
         self.submit(announced_configs(hints, self.steps, plan), data)
 
-    def precompile(self, config: RunConfig, data) -> float:
-        """Compiles ``config``'s step now, on the caller's thread; returns the seconds it took."""
-        if not hasattr(data, "batch_at"):
-            raise ValueError("precompile needs a dataset with batch_at (e.g. ArrayDataset)")
-        seconds = self.steps.compile(config, data)
-        self.compiled_ahead.add(config)  # its first step's wait is no compile's cost
-        return seconds
-
     def shutdown(self) -> None:
         """A compile under way finishes; queued ones are dropped."""
         if self._pool is not None:

@@ -35,7 +35,7 @@ from adaptjax.controller._arguments import (
     replica_rows,
     resume_arguments,
 )
-from adaptjax.controller._background import BackgroundCompiler, announced_configs
+from adaptjax.controller._background import BackgroundCompiler
 from adaptjax.controller._carry_out import (
     Carried,
     carry_out,
