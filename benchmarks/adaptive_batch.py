@@ -23,9 +23,18 @@ default monitors. For each of ``--seeds`` seeds (model init and data order):
 every run for ``--tokens`` tokens (rounded up to whole steps). Per run: the
 final validation loss (``--val-windows`` windows, and the curve at tenths of
 the budget), optimizer steps, tokens, wall time on this machine (training only:
-evaluations excluded, compiles included), the time its steps would take on the
-step-time profile T(M) of this machine and of an accelerator, the batch sizes
-it used, and the noise scale it measured along the way.
+evaluations and probes excluded, compiles included), the compiles' share of
+it, the time its steps would take on the step-time profile T(M) of this
+machine and of an accelerator, the batch sizes it used, and the noise scale it
+measured along the way.
+
+**The critical batch, measured.** Each adaptive run is probed at a quarter,
+half and three quarters of its budget (``Probe(--probe-sizes, steps=
+--probe-steps, lr_rule="sqrt")``, see :class:`adaptjax.policies.Probe`): the
+controller branches from the live state, trains each size on the same
+samples and fits the critical batch, leaving the run itself bit-exact. Its
+critical batch is printed beside the noise scale measured at the same step,
+with the probes' share of the run's time (``--probe-steps 0``: no probes).
 
 **Profiles.** ``--measure-profile`` times the controller's step at each size
 on this machine (the accelerator, where there is one: ``devices`` = the
@@ -45,7 +54,8 @@ adaptive_cpu_time_ratio=<z> adaptive_gpu_time_ratio=<w> cbs_probe_vs_noise_scale
 the adaptive run's mean final validation loss relative to the best fixed
 batch's (by mean final loss), its steps, and its time priced on this machine's
 and the accelerator's profile, each over the best fixed batch's; the last is
-``nan`` until the controller can run ``CriticalBatchProbe``. Targets: x <= 0.005,
+the median, over the probes of every seed's first adaptive run, of the
+probe's critical batch over the noise scale at its step. Targets: x <= 0.005,
 y <= 0.7, z <= 1.05, w <= 0.75.
 """
 
@@ -91,11 +101,13 @@ class Recorder:
     """``on_step`` hook: batch size and time of every step, noise-scale readings, the
     validation curve at fixed token counts, and a stop at the budget."""
 
-    def __init__(self, budget, evaluate, checkpoints):
+    def __init__(self, budget, evaluate, checkpoints, probe=None):
         self.budget, self.evaluate = budget, evaluate
         self.checkpoints = list(checkpoints)  # samples at which to evaluate
         self.sizes, self.readings, self.curve = [], [], []
-        self.eval_seconds = 0.0
+        self.eval_seconds = self.probe_seconds = 0.0
+        self.probe = probe  # a Probe asked for at a quarter, half and three quarters
+        self.probe_at = [budget * k // 4 for k in (1, 2, 3)] if probe is not None else []
         self.t0 = time.perf_counter()
 
     def __call__(self, ctrl):
@@ -111,8 +123,14 @@ class Recorder:
             t0 = time.perf_counter()
             self.curve.append((ctrl.samples_seen, self.evaluate(ctrl.model)["loss"]))
             self.eval_seconds += time.perf_counter() - t0
+        if self.probe_at and ctrl.samples_seen >= self.probe_at[0]:
+            self.probe_at.pop(0)
+            t0 = time.perf_counter()
+            ctrl.apply([self.probe])  # the run goes on bit-exactly
+            self.probe_seconds += time.perf_counter() - t0
         if ctrl.samples_seen >= self.budget:
-            self.wall = time.perf_counter() - self.t0 - self.eval_seconds
+            self.wall = (time.perf_counter() - self.t0 - self.eval_seconds
+                         - self.probe_seconds)
             ctrl.apply([ajp.Stop("token budget reached")])
 
 
@@ -137,10 +155,10 @@ def make_controller(data, cfg, *, devices, batch, lr, seed, policies=(), on_step
     )
 
 
-def train(data, cfg, *, budget, evaluate, **kwargs):
-    """One run to ``budget`` samples; returns what the table needs."""
+def train(data, cfg, *, budget, evaluate, probe=None, **kwargs):
+    """One run to ``budget`` samples (probed three times with ``probe``); what the table needs."""
     checkpoints = [budget * (i + 1) // CURVE_POINTS for i in range(CURVE_POINTS)]
-    recorder = Recorder(budget, evaluate, checkpoints)
+    recorder = Recorder(budget, evaluate, checkpoints, probe)
     ctrl = make_controller(data, cfg, on_step=recorder, **kwargs)
     run_dir = ctrl.run_dir
     try:
@@ -159,8 +177,10 @@ def train(data, cfg, *, budget, evaluate, **kwargs):
         "final": recorder.curve[-1][1],
         "wall": recorder.wall,
         "readings": recorder.readings,
-        "compile_s": sum(e["latency_s"] for e in compiles),
+        "compile_s": sum(e["latency_s"] for e in compiles if not e.get("probe")),
         "decisions": [(e["step"], e["actions"]) for e in events if e["kind"] == "decision"],
+        "probes": [e for e in events if e["kind"] in ("probe", "probe_skipped")],
+        "probe_s": recorder.probe_seconds,
     }
 
 
@@ -287,14 +307,15 @@ def variant_policy(name, largest):
 def print_tables(runs, names, cpu_points, gpu_points, cfg):
     print(f"\n{'run':>14} {'seed':>4} | {'final val':>9} | {'steps':>6} | {'tokens':>9} | "
           f"{'wall s':>7} | {'cpu T(M) s':>10} | {'gpu T(M) s':>10} | {'compile s':>9} | "
-          "batch x steps")
+          f"{'share':>5} | batch x steps")
     summary = {}
     for name in names:
         for seed, r in enumerate(runs[name]):
             r["cpu"], r["gpu"] = price(r["sizes"], cpu_points), price(r["sizes"], gpu_points)
             print(f"{name:>14} {seed:>4} | {r['final']:>9.4f} | {len(r['sizes']):>6} | "
                   f"{r['samples'] * cfg.context:>9} | {r['wall']:>7.1f} | {r['cpu']:>10.2f} | "
-                  f"{r['gpu']:>10.3f} | {r['compile_s']:>9.1f} | {used(r['sizes'])}")
+                  f"{r['gpu']:>10.3f} | {r['compile_s']:>9.1f} | "
+                  f"{r['compile_s'] / r['wall']:>5.0%} | {used(r['sizes'])}")
         rs = runs[name]
         summary[name] = {k: float(np.mean([r[k] for r in rs])) for k in ("final", "cpu", "gpu")}
         summary[name]["steps"] = float(np.mean([len(r["sizes"]) for r in rs]))
@@ -333,6 +354,10 @@ def build_parser():
     parser.add_argument("--measure-profile", action="store_true",
                         help="time T(M) on this machine, store it under benchmarks/profiles/, exit")
     parser.add_argument("--gpu-profile", default=None, help="a stored profile to price with")
+    parser.add_argument("--probe-sizes", type=int, nargs="+", default=None,
+                        help="the probes' branch batches (default: --sizes)")
+    parser.add_argument("--probe-steps", type=int, default=4,
+                        help="optimizer steps of the largest probe branch (0: no probes)")
     return parser
 
 
@@ -345,6 +370,10 @@ def check_args(parser, args):
         parser.error(f"--sizes: give 2+ sizes, the smallest a multiple of --devices={args.devices}")
     if min(args.seeds, args.tokens, args.val_windows, args.profile_steps) < 1:
         parser.error("--seeds, --tokens, --val-windows and --profile-steps must be positive")
+    args.probe_sizes = sorted(set(args.probe_sizes or args.sizes))
+    if args.probe_steps < 0 or (args.probe_steps and (
+            len(args.probe_sizes) < 3 or args.probe_sizes[0] % args.devices)):
+        parser.error("--probe-sizes: give 3+ sizes, multiples of --devices; --probe-steps >= 0")
     for name in args.variants:
         try:
             variant_policy(name, args.sizes[-1])
@@ -385,16 +414,47 @@ def run_all(data, cfg, args, devices, budget):
             runs[f"fixed-{b}"].append(r)
             print(f"seed {seed} fixed-{b}: {len(r['sizes'])} steps, final val loss "
                   f"{r['final']:.4f}, {r['wall']:.0f} s", flush=True)
+        probe = None
+        if args.probe_steps:
+            probe = ajp.Probe(args.probe_sizes, steps=args.probe_steps, lr_rule="sqrt")
         for name in args.variants:
             policy = variant_policy(name, large)
-            r = train(data, cfg, batch=small, lr=args.lr, policies=[policy], **common)
+            r = train(data, cfg, batch=small, lr=args.lr, policies=[policy], probe=probe,
+                      **common)
             runs[name].append(r)
             print(f"seed {seed} {name}: {len(r['sizes'])} steps, final val loss "
                   f"{r['final']:.4f}, {r['wall']:.0f} s; batches {used(r['sizes'])}", flush=True)
     return runs
 
 
-def compare(summary, variants):
+def print_probes(runs, name, context):
+    """The probes of ``name``'s runs: critical batch beside the noise scale; the median ratio."""
+    ratios = []
+    print(f"\ncritical-batch probes of {name} (Probe at 1/4, 1/2, 3/4 of the budget):")
+    print(f"{'seed':>4} {'step':>6} {'tokens':>9} {'batch':>5} | {'noise scale':>11} | "
+          f"{'critical batch':>14} | {'ratio':>6} | {'probe s':>7} | drops per branch")
+    for seed, r in enumerate(runs[name]):
+        for e in r["probes"]:
+            if e["kind"] == "probe_skipped":
+                print(f"{seed:>4} {e['step']:>6}: skipped ({e['reason']})")
+                continue
+            phi, c = e.get("noise_scale") or math.nan, e["critical_batch"]
+            ratio = c / phi if phi and math.isfinite(phi) and phi > 0 else math.nan
+            if math.isfinite(ratio):
+                ratios.append(ratio)
+            batch = r["sizes"][e["step"] - 1]
+            drops = " ".join(f"{b}:{d:+.4f}" for b, d in zip(e["batch_sizes"], e["drops"],
+                                                              strict=True))
+            print(f"{seed:>4} {e['step']:>6} {sum(r['sizes'][:e['step']]) * context:>9} "
+                  f"{batch:>5} | {phi:>11.1f} | {c:>14.1f} | {ratio:>6.2f} | "
+                  f"{e['latency_s']:>7.1f} | {drops}")
+        total = r["wall"] + r["probe_s"]
+        print(f"{seed:>4} probes took {r['probe_s']:.1f} s: {r['probe_s'] / total:.1%} of the "
+              f"run's {total:.1f} s (training {r['wall']:.1f} s)")
+    return statistics.median(ratios) if ratios else math.nan
+
+
+def compare(summary, variants, cbs_ratio=math.nan):
     """Each adaptive run against the best fixed batch by mean final loss; the last line."""
     fixed = [n for n in summary if n.startswith("fixed-")]
     if not fixed:
@@ -414,7 +474,7 @@ def compare(summary, variants):
         f"adaptive_steps_ratio={s['steps'] / f['steps']:.4f} "
         f"adaptive_cpu_time_ratio={s['cpu'] / f['cpu']:.4f} "
         f"adaptive_gpu_time_ratio={s['gpu'] / f['gpu']:.4f} "
-        "cbs_probe_vs_noise_scale=nan"
+        f"cbs_probe_vs_noise_scale={cbs_ratio:.4f}"
     )
 
 
@@ -446,7 +506,8 @@ def main():
     cpu_points, gpu_points = profiles(data, cfg, args, devices)
     runs = run_all(data, cfg, args, devices, budget)
     summary = print_tables(runs, list(runs), cpu_points, gpu_points, cfg)
-    compare(summary, args.variants)
+    ratio = print_probes(runs, args.variants[0], cfg.context) if args.probe_steps else math.nan
+    compare(summary, args.variants, ratio)
 
 
 if __name__ == "__main__":

@@ -73,9 +73,10 @@ class AdaptiveBatchSize(BatchSizePolicy):
     **Moves that wait for no compile.** :meth:`upcoming` announces half and
     double the current batch, the moves the one-size model proposes first and
     the neighbours of a fitted peak, so the controller compiles them in the
-    background. A batch the context reports compiled (``ctx.compiled_batch_sizes``,
-    where the controller fills it: run, compiled ahead or compiled in the
-    background) counts as compiled here too: a candidate at no compile cost.
+    background. A batch the context reports compiled (``ctx.compiled_batch_sizes``:
+    the controller lists those run, compiled ahead or compiled in the background
+    in the current configuration) counts as compiled here too: a candidate at
+    no compile cost.
 
     With a ``planner`` (e.g. ``adaptjax.costs.Planner``) step 2 asks it for the
     step time T(M) of each candidate instead of fitting α + βM from this run's
@@ -219,12 +220,12 @@ class AdaptiveBatchSize(BatchSizePolicy):
         """Batch sizes whose step is compiled in the current configuration.
 
         Those this policy saw run here, and those the controller reports
-        compiled in ``ctx.compiled_batch_sizes`` where the context has it (run,
-        compiled ahead, or compiled in the background after :meth:`upcoming`).
+        compiled in ``ctx.compiled_batch_sizes`` (run, compiled ahead, or
+        compiled in the background after :meth:`upcoming`).
         """
         key = self._config(ctx)
         ran = {e["batch_size"] for e in self._state["observations"] if _config_of(e) == key}
-        return ran | set(getattr(ctx, "compiled_batch_sizes", None) or ())
+        return ran | set(ctx.compiled_batch_sizes)
 
     def _compiled_candidates(self, ctx: Context, low: int, high: int, step: int) -> set[int]:
         """The valid batch sizes already compiled here, candidates at no compile cost."""
@@ -241,6 +242,14 @@ class AdaptiveBatchSize(BatchSizePolicy):
         compiled = self._compiled(ctx) | {ctx.batch_size}
         kept = max(age - seconds, 0.0) / age if age > 0.0 else 0.0
         return lambda m: 1.0 if m in compiled else kept
+
+    def _compile_words(self, m: int, discount, metrics: Mapping[str, float],
+                       ctx: Context) -> str:
+        """The reason's words on the compile a move to ``m`` waits for, if any."""
+        factor = discount(m)
+        if factor < 1.0 or not self.count_compiles or m not in self._compiled(ctx):
+            return _compile_note(factor, metrics)
+        return "; its step is compiled: no compile to wait for"
 
     @staticmethod
     def _config(ctx: Context) -> tuple[int, int, bool]:
@@ -275,8 +284,8 @@ class AdaptiveBatchSize(BatchSizePolicy):
 
         The moves a one-size model proposes first and a fitted one passes
         through; the controller compiles them in the background, so that when
-        one comes its step is ready and (where the context reports compiled
-        sizes, ``ctx.compiled_batch_sizes``) no compile discount holds it back.
+        one comes its step is ready and (the context then reports it in
+        ``ctx.compiled_batch_sizes``) no compile discount holds it back.
         Nothing before a step time was measured: the policy cannot move yet.
         """
         if self._model(ctx) is None:
@@ -309,7 +318,7 @@ class AdaptiveBatchSize(BatchSizePolicy):
                 why = (
                     f"AdaptiveBatchSize: noise scale {phi:.4g}: the planner predicts a higher "
                     f"goodput at batch {planned} than at {ctx.batch_size}"
-                    f"{_compile_note(discount(planned), metrics)}"
+                    f"{self._compile_words(planned, discount, metrics, ctx)}"
                 )
                 return self._propose(planned, phi, metrics, ctx, why)
         if phi is None or model is None:
@@ -349,7 +358,7 @@ class AdaptiveBatchSize(BatchSizePolicy):
         why = (
             f"AdaptiveBatchSize: noise scale {phi:.4g}, step time T(M) = {alpha:.3g} + "
             f"{beta:.3g}*M s ({fit}): predicted goodput at batch {best} is {gain:+.0%} vs "
-            f"{current}{_compile_note(discount(best), metrics)}"
+            f"{current}{self._compile_words(best, discount, metrics, ctx)}"
         )
         return self._propose(best, phi, metrics, ctx, why)
 

@@ -9,6 +9,7 @@ from adaptjax.policies._checks import (
     check_mapping,
     check_optional_int,
     check_str,
+    short_repr,
 )
 from adaptjax.policies._mapping import FrozenMapping
 
@@ -35,6 +36,10 @@ class Context:
       precision: the running compute precision: its key (``"float32"``,
         ``"bfloat16"``; the controller passes one) or an opaque precision
         object, or ``None`` when unknown.
+      compiled_batch_sizes: the batch sizes whose step is compiled for the
+        current devices, micro-batches, codec, sync and precision (run, or
+        compiled ahead): a move to one waits for no compile. Any iterable of
+        ints >= 1, kept as a ``frozenset``; empty when unknown.
       mesh_shape: the sharded mesh's axes in order, ``{"data": devices, "fsdp": f, ...}``
         (a read-only mapping), or ``None`` on a 1-D data-parallel mesh. On a
         sharded mesh ``devices`` and ``max_devices`` count replicas (the
@@ -61,6 +66,7 @@ class Context:
     base_batch_size: int | None = None
     sync: object | None = None
     precision: object | None = None
+    compiled_batch_sizes: frozenset[int] = frozenset()
     mesh_shape: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
@@ -95,6 +101,15 @@ class Context:
             check_str(key, owner=owner, name="every key of hyperparams", allow_empty=False)
             hyper[key] = check_float(value, owner=owner, name=f"hyperparams[{key!r}]")
         object.__setattr__(self, "hyperparams", FrozenMapping(hyper))
+        sizes = self.compiled_batch_sizes
+        if isinstance(sizes, str | bytes | Mapping) or not hasattr(sizes, "__iter__"):
+            raise ValueError(
+                f"{owner}: compiled_batch_sizes must be an iterable of ints, "
+                f"got {short_repr(sizes)}"
+            )
+        object.__setattr__(self, "compiled_batch_sizes", frozenset(
+            check_int(b, owner=owner, name="every compiled batch size", minimum=1) for b in sizes
+        ))
         if self.mesh_shape is not None:
             object.__setattr__(self, "mesh_shape", self._checked_mesh(owner))
 

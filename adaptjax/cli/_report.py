@@ -5,8 +5,10 @@ beside the measured gradient noise scale (the quantity ``AdaptiveBatchSize``
 compares it with); the learning rate; the devices, codec and sync strategy as
 coloured bands; the bytes each device sends per step; the step time with
 compilations marked; and every event (decision, rescale, rollback, resume,
-stop, ...) as a labelled vertical marker. ``summary.md`` lists every decision
-with the policy that made it, its reason and the metrics it saw.
+stop, ...) as a labelled vertical marker; critical-batch probes are points
+beside the noise scale. ``summary.md`` lists every decision with the policy
+that made it, its reason and the metrics it saw, the compiles' share of the
+run, and every probe's critical batch beside the noise scale of its step.
 
 Reads JSONL only: this module imports the standard library (and matplotlib for
 the picture), never jax.
@@ -33,11 +35,13 @@ _MARKED = {
     "checkpoint_skipped": "tab:gray",
 }
 
-# Metrics a decision's "seen" column shows first (others follow in name order, up to a few).
+# Metrics a decision's "seen" column shows first (others follow in name order, up to a few):
+# what the built-in policies decide on, the compile cost AdaptiveBatchSize weighs included.
 _KEY_METRICS = (
-    "loss", "eval_loss", "noise_scale", "batch_size", "devices", "learning_rate",
-    "step_time", "comm_share", "grad_snr",
+    "loss", "eval_loss", "noise_scale", "critical_batch", "batch_size", "devices",
+    "learning_rate", "step_time", "compile_seconds", "train_seconds", "comm_share", "grad_snr",
 )
+_SEEN = 10  # metrics a decision row shows
 
 
 def load_run(run_dir: str) -> tuple[list[dict], list[dict]]:
@@ -333,7 +337,7 @@ def render(run_dir: str, out: str | None = None) -> str:
     )
     ax_loss, ax_batch, ax_lr, ax_band, ax_bytes, ax_time = axes
     _draw_loss(ax_loss, metrics)
-    _draw_batch(ax_batch, metrics, plt)
+    _draw_batch(ax_batch, metrics, events, plt)
     _draw_learning_rate(ax_lr, metrics)
     draw_codec_band(ax_band, metrics, events)
     _draw_wire(ax_bytes, metrics)
@@ -373,8 +377,8 @@ def _draw_loss(ax, metrics: list[dict]) -> None:
     ax.legend(loc="center right", fontsize=7)
 
 
-def _draw_batch(ax, metrics: list[dict], plt) -> None:
-    """The batch size against the measured noise scale, on a log2 axis."""
+def _draw_batch(ax, metrics: list[dict], events: list[dict], plt) -> None:
+    """The batch size against the measured noise scale (and probes), on a log2 axis."""
     from matplotlib.ticker import LogLocator, ScalarFormatter  # optional, as in pyplot()
 
     s, v = _series(metrics, "batch_size")
@@ -384,6 +388,12 @@ def _draw_batch(ax, metrics: list[dict], plt) -> None:
         ax.plot(s, v, lw=0.8, color="tab:gray", alpha=0.9,
                 label="measured noise scale (AdaptiveBatchSize's input; gaps: "
                       "invalid or zero)")
+    probes = [(e["step"], e["critical_batch"]) for e in events if e.get("kind") == "probe"
+              and isinstance(e.get("critical_batch"), int | float)
+              and math.isfinite(e["critical_batch"]) and e["critical_batch"] > 0]
+    if probes:
+        ax.plot(*zip(*probes, strict=True), "D", color="tab:green", ms=5,
+                label="critical batch (probe)")
     ax.set_yscale("log")
     ax.yaxis.set_major_locator(LogLocator(base=2))
     ax.yaxis.set_major_formatter(ScalarFormatter())
@@ -446,16 +456,11 @@ def summary_markdown(run_dir: str) -> str:
     kinds: dict[str, int] = {}
     for e in events:
         kinds[e.get("kind", "?")] = kinds.get(e.get("kind", "?"), 0) + 1
-    compile_s = sum(event_latencies(events, "compile"))
-    background = event_latencies(events, "background_compile")
-    ahead = ""
-    if background:
-        ahead = f"; {len(background)} more in the background ({sum(background):.1f} s)"
     lines += [
         f"- run directory: `{os.path.abspath(run_dir)}`",
         f"- steps logged: {metrics[-1]['step'] if metrics else 0}",
         "- events: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none"),
-        f"- compilations: {kinds.get('compile', 0)} ({compile_s:.1f} s){ahead}",
+        f"- compilations: {_compile_line(events, last)}",
         "- last metrics: " + _seen({k: v for k, v in last.items() if k != "step"}, limit=12),
         "",
         "## Decisions",
@@ -474,10 +479,12 @@ def summary_markdown(run_dir: str) -> str:
             lines.append(
                 f"| {r['step']} | {cell(r['policy'] or '(not named)')} | `{cell(r['action'])}` | "
                 f"{cell(r['reason'] or '(no reason recorded)')} | "
-                f"{cell(_seen(r['metrics']) or '(not recorded)')} (step {r['metrics_step']}) |"
+                f"{cell(_seen(r['metrics'], _SEEN) or '(not recorded)')} "
+                f"(step {r['metrics_step']}) |"
             )
+    lines += probe_lines(events, last)
     lines += ["", "## Other events", ""]
-    quiet = ("decision", "compile", "eval", "checkpoint")
+    quiet = ("decision", "compile", "eval", "checkpoint", "probe")
     other = [e for e in events if e.get("kind") not in quiet]
     for e in other:
         detail = ", ".join(f"{k}={_fmt(v)}" for k, v in e.items()
@@ -494,6 +501,66 @@ def summary_markdown(run_dir: str) -> str:
             lines.append(f"| {e['step']} | " + " | ".join(
                 _fmt(e[k]) for k in evals[0] if k.startswith("eval_") and k in e) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _compile_line(events: list[dict], last: dict) -> str:
+    """``4 (3.1 s, 20% of the run's 15.0 s); 3 more in the background (9.7 s)``.
+
+    The share is of the last row's ``train_seconds`` (the run's age, compiles
+    included); compiles that found their program compiled ahead waited only
+    for the rest of a background compile.
+    """
+    waits = event_latencies(events, "compile")
+    age = last.get("train_seconds")
+    share = ""
+    if isinstance(age, int | float) and age > 0:
+        share = f", {sum(waits) / age:.0%} of the run's {age:.1f} s"
+    background = event_latencies(events, "background_compile")
+    ahead = ""
+    if background:
+        ahead = f"; {len(background)} more in the background ({sum(background):.1f} s)"
+    return f"{len(waits)} ({sum(waits):.1f} s{share}){ahead}"
+
+
+def probe_lines(events: list[dict], last: dict) -> list[str]:
+    """summary.md's section on critical-batch probes (``[]`` without any).
+
+    Each probe's branches, the critical batch fitted and the noise scale the
+    run measured at its step (their ratio is what the probe adds to the noise
+    scale), and the probes' share of the run (``probe_seconds`` of
+    ``train_seconds``).
+
+    Example:
+      >>> from adaptjax.cli._report import probe_lines
+      >>> lines = probe_lines([{"kind": "probe", "step": 40, "batch_sizes": [8, 16, 32],
+      ...                       "critical_batch": 60.0, "noise_scale": 30.0, "latency_s": 2.0}],
+      ...                     {"probe_seconds": 2.0, "train_seconds": 20.0})
+      >>> lines[-1]
+      '| 40 | 8, 16, 32 | 60 | 30 | 2 | 2.0 |'
+      >>> [line for line in lines if line.startswith("Probes took")]
+      ['Probes took 2.0 s, 10% of the run (train_seconds 20.0 s).']
+    """
+    probes = [e for e in events if e.get("kind") in ("probe", "probe_skipped")]
+    if not probes:
+        return []
+    out = ["", "## Critical-batch probes", ""]
+    spent, age = last.get("probe_seconds"), last.get("train_seconds")
+    if isinstance(spent, int | float) and isinstance(age, int | float) and age > 0:
+        out += [f"Probes took {spent:.1f} s, {spent / age:.0%} of the run (train_seconds "
+                f"{age:.1f} s).", ""]
+    out += ["| step | batch sizes | critical batch | noise scale | ratio | seconds |",
+            "|---:|---|---:|---:|---:|---:|"]
+    for e in probes:
+        if e["kind"] == "probe_skipped":
+            out.append(f"| {e.get('step')} | skipped: {e.get('reason', '')} | | | | |")
+            continue
+        c, phi = e.get("critical_batch"), e.get("noise_scale")
+        ratio = c / phi if isinstance(c, int | float) and isinstance(phi, int | float) and phi \
+            else math.nan
+        sizes = ", ".join(str(b) for b in e.get("batch_sizes", []))
+        out.append(f"| {e.get('step')} | {sizes} | {_fmt(c)} | {_fmt(phi)} | {_fmt(ratio)} | "
+                   f"{e.get('latency_s', math.nan):.1f} |")
+    return out
 
 
 def report(run_dir: str) -> tuple[str, str]:

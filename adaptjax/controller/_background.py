@@ -12,8 +12,8 @@ from adaptjax import policies as ajp
 from adaptjax.controller._run_config import RunConfig
 from adaptjax.controller._step_cache import StepCache
 
-#: The actions whose configuration a background compile can prepare.
-_COMPILABLE = (ajp.SetBatchSize, ajp.Rescale, ajp.SetCodec)
+#: The actions whose configuration a background compile can prepare (a ``Probe``: its branches').
+_COMPILABLE = (ajp.SetBatchSize, ajp.Rescale, ajp.SetCodec, ajp.Probe)
 
 
 def lower_thread_priority() -> None:
@@ -34,22 +34,26 @@ def announced_configs(
 ) -> list[RunConfig]:
     """The configurations ``hints`` (``Policy.upcoming``) lead to, by ``plan``; each once.
 
-    Only batch, device and codec changes name a configuration to compile; a
-    hint the controller would refuse is left out (the action itself says why,
-    when it comes).
+    Only batch, device and codec changes name a configuration to compile, and
+    a ``Probe`` names its branches' (one batch change each); a hint the
+    controller would refuse is left out (the action itself says why, when it
+    comes).
     """
     out: list[RunConfig] = []
-    for action in hints:
-        if not isinstance(action, _COMPILABLE):
+    for hint in hints:
+        if not isinstance(hint, _COMPILABLE):
             continue
-        try:
-            if isinstance(action, ajp.SetCodec):
-                steps.add_codec(action.codec)
-            config = plan([action])
-        except Exception:  # a hint never stops training
-            continue
-        if config not in out:
-            out.append(config)
+        each = ([ajp.SetBatchSize(b) for b in hint.batch_sizes] if isinstance(hint, ajp.Probe)
+                else [hint])
+        for action in each:
+            try:
+                if isinstance(action, ajp.SetCodec):
+                    steps.add_codec(action.codec)
+                config = plan([action])
+            except Exception:  # a hint never stops training
+                continue
+            if config not in out:
+                out.append(config)
     return out
 
 
@@ -63,7 +67,9 @@ class BackgroundCompiler:
     once each, the ``background_compile`` events of compiles that ended.
     :attr:`compiled_ahead` holds the configurations compiled before their first
     step (here or by :meth:`adaptjax.Controller.precompile`), whose first
-    step's wait says nothing of what a compile costs.
+    step's wait says nothing of what a compile costs. :meth:`compiled_batch_sizes`
+    tells policies which batch sizes of a configuration cost no compile
+    (``Context.compiled_batch_sizes``).
 
     Args:
       steps: the controller's :class:`StepCache`.
@@ -89,6 +95,8 @@ class BackgroundCompiler:
     def __init__(self, steps: StepCache, *, enabled: bool = True):
         self.steps, self.enabled = steps, bool(enabled)
         self.compiled_ahead: set[RunConfig] = set()
+        self.ran: set[RunConfig] = set()  # every configuration whose step was dispatched
+        self._last: RunConfig | None = None
         # None: finished and its event handed back
         self._futures: dict[RunConfig, concurrent.futures.Future | None] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -113,7 +121,13 @@ class BackgroundCompiler:
             self._futures[config] = future
 
     def wait_for(self, config: RunConfig) -> None:
-        """Before ``config``'s step runs: waits for its compile if one is under way."""
+        """Before ``config``'s step runs: waits for its compile if one is under way.
+
+        Called before every step; notes ``config`` among those that ran.
+        """
+        if config is not self._last:  # per change of configuration, not per step
+            self._last = config
+            self.ran.add(config)
         pending = self._futures.get(config)
         if pending is None:
             return
@@ -152,7 +166,40 @@ class BackgroundCompiler:
             events.append(event)
         return events
 
+    def wait_all(self) -> None:
+        """Waits for every compile submitted so far (for a caller that must know them done)."""
+        concurrent.futures.wait([f for f in self._futures.values() if f is not None])
+
+    def compiled_batch_sizes(self, config: RunConfig) -> frozenset[int]:
+        """The batch sizes whose step is compiled in ``config`` but for its batch size.
+
+        Those of the configurations that ran (:meth:`wait_for`), that were
+        compiled ahead, or whose background compile finished without error.
+        """
+        done = {c for c, f in self._futures.items()
+                if f is not None and f.done() and not f.cancelled() and f.exception() is None}
+        here = _but_batch(config)
+        return frozenset(c.batch_size for c in self.ran | self.compiled_ahead | done
+                         if _but_batch(c) == here)
+
+    def submit_upcoming(self, hints: Sequence[ajp.Action], plan, data) -> None:
+        """Compiles the configurations ``hints`` lead to (:func:`announced_configs`).
+
+        The controller asks after each decision, unless background compiles
+        are off (``precompile_upcoming=False``, several processes, a dataset
+        without ``batch_at``); right after a change, the hints wait until the
+        new configuration's own step has compiled in the foreground.
+        """
+        self.submit(announced_configs(hints, self.steps, plan), data)
+
     def shutdown(self) -> None:
         """A compile under way finishes; queued ones are dropped."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _but_batch(config: RunConfig) -> dict:
+    """``config``'s fields but its batch size: what a batch size's step is compiled for."""
+    fields = dataclasses.asdict(config)
+    del fields["batch_size"]
+    return fields

@@ -34,7 +34,7 @@ from adaptjax.controller._arguments import (
     replica_rows,
     resume_arguments,
 )
-from adaptjax.controller._background import BackgroundCompiler, announced_configs
+from adaptjax.controller._background import BackgroundCompiler
 from adaptjax.controller._carry_out import (
     Carried,
     carry_out,
@@ -55,6 +55,7 @@ from adaptjax.controller._persistence import (
 )
 from adaptjax.controller._preemption import EXIT_PREEMPTED, Preemption
 from adaptjax.controller._probe import Probe, move_actions
+from adaptjax.controller._probe_branch import ProbeRunner
 from adaptjax.controller._progress import ProgressBar
 from adaptjax.controller._run_clock import RunClock
 from adaptjax.controller._run_config import RunConfig
@@ -272,6 +273,8 @@ class Controller:
         except BaseException:
             self._dir.close()
             raise
+        self._prober = ProbeRunner(self.steps, data, self._compiler, self.clock, self.reader,
+                                   self._transition)
 
     def _start(self, a: Checked) -> tuple[RunConfig, Any]:
         """Opens the logs; returns the configuration and state the run starts from."""
@@ -331,6 +334,7 @@ class Controller:
             hyperparams=self.hyperparams,
             codec=self.steps.codecs.get(self.config.codec), samples_seen=self.samples_seen,
             sync=self.steps.strategies.get(self.config.sync), precision=self.config.precision_name,
+            compiled_batch_sizes=self._compiler.compiled_batch_sizes(self.config),
         )
 
     def run(self, steps: int) -> None:
@@ -488,6 +492,10 @@ class Controller:
             self.reader.restart_clock()
         elif plan.checkpoint:
             self._checkpoint()
+        if plan.probe is not None:  # branches from the state, which it leaves as it is
+            self._record(lag=0)
+            self._log(self._prober.run(plan.probe, self.state, self.config, self.latest_metrics,
+                                       self.step))
         if plan.stop is not None:
             self._stop_reason = plan.stop
             self.log.event("stop", step=self.step, reason=plan.stop)
@@ -568,19 +576,12 @@ class Controller:
         return seconds
 
     def _compile_upcoming(self) -> None:
-        """Compiles in the background the configurations policies announce (``upcoming``).
-
-        Off with ``precompile_upcoming=False``, under several processes and for
-        datasets without ``batch_at``. Right after a change, the hints wait
-        until the new configuration's own step has compiled in the foreground.
-        """
-        if not self._compiler.enabled:
-            return
-        self._hints_waiting = not self.steps.has_run(self.config)
-        if not self._hints_waiting:
+        """Compiles in the background what policies announce (``upcoming``; see
+        :meth:`BackgroundCompiler.submit_upcoming`), once the step in force has compiled."""
+        self._hints_waiting = self._compiler.enabled and not self.steps.has_run(self.config)
+        if self._compiler.enabled and not self._hints_waiting:
             hints = ajp.upcoming(self.policy, self.context())
-            plan = lambda actions: self._transition(actions).config  # noqa: E731
-            self._compiler.submit(announced_configs(hints, self.steps, plan), self.data)
+            self._compiler.submit_upcoming(hints, lambda a: self._transition(a).config, self.data)
 
     def _checkpoint(self, transition: dict | None = None, since: float | None = None) -> None:
         """Checkpoints the current step (a transition's: rewritten with the new configuration)."""

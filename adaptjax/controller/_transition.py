@@ -27,8 +27,10 @@ class Transition:
     (nothing in the state changes: another compiled step) -> the new
     ``config`` (batch, micro-batches, devices and mesh shape; a new mesh goes
     through a checkpoint that records ``config`` as the configuration the run
-    continues in) -> ``checkpoint`` -> ``stop``. When two actions ask for the same thing,
-    the later one wins; hyperparameter updates merge.
+    continues in) -> ``checkpoint`` -> ``probe`` (branches trained from the
+    state the run continues with, which they leave untouched; see
+    :mod:`adaptjax.controller._probe_branch`) -> ``stop``. When two actions ask
+    for the same thing, the later one wins; hyperparameter updates merge.
 
     Attributes:
       config: the configuration to continue in.
@@ -42,6 +44,7 @@ class Transition:
         is the new one's key, ``None`` for float32).
       rollback: the reason of a ``Rollback``, or ``None``.
       checkpoint: whether a ``Checkpoint`` was asked for.
+      probe: the :class:`adaptjax.policies.Probe` to run, or ``None``.
       stop: the reason of a ``Stop``, or ``None``.
 
     Example:
@@ -66,6 +69,7 @@ class Transition:
     precision_changed: bool = False
     rollback: str | None = None
     checkpoint: bool = False
+    probe: ajp.Probe | None = None
     stop: str | None = None
 
 
@@ -148,6 +152,7 @@ def plan_transition(
         precision_changed=precision != config.precision,
         rollback=asked.rollback,
         checkpoint=asked.checkpoint,
+        probe=asked.probe,
         stop=asked.stop,
     )
 
@@ -167,6 +172,7 @@ class _Asked:
     precision: object = _KEEP
     rollback: str | None = None
     checkpoint: bool = False
+    probe: ajp.Probe | None = None
     stop: str | None = None
 
 
@@ -196,6 +202,8 @@ def _fold(actions: Sequence[ajp.Action], config: RunConfig) -> _Asked:
             asked.stop = action.reason or "stopped by a policy"
         elif isinstance(action, ajp.Rollback):
             asked.rollback = action.reason or "rollback"
+        elif isinstance(action, ajp.Probe):
+            asked.probe = action
     return asked
 
 

@@ -125,3 +125,77 @@ def test_the_background_compiler_runs_at_the_lowest_cpu_priority():
     assert seen["worker"] == 19
     # only that thread: the caller's (the training loop's) priority is untouched
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19
+
+
+class _Announces(ajp.Policy):
+    """Announces batch 64; moves to it at step 30; notes what it saw."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def decide(self, metrics, ctx):
+        self.seen[ctx.step] = (ctx.batch_size, ctx.compiled_batch_sizes)
+        return [ajp.SetBatchSize(64)] if ctx.step == 30 else []
+
+    def upcoming(self, ctx):
+        return [ajp.SetBatchSize(64)]
+
+
+def test_a_batch_change_compiled_in_the_background_waits_for_no_compile(tmp_path,
+                                                                        step_compiles):
+    policy = _Announces()
+    x = np.random.default_rng(0).normal(size=(2048, 4)).astype(np.float32)
+    ctrl = adaptjax.Controller(
+        model={"w": jnp.zeros(4)},
+        loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
+        optimizer=optax.sgd, hyperparams={"learning_rate": 0.05},
+        data=adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0), devices=4, batch_size=32,
+        policies=[policy], compilation_cache_dir=None,
+        run_dir=tmp_path / "run", progress=False, tensorboard=False,
+    )
+    ctrl.run(50)
+    events = list(ctrl.log.events)
+    ctrl.close()
+    # the batch change, announced: 64 compiles in the background
+    background = [e["config"]["batch_size"] for e in events if e["kind"] == "background_compile"]
+    assert background == [64]
+    # the move to 64 found its step compiled: its first step waited for no compile
+    compiles = [e for e in events if e["kind"] == "compile"]
+    assert [(e["config"]["batch_size"], e.get("compiled_ahead", False)) for e in compiles] == [
+        (32, False), (64, True)]
+    assert len(step_compiles) == 2  # 32 in the foreground, 64 in the background
+    # policies see the sizes compiled in the configuration: 32 ran (64 when its compile
+    # is done, which depends on the machine's load); after the change 64 too
+    assert 32 in policy.seen[30][1] <= {32, 64}
+    assert policy.seen[40][0] == 64 and {32, 64} <= policy.seen[40][1]
+
+
+def test_compiled_batch_sizes_are_those_of_the_configuration_but_its_batch():
+    from adaptjax.controller._background import BackgroundCompiler
+    from adaptjax.controller._step_cache import StepCache
+
+    steps = StepCache(model={"w": jnp.zeros(2)}, optimizer=optax.sgd,
+                      loss_fn=lambda p, b: jnp.sum(b["x"] @ p["w"]),
+                      hyperparams={"learning_rate": 0.1})
+    data = adaptjax.ArrayDataset({"x": np.ones((64, 2), np.float32)})
+    compiler = BackgroundCompiler(steps)
+    config = adaptjax.RunConfig(2, 8)
+    assert compiler.compiled_batch_sizes(config) == frozenset()
+    compiler.wait_for(config)  # the loop dispatches a step of it: it ran
+    compiler.submit([config.replace(batch_size=16), adaptjax.RunConfig(1, 4)], data)
+    compiler.wait_all()
+    assert compiler.compiled_batch_sizes(config) == {8, 16}  # not the other device count's 4
+    assert compiler.compiled_batch_sizes(adaptjax.RunConfig(1, 2)) == {4}
+    compiler.shutdown()
+
+
+def test_an_announced_probe_names_its_branches_configurations():
+    from adaptjax.controller._background import announced_configs
+    from adaptjax.controller._transition import plan_transition
+
+    config = adaptjax.RunConfig(4, 32)
+    hints = [ajp.Probe((8, 30, 64), steps=2), ajp.SetBatchSize(64), ajp.Stop()]
+    plan = lambda actions: plan_transition(actions, config, max_devices=8).config  # noqa: E731
+    got = announced_configs(hints, steps=None, plan=plan)
+    # each size as its SetBatchSize would land (30 rounds to 32 on 4 replicas), each once
+    assert [c.batch_size for c in got] == [8, 32, 64]

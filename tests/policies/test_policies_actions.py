@@ -110,6 +110,8 @@ def test_context_copies_hyperparams_read_only():
     with pytest.raises(TypeError):
         ctx.hyperparams["learning_rate"] = 2.0  # type: ignore[index]
     assert ctx.codec is None and ctx.samples_seen == 0 and ctx.base_batch_size is None
+    assert ctx.compiled_batch_sizes == frozenset()
+    assert _ctx(compiled_batch_sizes=[np.int64(64), 128, 64]).compiled_batch_sizes == {64, 128}
 
 
 @pytest.mark.parametrize(
@@ -127,6 +129,9 @@ def test_context_copies_hyperparams_read_only():
         ({"base_batch_size": 0}, "Context: base_batch_size must be an int >= 1, got 0"),
         ({"hyperparams": None}, "Context: hyperparams must be a mapping"),
         ({"hyperparams": {"lr": "x"}}, "Context: hyperparams['lr'] must be a number"),
+        ({"compiled_batch_sizes": 64}, "Context: compiled_batch_sizes must be an iterable of"),
+        ({"compiled_batch_sizes": [64, 0]},
+         "Context: every compiled batch size must be an int >= 1, got 0"),
     ],
 )
 def test_bad_context(overrides, message):

@@ -1,6 +1,5 @@
 """AdaptiveBatchSize: decisions checked against the goodput model they are defined by."""
 
-import dataclasses
 import math
 
 import pytest
@@ -420,13 +419,6 @@ def test_with_a_planner_the_sizes_already_run_are_candidates_too():
 
 
 # ------------------------------------------------------- announced sizes, compiled ahead
-@dataclasses.dataclass(frozen=True)
-class CompiledContext(ajp.Context):
-    """A context that reports the batch sizes whose step is compiled (the controller's part)."""
-
-    compiled_batch_sizes: frozenset = frozenset()
-
-
 def test_upcoming_announces_half_and_double_once_a_step_time_is_known():
     policy = ajp.AdaptiveBatchSize(1024, min_batch_size=16)
     assert ajp.upcoming(policy, ctx(64)) == []  # nothing measured: it cannot move yet
@@ -451,9 +443,10 @@ def test_a_batch_compiled_ahead_is_not_held_back_by_the_compile_discount():
     assert policy.decide(metrics, ctx(64)) == []
     fields = dict(step=0, batch_size=64, microbatches=1, devices=8, max_devices=8,
                   hyperparams={"learning_rate": 0.1}, base_batch_size=64)
-    ahead = CompiledContext(**fields, compiled_batch_sizes=frozenset({128}))
+    ahead = ajp.Context(**fields, compiled_batch_sizes=[128])
     policy = ajp.AdaptiveBatchSize(1024)
     got = policy.decide(metrics, ahead)
     assert got[0] == ajp.SetBatchSize(128) and "after its compile" not in got[0].reason
+    assert got[0].reason.endswith("; its step is compiled: no compile to wait for")
     # the same decision as when compiles are not counted at all
     assert got == ajp.AdaptiveBatchSize(1024, count_compiles=False).decide(metrics, ctx(64))

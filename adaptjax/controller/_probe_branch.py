@@ -1,0 +1,274 @@
+"""The critical-batch probe: branches trained from the live state, the main run untouched.
+
+A :class:`adaptjax.policies.Probe` (``batch_sizes``, ``steps``, ``lr_rule``)
+asks the controller how much a step at each batch size B is worth now. From
+the state the run is in (its dispatched steps recorded), every branch
+
+* trains on the same T = ``steps`` x max(B) samples, read ahead of the data
+  cursor with ``batch_at`` (the cursor never moves): K_B = T // B steps of its
+  own batch, at the configuration a ``SetBatchSize(B)`` would lead to (so its
+  compiled step is the one the main run would use, and the one the
+  background compiler prepares when the probe is announced);
+* at the learning rate lr x ``lr_scale(lr_rule, B / M)`` (M the current
+  batch; for ``"adascale"`` the gain from the recorded ``grad_variance`` and
+  ``grad_sqnorm``, taken whole for ``optax.sgd`` and as its square root for
+  every other optimizer, as :func:`adaptjax.policies.lr_scale` does for Adam);
+* on a copy of the state (the step donates its input; random streams advance
+  in the copy only);
+
+and is then evaluated on the E samples that follow the T (E = T, at least
+:data:`MIN_EVAL_SAMPLES`), as is the state the branches started from. The
+drops L0 - L_B are fitted by :func:`adaptjax.policies.fit_critical_batch`.
+Nothing of the main run changes: its state, data cursor, metrics and step
+count are those of a run that never probed.
+
+**What the measurement rests on.** A branch's drop follows the model
+ΔL(B) = ΔL_max / (1 + B_crit / B) per step when its learning rate is near the
+best one for B and its K_B steps leave the loss's landscape about where it
+was. At a learning rate far below the best, the drop is first order in the
+learning rate and follows the rule's ratios instead: the probe then measures
+``lr_rule`` (for ``"adascale"``: the noise scale the rule was given), not the
+batch. Short branches (small ``steps``) and a rule close to the best one are
+what make the fit the batch's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from adaptjax import policies as ajp
+from adaptjax._state import merge_model
+from adaptjax.controller._background import BackgroundCompiler
+from adaptjax.controller._carry_out import hyperparams_of, write_hyperparams
+from adaptjax.controller._metrics_reader import MetricsReader
+from adaptjax.controller._run_clock import RunClock
+from adaptjax.controller._run_config import RunConfig
+from adaptjax.controller._step_cache import StepCache
+from adaptjax.sync._strategy import consensus_params
+
+#: The fewest samples a probe evaluates its branches on (they share them, so their
+#: evaluation noise is mostly common to all; the rest must stay below the drops).
+MIN_EVAL_SAMPLES = 1024
+#: The hyperparameter a branch's learning rate is written into.
+LR_KEY = "learning_rate"
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+    """One branch of a probe: its configuration, optimizer steps and learning rate."""
+
+    config: RunConfig
+    steps: int
+    learning_rate: float | None  # None: the rule is "none" and the state's rate stays
+
+
+def branch_lr_factor(rule: str, scale: float, metrics: Mapping[str, float],
+                     batch_size: int, sgd: bool) -> float | None:
+    """``lr_scale(rule, scale)`` with AdaScale's gain from ``metrics``; ``None`` without them.
+
+    ``"adascale"`` reads σ² = ``grad_variance`` / M (the variance of a batch-M
+    gradient) and μ² = ``grad_sqnorm``, else the noise scale φ = σ²M/μ² alone;
+    ``sgd`` takes the gain whole, otherwise its square root.
+
+    Example:
+      >>> from adaptjax.controller._probe_branch import branch_lr_factor
+      >>> branch_lr_factor("sqrt", 4.0, {}, 32, sgd=False)
+      2.0
+      >>> branch_lr_factor("adascale", 4.0, {"grad_variance": 32.0, "grad_sqnorm": 1.0}, 32,
+      ...                  sgd=True)  # gain (1 + 1) / (1/4 + 1)
+      1.6
+    """
+    kind = "sgd" if sgd else "adam"
+    if rule != "adascale":
+        return ajp.lr_scale(rule, scale)
+    variance, sqnorm = metrics.get("grad_variance"), metrics.get("grad_sqnorm")
+    phi = metrics.get("noise_scale")
+    if _finite(variance) and _finite(sqnorm) and sqnorm > 0:
+        sigma_sq, mu_sq = variance / batch_size, sqnorm
+    elif _finite(phi) and metrics.get("noise_scale_valid", 1.0) > 0:
+        sigma_sq, mu_sq = max(phi, 0.0) / batch_size, 1.0
+    else:
+        return None
+    return ajp.lr_scale(rule, scale, optimizer_kind=kind, sigma_sq=sigma_sq, mu_sq=mu_sq)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def plan_branches(probe: ajp.Probe, config: RunConfig, plan: Callable[[list], RunConfig],
+                  hyperparams: Mapping[str, float], metrics: Mapping[str, float],
+                  sgd: bool) -> tuple[list[Branch], int] | str:
+    """``(branches, T)`` of ``probe`` from ``config``, or the reason it cannot run.
+
+    Each size goes through ``plan`` (the controller's transition planning:
+    rounded to a multiple of replicas x micro-batches); sizes that round alike
+    are one branch.
+    """
+    configs = sorted({plan([ajp.SetBatchSize(b)]) for b in probe.batch_sizes},
+                     key=lambda c: c.batch_size)
+    if len(configs) < 3:
+        return (f"its batch sizes {list(probe.batch_sizes)} round to "
+                f"{[c.batch_size for c in configs]} on {config.devices} replicas x "
+                f"{config.microbatches} micro-batches: fewer than 3 branches")
+    lr = hyperparams.get(LR_KEY)
+    if probe.lr_rule != "none" and lr is None:
+        return (f"lr_rule={probe.lr_rule!r} scales the hyperparameter {LR_KEY!r}, which this "
+                f"optimizer does not have ({sorted(hyperparams)}); use lr_rule='none'")
+    total = probe.steps * configs[-1].batch_size
+    branches = []
+    for c in configs:
+        factor = branch_lr_factor(probe.lr_rule, c.batch_size / config.batch_size, metrics,
+                                  config.batch_size, sgd)
+        if factor is None:
+            return ("lr_rule='adascale' needs grad_variance and grad_sqnorm (or a valid "
+                    "noise_scale) in the recorded metrics; monitor the noise scale or use "
+                    "lr_rule='sqrt'")
+        rate = None if probe.lr_rule == "none" else lr * factor
+        branches.append(Branch(c, total // c.batch_size, rate))
+    return branches, total
+
+
+class ProbeRunner:
+    """Runs a controller's probes: branches on copies of its state, a fit, events.
+
+    Args:
+      steps: the controller's :class:`StepCache`.
+      data: its dataset (a probe needs ``batch_at``).
+      compiler: its :class:`BackgroundCompiler` (a branch waits for a compile
+        of its configuration under way there, as a step does).
+      clock: its :class:`RunClock`, which keeps the probes' seconds and the
+        latest fit for the metrics rows.
+      reader: its :class:`MetricsReader`, whose step clock restarts after a
+        probe (the probe's time is no step's).
+      plan: ``actions -> Transition`` from the configuration in force (the
+        controller's transition planning).
+    """
+
+    def __init__(self, steps: StepCache, data, compiler: BackgroundCompiler, clock: RunClock,
+                 reader: MetricsReader, plan: Callable[[list], Any]):
+        self.steps, self.data, self.compiler, self.clock, self.plan = (
+            steps, data, compiler, clock, plan)
+        self.reader = reader
+        self._losses: dict[Any, Callable] = {}  # jitted evaluation loss per precision
+
+    def run(self, probe: ajp.Probe, state, config: RunConfig, metrics: Mapping[str, float],
+            step: int) -> list[dict]:
+        """Runs ``probe`` from ``state`` (left untouched); returns the events to log.
+
+        A ``compile`` event (``probe=True``) for each branch step that
+        compiled, then one ``probe`` event, or one ``probe_skipped`` event
+        that says why (a dataset without ``batch_at``, several processes,
+        fewer than 3 distinct branches, a learning-rate rule without what it
+        reads).
+        """
+        why = _unsupported(self.data)
+        planned = why or plan_branches(
+            probe, config, lambda a: self.plan(a).config, hyperparams_of(state), metrics,
+            sgd=self.steps.optimizer is optax.sgd)
+        if isinstance(planned, str):
+            return [{"kind": "probe_skipped", "reason": f"{probe!r}: {planned}"}]
+        branches, total = planned
+        t0 = time.perf_counter()
+        cursor = self.data.cursor
+        chunk = branches[-1].config.batch_size
+        evaluate, eval_samples = self._evaluator(config, state, cursor + total,
+                                                 max(total, MIN_EVAL_SAMPLES), chunk)
+        start = evaluate(state)
+        events, losses = [], []
+        for branch in branches:
+            end, compiled = self._train(branch, state, cursor)
+            losses.append(evaluate(end))
+            if compiled is not None:
+                events.append(compiled)
+        drops = [start - loss for loss in losses]
+        sizes = [b.config.batch_size for b in branches]
+        event: dict[str, Any] = {
+            "kind": "probe", "batch_sizes": sizes, "branch_steps": [b.steps for b in branches],
+            "learning_rates": [b.learning_rate for b in branches], "lr_rule": probe.lr_rule,
+            "samples": total, "eval_samples": eval_samples, "loss_start": start,
+            "losses": losses, "drops": drops, "noise_scale": metrics.get("noise_scale"),
+        }
+        try:
+            fit = ajp.fit_critical_batch(sizes, drops, steps=[b.steps for b in branches])
+        except ValueError as error:  # e.g. a branch that diverged: nothing to fit
+            fit = ajp.CriticalBatchFit(math.nan, math.nan, math.nan)
+            event["error"] = str(error)
+        event.update(critical_batch=fit.critical_batch, max_improvement=fit.max_improvement,
+                     fit_rmse=fit.rmse, latency_s=time.perf_counter() - t0)
+        self.clock.probed(event["latency_s"], fit.critical_batch, step)
+        self.reader.restart_clock()
+        return [*events, event]
+
+    def _train(self, branch: Branch, state, cursor: int) -> tuple[Any, dict | None]:
+        """``branch``'s end state from a copy of ``state``; its compile event or ``None``."""
+        config = branch.config
+        fn = self.steps.step(config)
+        self.compiler.wait_for(config)
+        # the step donates its input: the branch runs on a copy, the main state stays
+        copy = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, state)
+        if branch.learning_rate is not None:
+            copy = write_hyperparams(copy, {LR_KEY: branch.learning_rate},
+                                     self.steps.mesh(config.devices))
+        b = config.batch_size
+        event = None
+        for k in range(branch.steps):
+            before, t0 = fn.jitted._cache_size(), time.perf_counter()
+            copy, _ = fn(copy, self.data.batch_at(cursor + k * b, b))
+            if k == 0 and fn.jitted._cache_size() > before:  # this call compiled
+                event = {"kind": "compile", "probe": True, "latency_s": time.perf_counter() - t0,
+                         "config": dataclasses.asdict(config)}
+                if config in self.compiler.compiled_ahead:
+                    event["compiled_ahead"] = True
+        return copy, event
+
+    def _evaluator(self, config: RunConfig, state, at: int, samples: int,
+                   chunk: int) -> tuple[Callable[[Any], float], int]:
+        """``(state -> mean loss, samples)`` on ``samples`` (whole chunks) from ``at``."""
+        mesh = self.steps.mesh(config.devices)
+        rows = NamedSharding(mesh, P("data"))
+        chunks = [jax.device_put(self.data.batch_at(at + k * chunk, chunk), rows)
+                  for k in range(-(-samples // chunk))]
+        loss = self._loss(config, state.graphdef)
+
+        def evaluate(s) -> float:
+            params = consensus_params(s.params, s.opt_state)
+            values = [loss(params, s.model_state, batch) for batch in chunks]
+            return float(np.mean(jax.device_get(values)))
+
+        return evaluate, len(chunks) * chunk
+
+    def _loss(self, config: RunConfig, graphdef) -> Callable:
+        """The jitted mean loss of ``config``'s precision (the step's decode included)."""
+        key = config.precision
+        if key not in self._losses:
+            loss, has_aux = self.steps.loss(config), self.steps.has_aux
+
+            def mean_loss(params, model_state, batch):
+                out = loss(merge_model(graphdef, params, model_state), batch)
+                return out[0] if has_aux else out
+
+            self._losses[key] = jax.jit(mean_loss)
+        return self._losses[key]
+
+
+def _unsupported(data) -> str | None:
+    """Why a probe cannot read its samples here, or ``None``."""
+    if not hasattr(data, "batch_at"):
+        return (f"{type(data).__name__} has no batch_at: a probe reads its samples ahead of "
+                "the data cursor without moving it (use adaptjax.ArrayDataset)")
+    if jax.process_count() > 1:
+        return "a probe runs in one process only for now"
+    return None
+
