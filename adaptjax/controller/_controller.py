@@ -194,6 +194,8 @@ class Controller:
         ``cache_dir`` and ``precompile_upcoming``.
       resume: continue from the newest intact checkpoint in ``run_dir``.
       precision: the compute precision (:class:`adaptjax.Precision`, its key, ``None``: float32).
+      loss_scale: options of :func:`adaptjax.dynamic_loss_scale` for float16 steps
+        (``{"period": 200}``; ``None``: its defaults).
       on_step: a hook ``on_step(controller)`` called after each dispatch.
       max_nonfinite_steps: raise :class:`NonFiniteTraining` after this many skipped
         (non-finite) steps in a row; ``None`` never does.
@@ -234,6 +236,7 @@ class Controller:
         checkpoint_options: CheckpointOptions | None = None,
         eval_options: EvalOptions | None = None, compile_options: CompileOptions | None = None,
         mesh_shape: Mapping[str, int] | None = None, sharding=None,
+        loss_scale: Mapping[str, Any] | None = None,
     ):
         """See the class. Checks every argument, then takes ``run_dir`` and the state."""
         a = check_arguments(locals())  # nothing has touched the disk before this returns
@@ -244,7 +247,8 @@ class Controller:
         self.compile_options, self._plan_request = a.compile, a.plan
         self.steps = StepCache(model=model, loss_fn=loss_fn, optimizer=optimizer,
                                hyperparams=a.hyperparams, monitors=a.monitors,
-                               norm_chunks=norm_chunks, has_aux=has_aux, sharding=sharding)
+                               norm_chunks=norm_chunks, has_aux=has_aux, sharding=sharding,
+                               loss_scale=loss_scale)
         register_held(self.steps, codec, sync, policies)
         a = dataclasses.replace(a, config=self.steps.start(a.config, data, precision))
         min_samples, min_replicas = a.sample_needs  # what the monitors need of a configuration
