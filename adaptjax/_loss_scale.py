@@ -20,7 +20,9 @@ with everything else.
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -88,6 +90,29 @@ def current_loss_scale(opt_state) -> jax.Array:
     if not found:
         return jnp.ones((), jnp.float32)
     return found[0].scale
+
+
+def split_loss_scale(opt_state) -> tuple[Any, LossScaleState | None]:
+    """``(inner state, the LossScaleState)`` of a wrapped state; ``(opt_state, None)`` else.
+
+    Looks through one :func:`dynamic_loss_scale` around a chain's link, as
+    the :class:`adaptjax.Controller` puts it around its ``"optimizer"`` link
+    under float16: readers of the optimizer's own state (its injected
+    hyperparameters, its per-replica marks) read ``inner``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, adaptjax
+      >>> from adaptjax._loss_scale import split_loss_scale
+      >>> sgd = optax.sgd(0.1)
+      >>> inner, scaled = split_loss_scale(adaptjax.dynamic_loss_scale(sgd).init(jnp.zeros(2)))
+      >>> type(inner).__name__, float(scaled.scale)
+      ('tuple', 32768.0)
+      >>> split_loss_scale(sgd.init(jnp.zeros(2)))[1] is None
+      True
+    """
+    if _is_state(opt_state):
+        return opt_state.inner_state, opt_state
+    return opt_state, None
 
 
 def adjust_in(opt_state, loss_scale: LossScaled, finite):
@@ -159,6 +184,37 @@ def _check(initial_scale, period, factor, min_scale) -> tuple[float, int, float,
         )
     period = check_count(period, f"{owner}: period", positive=True)
     return float(initial_scale), period, float(factor), float(min_scale)
+
+
+def check_loss_scale_options(options: Mapping[str, Any] | None, owner: str) -> dict[str, Any]:
+    """``options``: keyword arguments of :func:`dynamic_loss_scale` but ``inner`` and
+    ``axis_name`` (``initial_scale``, ``period``, ``factor``, ``min_scale``), checked
+    as it checks them; a one-line ``ValueError`` (naming ``owner``) for anything else.
+
+    Example:
+      >>> from adaptjax._loss_scale import check_loss_scale_options
+      >>> check_loss_scale_options({"period": 10}, "Controller(loss_scale=...)")
+      {'period': 10}
+      >>> check_loss_scale_options({"growth": 2}, "Controller(loss_scale=...)")
+      Traceback (most recent call last):
+      ...
+      ValueError: Controller(loss_scale=...): unknown option 'growth'; use initial_scale, period, factor, min_scale
+    """  # noqa: E501
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ValueError(
+            f"{owner} must be a dict of dynamic_loss_scale's options (e.g. {{'period': 200}}), "
+            f"got {options!r}"
+        )
+    known = [n for n in inspect.signature(dynamic_loss_scale).parameters
+             if n not in ("inner", "axis_name")]
+    for name in options:
+        if name not in known:
+            raise ValueError(f"{owner}: unknown option {name!r}; use {', '.join(known)}")
+    defaults = {n: inspect.signature(dynamic_loss_scale).parameters[n].default for n in known}
+    _check(*({**defaults, **options}[n] for n in known))
+    return dict(options)
 
 
 def _all_finite(tree) -> jax.Array:

@@ -21,10 +21,12 @@ job between precisions would mean building another module and converting its
 state. Casting at the edge leaves the model, the train state and its
 checkpoints exactly as they are in float32: changing precision is a new
 compiled step over the same state (a checkpoint written in one precision
-resumes in another unchanged), and it works for models that are not NNX at
-all. Inside the model, what is not a parameter (NNX ``BatchStat`` running
-statistics, RNG streams) stays in its own dtype; flax's normalisation layers
-reduce in float32 anyway.
+resumes in another unchanged; float16 adds only its loss scale around the
+optimizer's state, which the :class:`adaptjax.Controller` wraps and unwraps
+on a switch), and it works for models that are not NNX at all. Inside the
+model, what is not a parameter (NNX ``BatchStat`` running statistics, RNG
+streams) stays in its own dtype; flax's normalisation layers reduce in float32
+anyway.
 """
 
 from __future__ import annotations
@@ -101,7 +103,9 @@ class Precision:
     dtypes read as in ``jmp.Policy``. ``compute="float16"`` needs dynamic loss
     scaling: wrap the optimizer in :func:`adaptjax.dynamic_loss_scale` and pass
     it to :func:`adaptjax.data_parallel_step` as ``loss_scale=``
-    (:func:`check_precision` and the step refuse float16 without).
+    (:func:`check_precision` and the step refuse float16 without). The
+    :class:`adaptjax.Controller` does both itself (``precision="float16"``,
+    the scale's options in ``loss_scale=``).
 
     Args:
       compute: the dtype the forward and backward passes run in.

@@ -30,6 +30,18 @@ class PrecisionPolicy(StatefulPolicy):
     the window. Steps are ``ctx.step``, so the rules do not depend on how
     often the controller evaluates.
 
+    Under dynamic loss scaling (float16: the step reports the metric
+    ``loss_scale``), a skipped step with a finite loss is the loss scale
+    finding its range, not an incident: the scale starts high (``2**15``)
+    and halves on each overflow until the scaled gradients fit (settling),
+    and each later growth that overflows halves it back (one skip per
+    ``period`` finite steps, by design). Such skips are ignored while the
+    reported ``loss_scale`` is above ``loss_scale_floor`` (the scale's
+    ``min_scale``): at the floor the scale cannot fall further, so a skip
+    there is an incident, as is a non-finite loss (a forward overflow,
+    which no scale cures). The skipped steps moved no parameter, so nothing
+    is lost by waiting for the scale.
+
     The precisions are opaque values: ``adaptjax.Precision`` objects the user
     built, or their keys (``"bfloat16"``). The policy remembers which one it
     asked for (its state is checkpointed with the run); when the context
@@ -46,6 +58,8 @@ class PrecisionPolicy(StatefulPolicy):
       metric: an optional metric that must pass the threshold too.
       below: with ``metric``: move only when ``metrics[metric] < below``.
       above: with ``metric``: move only when ``metrics[metric] > above``.
+      loss_scale_floor: skips with a finite loss while ``loss_scale`` is above
+        it are the loss scale's, not incidents, > 0.
 
     Example:
       >>> from adaptjax.policies import Context, PrecisionPolicy
@@ -61,6 +75,16 @@ class PrecisionPolicy(StatefulPolicy):
       []
       >>> policy.decide({"loss": 1.6, "nonfinite_count": 1.0}, ctx(310))
       [SetPrecision(precision='bfloat16')]
+
+      In float16, a skip while the loss scale halves from ``2**15`` is settling:
+
+      >>> fp16 = PrecisionPolicy("float16", warmup=0, stable_steps=10, window=100)
+      >>> fp16.decide({"loss": 2.0}, ctx(0)), fp16.decide({"loss": 2.0}, ctx(10))
+      ([], [SetPrecision(precision='float16')])
+      >>> fp16.decide({"loss": 1.9, "nonfinite_count": 3.0, "loss_scale": 4096.0}, ctx(20))
+      []
+      >>> fp16.decide({"loss": 1.9, "nonfinite_count": 4.0, "loss_scale": 1.0}, ctx(30))
+      [SetPrecision(precision='float32')]
     """
 
     low: object = "bfloat16"
@@ -73,6 +97,7 @@ class PrecisionPolicy(StatefulPolicy):
     metric: str | None = dataclasses.field(default=None, kw_only=True)
     below: float | None = dataclasses.field(default=None, kw_only=True)
     above: float | None = dataclasses.field(default=None, kw_only=True)
+    loss_scale_floor: float = dataclasses.field(default=1.0, kw_only=True)
 
     def __post_init__(self) -> None:
         owner = "PrecisionPolicy"
@@ -100,6 +125,10 @@ class PrecisionPolicy(StatefulPolicy):
                 high=1.0,
                 low_open=True,
                 high_open=True,
+            ),
+            "loss_scale_floor": check_float(
+                self.loss_scale_floor, owner=owner, name="loss_scale_floor", low=0.0,
+                low_open=True,
             ),
         }
         for name, value in {**ints, **floats}.items():
@@ -154,7 +183,8 @@ class PrecisionPolicy(StatefulPolicy):
             state["nonfinite_count"] = count
         raw = metrics.get("loss") if isinstance(metrics, Mapping) else None
         bad_loss = isinstance(raw, int | float) and not math.isfinite(raw)
-        if grown or bad_loss or (read_metric(metrics, "nonfinite") or 0.0) > 0:
+        skipped = grown or (read_metric(metrics, "nonfinite") or 0.0) > 0
+        if bad_loss or (skipped and not self._loss_scale_skip(metrics)):
             return "a non-finite step"
         loss, average = read_metric(metrics, "loss"), state["loss_average"]
         if loss is None:
@@ -164,6 +194,11 @@ class PrecisionPolicy(StatefulPolicy):
         d = self.decay
         state["loss_average"] = loss if average is None else d * average + (1 - d) * loss
         return None
+
+    def _loss_scale_skip(self, metrics: Mapping[str, float]) -> bool:
+        """Whether a skip (with a finite loss) is the loss scale's: its scale above the floor."""
+        scale = read_metric(metrics, "loss_scale")
+        return scale is not None and scale > self.loss_scale_floor
 
     def _rule_holds(self, metrics: Mapping[str, float]) -> bool:
         if self.metric is None:

@@ -13,7 +13,9 @@ from adaptjax.controller._run_config import RunConfig
 from adaptjax.controller._step_cache import StepCache
 
 #: The actions whose configuration a background compile can prepare (a ``Probe``: its branches').
-_COMPILABLE = (ajp.SetBatchSize, ajp.Rescale, ajp.SetCodec, ajp.Probe)
+#: A ``SetPrecision``'s step compiles from the abstract state of its own precision (float16's
+#: wraps the optimizer state in its loss scale), the structure the transition converts to.
+_COMPILABLE = (ajp.SetBatchSize, ajp.Rescale, ajp.SetCodec, ajp.SetPrecision, ajp.Probe)
 
 
 def lower_thread_priority() -> None:
@@ -34,7 +36,7 @@ def announced_configs(
 ) -> list[RunConfig]:
     """The configurations ``hints`` (``Policy.upcoming``) lead to, by ``plan``; each once.
 
-    Only batch, device and codec changes name a configuration to compile, and
+    Only batch, device, codec and precision changes name a configuration to compile, and
     a ``Probe`` names its branches' (one batch change each); a hint the
     controller would refuse is left out (the action itself says why, when it
     comes).

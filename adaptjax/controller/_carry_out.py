@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from adaptjax._loss_scale import split_loss_scale
 from adaptjax._per_replica import merge_replicas
 from adaptjax._state import train_state_shardings
 from adaptjax.controller._checkpoint import RunCheckpoints
@@ -65,10 +66,10 @@ def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> C
 
     In the order of :class:`Transition`: hyperparameters are written into the
     state (no compilation); a new codec or strategy rebuilds the parts of the
-    state it owns; a new precision changes nothing in the state (float32
-    master weights and optimizer state in every precision: the next step is
-    another compiled step over the same state; a ``set_precision`` event);
-    then the batch, micro-batches and devices of ``plan.config`` (a rounded
+    state it owns; a new precision is a ``set_precision`` event and, to or
+    from float16, wraps or unwraps the optimizer state's loss scale
+    (:func:`swap_precision`; float32 master weights and optimizer state in
+    every precision); then the batch, micro-batches and devices of ``plan.config`` (a rounded
     batch is a ``batch_rounded`` event). A new
     device count on the 1-D mesh moves the state to the new mesh in memory by
     the rule a restore applies (:func:`adaptjax.merge_replicas`); a move to or
@@ -88,8 +89,10 @@ def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> C
         events.append({"kind": "set_sync", "sync": repr(steps.strategy(config.sync))})
     new = plan.config
     if plan.precision_changed:
+        state = swap_precision(state, config, new.precision, steps)
         events.append({"kind": "set_precision", "precision": new.precision_name,
                        "precision_from": config.precision_name})
+        config = config.replace(precision=new.precision)
     if plan.requested_batch is not None:
         events.append({
             "kind": "batch_rounded", "requested": plan.requested_batch,
@@ -113,21 +116,51 @@ def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> C
 
 
 def hyperparams_of(state) -> dict[str, float]:
-    """The optimizer's numeric hyperparameters as ``state`` holds them."""
-    inject = state.opt_state[OPTIMIZER]
+    """The optimizer's numeric hyperparameters as ``state`` holds them (under float16,
+    inside its loss scale)."""
+    inject, _ = split_loss_scale(state.opt_state[OPTIMIZER])
     return {k: float(v) for k, v in jax.device_get(inject.hyperparams).items()}
 
 
 def write_hyperparams(state, values: Mapping[str, float], mesh):
     """``state`` with ``values`` in the optimizer's injected hyperparameters."""
-    inject = state.opt_state[OPTIMIZER]
+    inject, scaled = split_loss_scale(state.opt_state[OPTIMIZER])
     sharding = NamedSharding(mesh, P())
     new = dict(inject.hyperparams)
     for key, value in values.items():
         new[key] = jax.device_put(np.asarray(value, dtype=new[key].dtype), sharding)
+    inject = inject._replace(hyperparams=new)
+    return _with_optimizer(state, inject if scaled is None else scaled._replace(inner_state=inject))
+
+
+def _with_optimizer(state, opt):
+    """``state`` with ``opt`` as the ``"optimizer"`` link's state."""
     opt_state = dict(state.opt_state)
-    opt_state[OPTIMIZER] = inject._replace(hyperparams=new)
+    opt_state[OPTIMIZER] = opt
     return dataclasses.replace(state, opt_state=type(state.opt_state)(opt_state))
+
+
+def swap_precision(state, config: RunConfig, precision: str | None, steps: StepCache):
+    """``state`` (of ``config``) for steps in ``precision`` (a :attr:`RunConfig.precision`).
+
+    float32 and bfloat16 share one state. Into float16 the optimizer's state
+    is wrapped in a :class:`adaptjax.LossScaleState` at the loss scale's
+    ``initial_scale`` (``good_steps`` 0); out of float16 it is unwrapped and
+    the scale is dropped (a later return to float16 starts from
+    ``initial_scale`` again). Parameters, optimizer moments, hyperparameters,
+    the step and everything else pass through as they are (the same arrays).
+    """
+    inner, scaled = split_loss_scale(state.opt_state[OPTIMIZER])
+    into = steps.loss_scaled(config.replace(precision=precision))
+    if (scaled is None) == (into is None):
+        return state  # no loss scale on either side, or one on both: kept as it is
+    if into is None:
+        return _with_optimizer(state, inner)
+    fresh = into.wrap_state(inner)
+    replicated = NamedSharding(steps.mesh(config), P())
+    fresh = fresh._replace(scale=jax.device_put(fresh.scale, replicated),
+                           good_steps=jax.device_put(fresh.good_steps, replicated))
+    return _with_optimizer(state, fresh)
 
 
 def swap_codec(state, config: RunConfig, codec, steps: StepCache):
@@ -135,7 +168,7 @@ def swap_codec(state, config: RunConfig, codec, steps: StepCache):
     key = steps.add_codec(codec)
     new = config.replace(codec=key)
     if config.sync is not None:  # a strategy with local models: one rebuild
-        tx = steps.tx(new.codec, new.sync)
+        tx = steps.tx(new.codec, new.sync, new.precision)
         mesh = steps.mesh(new)
         return rebuild_state(state, tx, mesh, carry_sync=False, sharding=steps.sharding), new
     fresh = steps.init_state(new)
@@ -153,7 +186,7 @@ def swap_sync(state, config: RunConfig, strategy, steps: StepCache):
     """``(state, config)`` under another synchronisation strategy, nothing lost."""
     key = steps.add_sync(strategy)
     new = config.replace(sync=key)
-    tx = steps.tx(new.codec, new.sync)
+    tx = steps.tx(new.codec, new.sync, new.precision)
     carry = key is None and config.sync is None
     return rebuild_state(
         state, tx, steps.mesh(new), carry_sync=carry, sharding=steps.sharding

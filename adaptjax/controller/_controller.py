@@ -196,6 +196,7 @@ class Controller:
         ``cache_dir`` and ``precompile_upcoming``.
       resume: continue from the newest intact checkpoint in ``run_dir``.
       precision: the compute precision (:class:`adaptjax.Precision`, its key, ``None``: float32).
+      loss_scale: float16's :func:`adaptjax.dynamic_loss_scale` options (``{"period": 200}``).
       on_step: a hook ``on_step(controller)`` called after each dispatch.
       max_nonfinite_steps: raise :class:`NonFiniteTraining` after this many skipped
         (non-finite) steps in a row; ``None`` never does.
@@ -235,7 +236,7 @@ class Controller:
         max_nonfinite_steps: int | None = 100, precompile_upcoming: bool = True, precision=None,
         checkpoint_options: CheckpointOptions | None = None,
         eval_options: EvalOptions | None = None, compile_options: CompileOptions | None = None,
-        mesh_shape: Mapping[str, int] | None = None, sharding=None,
+        mesh_shape: Mapping[str, int] | None = None, sharding=None, loss_scale=None,
     ):
         """See the class. Checks every argument, then takes ``run_dir`` and the state."""
         a = check_arguments(locals())  # nothing has touched the disk before this returns
@@ -244,9 +245,9 @@ class Controller:
         self.link_bandwidth, self.on_step, self._progress = a.link_bandwidth, on_step, a.progress
         self.checkpoint_options, self.eval_options = a.checkpoint, a.evaluation
         self.compile_options, self._plan_request = a.compile, a.plan
-        self.steps = StepCache(model=model, loss_fn=loss_fn, optimizer=optimizer,
-                               hyperparams=a.hyperparams, monitors=a.monitors,
-                               norm_chunks=norm_chunks, has_aux=has_aux, sharding=sharding)
+        self.steps = StepCache(model=model, loss_fn=loss_fn, optimizer=optimizer, has_aux=has_aux,
+                               hyperparams=a.hyperparams, monitors=a.monitors, sharding=sharding,
+                               norm_chunks=norm_chunks, loss_scale=loss_scale)
         register_held(self.steps, codec, sync, policies)
         a = dataclasses.replace(a, config=self.steps.start(a.config, data, precision))
         min_samples, min_replicas = a.sample_needs  # what the monitors need of a configuration

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from adaptjax._loss_scale import split_loss_scale
 from adaptjax._per_replica import PerReplica, stack_replicas
 from adaptjax._state import init_state, train_state_shardings
 from adaptjax.sync._strategy import _mark, consensus_params
@@ -21,7 +22,10 @@ def rebuild_state(state, new_tx, mesh, *, carry_sync: bool, sharding=None):
     every replica when it keeps it per replica; local models start at the new
     global parameters. With ``carry_sync`` (S-SGD to S-SGD) the sync's count,
     monitor states and metrics carry over too; the codec's state and a DiLoCo
-    outer momentum start afresh. ``new_tx`` is the controller's named chain
+    outer momentum start afresh. A float16 run's loss scale (a
+    :class:`adaptjax.LossScaleState` around the optimizer's state) is looked
+    through: the optimizer's own state is carried as above, and the scale and
+    its count carry over as they are (replicated). ``new_tx`` is the controller's named chain
     (``"sync"``, ``"optimizer"``, ...) or a :func:`sync_chain` (a tuple).
     ``sharding``: how parameters lie on a sharded ``mesh`` (as in
     :func:`adaptjax.init_state`).
@@ -33,19 +37,13 @@ def rebuild_state(state, new_tx, mesh, *, carry_sync: bool, sharding=None):
     named = isinstance(fresh.opt_state, dict)
     opt_key, sync_slot = ("optimizer", "sync") if named else (1, 0)
     opt_state = dict(fresh.opt_state) if named else list(fresh.opt_state)
-    old_opt = old.opt_state[opt_key]
-    new_opt = fresh.opt_state[opt_key]
-    if _is_marked(old_opt) and _is_marked(new_opt):
-        opt_state[opt_key] = old_opt  # per replica before and after: kept as it is
-    else:
-        replicated = jax.tree.map(
-            lambda node: jax.tree.map(_mean0, node.value) if isinstance(node, PerReplica) else node,
-            old_opt,
-            is_leaf=lambda x: isinstance(x, PerReplica),
-        )
-        if _is_marked(new_opt):
-            replicated = jax.device_get(stack_replicas(_mark(replicated), n))
-        opt_state[opt_key] = replicated
+    old_opt, old_scale = split_loss_scale(old.opt_state[opt_key])
+    new_opt, new_scale = split_loss_scale(fresh.opt_state[opt_key])
+    carried = _carried_optimizer(old_opt, new_opt, n)
+    if new_scale is not None:
+        kept = new_scale if old_scale is None else old_scale
+        carried = kept._replace(inner_state=carried)
+    opt_state[opt_key] = carried
     if carry_sync:
         sync = fresh.opt_state[sync_slot]
         opt_state[sync_slot] = sync._replace(
@@ -65,7 +63,23 @@ def rebuild_state(state, new_tx, mesh, *, carry_sync: bool, sharding=None):
     return jax.device_put(new, train_state_shardings(new, mesh, sharding=sharding))
 
 
+def _carried_optimizer(old_opt, new_opt, n: int):
+    """The optimizer's state carried from ``old_opt`` into ``new_opt``'s layout (``n`` replicas)."""
+    if _is_marked(old_opt) and _is_marked(new_opt):
+        return old_opt  # per replica before and after: kept as it is
+    replicated = jax.tree.map(
+        lambda node: jax.tree.map(_mean0, node.value) if isinstance(node, PerReplica) else node,
+        old_opt,
+        is_leaf=lambda x: isinstance(x, PerReplica),
+    )
+    if _is_marked(new_opt):
+        replicated = jax.device_get(stack_replicas(_mark(replicated), n))
+    return replicated
+
+
 def _is_marked(opt_state) -> bool:
+    """Whether the optimizer's state (not its loss scale: see :func:`split_loss_scale`) is
+    per replica, whole or inside ``inject_hyperparams``."""
     return isinstance(opt_state, PerReplica) or isinstance(
         getattr(opt_state, "inner_state", None), PerReplica
     )

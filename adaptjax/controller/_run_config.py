@@ -177,30 +177,24 @@ def precision_key(precision) -> str | None:
 
 
 def controller_precision(precision) -> str | None:
-    """:func:`precision_key` of a precision the :class:`adaptjax.Controller` can run.
+    """:func:`precision_key` of a precision the :class:`adaptjax.Controller` runs.
 
-    float16 needs dynamic loss scaling inside the controller's step (the loss
-    scaled before differentiating, the gradients unscaled and the
-    :class:`adaptjax.LossScaleState` adjusted after the skip-or-apply branch),
-    which :func:`adaptjax.data_parallel_step` does not do yet: it is refused
-    in one line, before anything compiles.
+    Every precision :class:`adaptjax.Precision` names: float32, bfloat16, and
+    float16, whose steps the controller builds with dynamic loss scaling
+    (:class:`adaptjax.controller._step_cache.StepCache`); what a model cannot
+    run in (a parameter beyond float16's range) is refused by
+    :func:`adaptjax.check_precision` when the run starts.
 
     Example:
       >>> from adaptjax.controller._run_config import controller_precision
-      >>> controller_precision("bfloat16")
-      'bfloat16'
-      >>> controller_precision("float16")
+      >>> controller_precision("bf16"), controller_precision("fp16"), controller_precision(None)
+      ('bfloat16', 'float16', None)
+      >>> controller_precision("int8")
       Traceback (most recent call last):
       ...
-      ValueError: precision 'float16': float16 under the Controller needs the step's dynamic loss scaling, which is pending; use 'bfloat16' (float32's range, no loss scaling)
+      ValueError: Precision: unknown compute dtype 'int8'; use one of 'float32', 'bfloat16', 'float16'
     """  # noqa: E501
-    key = precision_key(precision)
-    if key is not None and Precision.of(key).needs_loss_scale:
-        raise ValueError(
-            f"precision {key!r}: float16 under the Controller needs the step's dynamic loss "
-            "scaling, which is pending; use 'bfloat16' (float32's range, no loss scaling)"
-        )
-    return key
+    return precision_key(precision)
 
 
 def round_batch(batch_size: int, devices: int, microbatches: int) -> int:

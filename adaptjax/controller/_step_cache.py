@@ -15,6 +15,7 @@ import optax
 from adaptjax import policies as ajp
 from adaptjax._chain import named_chain
 from adaptjax._codec import GradientCodec
+from adaptjax._loss_scale import LossScaled, check_loss_scale_options, dynamic_loss_scale
 from adaptjax._metrics import update_norm
 from adaptjax._precision import Precision, check_precision, with_precision
 from adaptjax._state import abstract_state, init_state, shape_struct, split_model
@@ -59,9 +60,17 @@ class StepCache:
     A configuration's ``precision`` (:attr:`RunConfig.precision`) is applied
     to the loss function by :func:`adaptjax.with_precision`, with ``decode``
     (a dataset's, e.g. :meth:`adaptjax.ArrayDataset.decode` for quantized
-    input features) run first, inside the compiled step. The train state is
-    the same in every precision (float32 master weights and optimizer state):
-    another precision is another compiled step over the same state.
+    input features) run first, inside the compiled step. Master weights and
+    optimizer state are float32 in every precision: bfloat16 is another
+    compiled step over the same state. float16 (whose gradients underflow
+    without it) adds dynamic loss scaling: the ``"optimizer"`` link is
+    wrapped in :func:`adaptjax.dynamic_loss_scale` (with the options in
+    ``loss_scale``: ``initial_scale``, ``period``, ``factor``, ``min_scale``)
+    and the step is built with it as ``loss_scale=``, so
+    ``state.opt_state["optimizer"]`` is a :class:`adaptjax.LossScaleState`
+    whose ``inner_state`` is the optimizer's state (readers look through it:
+    :func:`adaptjax._loss_scale.split_loss_scale`); the step reports the
+    metric ``loss_scale``.
 
     ``schedule`` (set by :meth:`adaptjax.costs.Planner.attach`) maps a
     configuration to its step's communication options (:data:`STEP_OPTIONS`):
@@ -97,11 +106,15 @@ class StepCache:
     schedule: Callable[[RunConfig], Mapping[str, Any]] | None = None
     decode: Callable[[Any], Any] | None = None  # the dataset's: batch codes -> features
     sharding: Any = None  # how parameters lie on a sharded mesh (None: adaptjax.FSDP())
+    # dynamic_loss_scale's options for float16 steps (None: its defaults)
+    loss_scale: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self.loss_scale = check_loss_scale_options(self.loss_scale, "loss_scale")
         self.options_of: dict[RunConfig, dict[str, Any]] = {}
         self._meshes: dict[tuple, Any] = {}
-        self._txs: dict[tuple, optax.GradientTransformation] = {}
+        # each chain with its dynamic_loss_scale link (None: not loss-scaled)
+        self._txs: dict[tuple, tuple[optax.GradientTransformation, LossScaled | None]] = {}
         self._steps: dict[RunConfig, DataParallelStep] = {}
         self._wire: dict[RunConfig, float | None] = {}
         # The controller's background compiles build through here too: one builder at a time.
@@ -165,16 +178,26 @@ class StepCache:
         return [(tuple(np.shape(x)), np.dtype(x.dtype)) for x in jax.tree.leaves(params)]
 
     def tx(
-        self, key: str | None, sync: str | None = None, **options: Any
+        self, key: str | None, sync: str | None = None, precision: str | None = None,
+        **options: Any,
     ) -> optax.GradientTransformation:
-        """The chain for codec ``key`` and strategy ``sync``, with communication ``options``."""
+        """The chain for codec ``key``, strategy ``sync`` and ``precision`` (a
+        :attr:`RunConfig.precision`: float16's chain is loss-scaled), with
+        communication ``options``."""
         with self._lock:
-            return self._tx(key, sync, **options)
+            return self._tx(key, sync, precision, **options)[0]
 
-    def _tx(self, key: str | None, sync: str | None, **options: Any):
+    def loss_scaled(self, config: RunConfig) -> LossScaled | None:
+        """The :func:`adaptjax.dynamic_loss_scale` link of ``config``'s chain (float16), or
+        ``None``; built once, with the chain."""
+        with self._lock:
+            return self._tx(config.codec, config.sync, config.precision)[1]
+
+    def _tx(self, key: str | None, sync: str | None, precision: str | None, **options: Any):
         defaults = {"dense_lane": "all-reduce", "bucket_bytes": None, "transport": None}
         options = {k: v for k, v in options.items() if defaults.get(k, ...) != v}
-        cache = (key, sync, *sorted(options.items()))
+        scaled = Precision.of(precision).needs_loss_scale
+        cache = (key, sync, scaled, *sorted(options.items()))
         if cache not in self._txs:
             if key not in self.codecs:
                 raise ValueError(
@@ -204,18 +227,22 @@ class StepCache:
                     (OPTIMIZER, strategy.optimizer(opt)),
                     (MODEL_SYNC, strategy.post("data", codec=codec)),
                 ]
-            self._txs[cache] = named_chain(*parts, (UPDATE_NORM, update_norm()))
+            scale = None
+            if scaled:  # around the optimizer link alone: the guard still rides the sync
+                scale = dynamic_loss_scale(parts[1][1], **self.loss_scale)
+                parts[1] = (OPTIMIZER, scale)
+            self._txs[cache] = named_chain(*parts, (UPDATE_NORM, update_norm())), scale
         return self._txs[cache]
 
     def check_precision(self, precision) -> str | None:
         """The :attr:`RunConfig.precision` of ``precision``, checked for this model.
 
-        A one-line ``ValueError`` for an unknown precision, float16 (pending:
-        see :func:`controller_precision`) or what :func:`adaptjax.check_precision`
-        refuses; nothing is compiled.
+        A one-line ``ValueError`` for an unknown precision or what
+        :func:`adaptjax.check_precision` refuses (float16 and a parameter
+        beyond its range); nothing is compiled.
         """
         key = controller_precision(precision)
-        check_precision(Precision.of(key), self.model, self.tx(None))
+        check_precision(Precision.of(key), self.model, self.tx(None, precision=key))
         return key
 
     def start(self, config: RunConfig, data, precision) -> RunConfig:
@@ -232,21 +259,23 @@ class StepCache:
 
     def loss(self, config: RunConfig) -> Callable[..., Any]:
         """The loss ``config``'s step differentiates: decode, then cast to its precision."""
-        return with_precision(
-            self.loss_fn, controller_precision(config.precision), decode=self.decode
-        )
+        return with_precision(self.loss_fn, config.precision, decode=self.decode)
 
     def step(self, config: RunConfig) -> DataParallelStep:
         with self._lock:
             if config not in self._steps:
+                tx, scale = self._tx(
+                    config.codec, config.sync, config.precision, **self._options(config)
+                )
                 self._steps[config] = data_parallel_step(
                     self.loss(config),
-                    self.tx(config.codec, config.sync, **self.options(config)),
+                    tx,
                     self.mesh(config),
                     microbatches=config.microbatches,
                     has_aux=self.has_aux,
                     sync=self.strategy(config.sync),
                     sharding=self.sharding,
+                    loss_scale=scale,  # float16: the chain's dynamic_loss_scale link
                 )
             return self._steps[config]
 
@@ -257,15 +286,17 @@ class StepCache:
         return step is not None and step.jitted._cache_size() > 0
 
     def init_state(self, config: RunConfig):
+        """A fresh train state for ``config`` (its structure follows codec, sync, precision)."""
         return init_state(
-            self.model, self.tx(config.codec, config.sync), self.mesh(config),
-            sharding=self.sharding,
+            self.model, self.tx(config.codec, config.sync, config.precision),
+            self.mesh(config), sharding=self.sharding,
         )
 
     def abstract_state(self, config: RunConfig):
+        """:meth:`init_state` as ``ShapeDtypeStruct``s with shardings: a restore's target."""
         return abstract_state(
-            self.model, self.tx(config.codec, config.sync), self.mesh(config),
-            sharding=self.sharding,
+            self.model, self.tx(config.codec, config.sync, config.precision),
+            self.mesh(config), sharding=self.sharding,
         )
 
     def abstract_args(self, config: RunConfig, data):

@@ -24,7 +24,9 @@ class Transition:
 
     Carried out as: ``rollback`` -> ``hyperparams`` -> ``codec`` and ``sync``
     (one rebuild of the state when the strategy changes) -> ``precision``
-    (nothing in the state changes: another compiled step) -> the new
+    (another compiled step over the same float32 state; into float16 the
+    optimizer state is wrapped in a fresh loss scale, out of it unwrapped and
+    the scale dropped) -> the new
     ``config`` (batch, micro-batches, devices and mesh shape; a new mesh goes
     through a checkpoint that records ``config`` as the configuration the run
     continues in) -> ``checkpoint`` -> ``probe`` (branches trained from the
@@ -89,8 +91,8 @@ def plan_transition(
 
     Raises a one-line ``ValueError`` (before anything is carried out) for more
     devices than ``max_devices`` or a hyperparameter the optimizer does not
-    have (when ``hyperparam_names`` is given) or a learning rate <= 0, for a
-    precision the controller cannot run (:func:`controller_precision`), and for
+    have (when ``hyperparam_names`` is given) or a learning rate <= 0, for an
+    unknown precision (:func:`controller_precision`), and for
     a synchronisation strategy that cannot run in the new configuration
     (gossip on one replica, a codec the strategy cannot carry); ``strategies``
     maps the current config's sync key to its strategy (``None``: S-SGD).

@@ -1,12 +1,13 @@
 """Precision under the controller: RunConfig.precision, SetPrecision, resumes, input codecs.
 
-The train state is the same in every precision (float32 master weights and
-optimizer state), so a switch is another compiled step over the same state:
-these tests check that the state passes through every precision transition
-untouched, that the compiled step really computes in the precision its
-configuration names (bf16 in its HLO), that a checkpoint keeps the precision
-and resumes in another one, and that an ``ArrayDataset(features=...)`` decodes
-inside the controller's step. Tiny MLP (``controller_job``), a few steps.
+The train state is the same in float32 and bfloat16 (float32 master weights
+and optimizer state), so a switch is another compiled step over the same
+state (float16's loss scale: ``test_controller_float16.py``): these tests
+check that the state passes through every precision transition untouched,
+that the compiled step really computes in the precision its configuration
+names (bf16 in its HLO), that a checkpoint keeps the precision and resumes in
+another one, and that an ``ArrayDataset(features=...)`` decodes inside the
+controller's step. Tiny MLP (``controller_job``), a few steps.
 """
 
 import json
@@ -27,8 +28,6 @@ from adaptjax.controller._transition import plan_transition
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import controller_job as job  # noqa: E402
-
-FLOAT16_PENDING = "float16 under the Controller needs the step's dynamic loss scaling"
 
 
 def _one_line(excinfo) -> str:
@@ -95,8 +94,6 @@ def test_run_config_refuses_an_unknown_precision(precision, message):
 @pytest.mark.parametrize(
     "precision, message",
     [
-        ("float16", FLOAT16_PENDING),
-        (adaptjax.Precision("float16"), FLOAT16_PENDING),
         ("int8", "Precision: unknown compute dtype 'int8'"),
         (object(), "precision must be an adaptjax.Precision"),
     ],
@@ -111,11 +108,18 @@ def test_controller_refuses_a_precision_it_cannot_run_before_touching_disk(
     assert not run_dir.exists()
 
 
-def test_set_precision_float16_is_refused_by_the_plan():
+def test_float16_is_planned_like_any_precision_and_a_too_large_parameter_is_refused(tmp_path):
     config = adaptjax.RunConfig(8, 64, precision="bfloat16")
+    plan = plan_transition([ajp.SetPrecision(adaptjax.Precision("fp16"))], config, max_devices=8)
+    assert plan.config == config.replace(precision="float16") and plan.precision_changed
+    # the loss scale cannot cure a parameter float16 cannot hold: refused before the disk
+    model = dict(job.init_params(), b1=np.full(16, 1e5, np.float32))
+    run_dir = tmp_path / "run"
     with pytest.raises(ValueError) as e:
-        plan_transition([ajp.SetPrecision("float16")], config, max_devices=8)
-    assert FLOAT16_PENDING in _one_line(e)
+        adaptjax.Controller(run_dir=run_dir, **job.job_kwargs(
+            policies=[], model=model, precision="float16"))
+    assert _one_line(e).startswith("parameter ['b1'] reaches |x| = 1e+05, beyond float16's")
+    assert not run_dir.exists()
 
 
 # --- the compiled step and the transition ---------------------------------------------------
@@ -181,9 +185,6 @@ def test_a_switch_mid_run_loses_no_state_and_policies_see_the_precision(tmp_path
     assert ctrl.config.precision == "bfloat16"
     assert _same(ctrl.state, before) and ctrl.data.cursor == cursor and ctrl.step == 4
     assert int(ctrl.state.step) == 4
-    with pytest.raises(ValueError) as e:
-        ctrl.apply([ajp.SetPrecision("float16")])
-    assert FLOAT16_PENDING in _one_line(e) and ctrl.config.precision == "bfloat16"
     ctrl.run(8)
     assert ctrl.compilations == compiled + 1  # one new step: the bfloat16 one
     assert np.isfinite(ctrl.latest_metrics["loss"]) and ctrl.nonfinite_count == 0

@@ -80,6 +80,46 @@ def test_a_metric_rule_gates_the_move():
     assert policy.required_metrics() == {"loss", "grad_snr"}
 
 
+def _fp16_trace(skips_and_scales, every=10, start=20):
+    """Evaluations at ``start``, ``start + every``, ...: the cumulative skip count and the
+    ``loss_scale`` the float16 step reported, with a finite loss."""
+    return [(start + every * i, {"loss": 1.0, "nonfinite_count": float(n), "loss_scale": scale})
+            for i, (n, scale) in enumerate(skips_and_scales)]
+
+
+def test_float16_skips_while_the_loss_scale_settles_are_not_incidents():
+    policy = ajp.PrecisionPolicy("float16", warmup=0, stable_steps=10, window=100)
+    start = [(0, {"loss": 1.0}), (10, {"loss": 1.0})]  # float32: moves to float16 at 10
+    # the scale halves from 2**15 on each skip (3, then 2 more), then grows back and a
+    # growth's overflow halves it again: every skip is the scale's own
+    settling = _fp16_trace([(3, 2.0**12), (5, 2.0**10), (5, 2.0**11), (6, 2.0**10)])
+    assert _run(policy, start + settling) == {10: "float16"}
+    assert policy.state_dict()["incidents"] == 0
+    assert policy.state_dict()["nonfinite_count"] == 6.0  # counted, so later growth is new
+    # at the floor the scale cannot fall further: the next skip is an incident
+    assert _run(policy, _fp16_trace([(7, 1.0)], start=60)) == {60: "float32"}
+    # the same skips without a loss scale (bfloat16 reports none) are incidents at once
+    bf16 = ajp.PrecisionPolicy(warmup=0, stable_steps=10, window=100)
+    trace = start + [(t, {k: v for k, v in m.items() if k != "loss_scale"})
+                     for t, m in settling]
+    assert _run(bf16, trace) == {10: "bfloat16", 20: "float32"}
+
+
+def test_a_non_finite_loss_under_float16_is_an_incident_whatever_the_scale():
+    policy = ajp.PrecisionPolicy("float16", warmup=0, stable_steps=10, window=100)
+    trace = [(0, {"loss": 1.0}), (10, {"loss": 1.0}),
+             (20, {"loss": float("inf"), "nonfinite_count": 1.0, "loss_scale": 2.0**14})]
+    assert _run(policy, trace) == {10: "float16", 20: "float32"}
+
+
+def test_the_loss_scale_floor_is_the_users():
+    policy = ajp.PrecisionPolicy("float16", warmup=0, stable_steps=10, window=100,
+                                 loss_scale_floor=128.0)
+    trace = [(0, {"loss": 1.0}), (10, {"loss": 1.0})]
+    trace += _fp16_trace([(1, 256.0), (2, 128.0)])  # above the floor, then at it
+    assert _run(policy, trace) == {10: "float16", 30: "float32"}
+
+
 def test_the_running_precision_in_the_context_wins_when_present():
     """A Context that carries the running precision (ctx.precision) is believed."""
     policy = ajp.PrecisionPolicy(low="bfloat16", high="float32", warmup=0, stable_steps=10)
@@ -125,6 +165,7 @@ def test_opaque_precisions_and_state_through_json():
         ({"warmup": 1.5}, "PrecisionPolicy: warmup must be an int, got 1.5"),
         ({"below": 1.0}, "PrecisionPolicy: below= and above= need metric="),
         ({"metric": "grad_snr"}, "PrecisionPolicy: with metric=, give exactly one of below="),
+        ({"loss_scale_floor": 0}, "PrecisionPolicy: loss_scale_floor must be in (0, inf), got 0"),
     ],
 )
 def test_bad_configuration_one_line(kwargs, message):
