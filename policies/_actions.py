@@ -227,9 +227,10 @@ PRECISION_NAMES = ("float32", "bfloat16", "float16")
 class SetPrecision:
     """Switch the precision the step computes in (float32 master weights stay).
 
-    The controller's compiled steps are keyed by it; the train state is the
-    same in every precision, so nothing is converted. (The controller refuses
-    float16 for now: its step does not scale the loss yet.)
+    The controller's compiled steps are keyed by it; params and optimizer
+    moments are the same float32 arrays in every precision. Moving to float16
+    wraps the optimizer state in a dynamic loss scale
+    (:func:`adaptjax.dynamic_loss_scale`); leaving float16 drops the scale.
 
     Args:
       precision: an ``adaptjax.Precision`` the user built, held as an opaque

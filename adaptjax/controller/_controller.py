@@ -192,8 +192,7 @@ class Controller:
       link_bandwidth: bytes/s of the link: steps then report ``comm_time`` (HLO
         bytes / bandwidth) and ``comm_share``, which ``SwitchCompression`` needs.
       progress, tensorboard: show a tqdm progress bar; write TensorBoard files.
-      compilation_cache_dir, precompile_upcoming: :class:`adaptjax.CompileOptions`'
-        ``cache_dir`` and ``precompile_upcoming``.
+      compilation_cache_dir, precompile_upcoming: :class:`adaptjax.CompileOptions`' fields.
       resume: continue from the newest intact checkpoint in ``run_dir``.
       precision: the compute precision (:class:`adaptjax.Precision`, its key, ``None``: float32).
       loss_scale: float16's :func:`adaptjax.dynamic_loss_scale` options (``{"period": 200}``).

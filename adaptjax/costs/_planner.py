@@ -165,7 +165,7 @@ class Planner:
             self.calibrate(controller.max_devices, mesh_shape=config.axes if sharded else None)
         self._steps = steps
         if sharded:
-            tx = steps.tx(config.codec, config.sync)
+            tx = steps.tx(config.codec, config.sync, config.precision)
             self.memory = {
                 shape_label(shape): state_bytes_per_device(steps.model, tx, shape,
                                                            sharding=steps.sharding)
