@@ -235,7 +235,7 @@ _FACTORIES: dict[tuple[type, str], inspect.Signature] = {}
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def factory(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def factory(cls: type) -> Callable[[F], F]:
     """Registers the decorated function as a factory of the codec class ``cls``.
 
     A codec's ``repr`` is the call of the factory named ``codec.name`` that a
@@ -252,7 +252,7 @@ def factory(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
       (onebit(block=256, error_feedback='ef21'), topk(0.01))
     """
 
-    def register(fn):
+    def register(fn: F) -> F:
         sig = inspect.signature(fn)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = [name for name in sig.parameters if name not in fields]

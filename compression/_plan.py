@@ -115,7 +115,7 @@ class Plan:
 
     def __str__(self) -> str:
         head = ("leaf", "shape", "elements", "method", "bytes/dev", "vs fp32", "vs bf16")
-        lines = [head]
+        lines: list[tuple[str, ...]] = [head]
 
         def ratio(a, b):
             return f"{b / a:.1f}x" if a > 0 else "-"

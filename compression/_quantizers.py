@@ -264,9 +264,10 @@ def _quantizer(cls: type[BlockCodec]) -> Callable[[F], F]:
     def make(fn: F) -> F:
         params = inspect.signature(fn).parameters
         tail = {k: p.default for k, p in list(params.items())[-len(_SHARED):]}
-        if tail != _SHARED or "      {shared args}\n" not in (fn.__doc__ or ""):
+        doc = fn.__doc__ or ""
+        if tail != _SHARED or "      {shared args}\n" not in doc:
             raise TypeError(f"{fn.__name__} does not follow the quantizer factory template")
-        fn.__doc__ = fn.__doc__.replace("      {shared args}\n", _SHARED_ARGS)
+        fn.__doc__ = doc.replace("      {shared args}\n", _SHARED_ARGS)
         return factory(cls)(fn)
 
     return make
