@@ -56,6 +56,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -161,7 +162,7 @@ def leaf_checksum(x) -> str:
       >>> leaf_checksum(np.zeros(3, np.float32)) == leaf_checksum(np.ones(3, np.float32))
       False
     """
-    if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+    if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     a = np.ascontiguousarray(_host_value(x))
     h = hashlib.blake2b(digest_size=16)
