@@ -52,7 +52,9 @@ def check_mesh(mesh: object, axis_name: str | tuple[str, ...] = "data") -> int:
     return int(np.prod([mesh.shape[a] for a in _axis_names(axis_name)]))
 
 
-def model_axes(mesh: Mesh | AbstractMesh, axis_name: str | tuple[str, ...] = "data") -> tuple[str, ...]:
+def model_axes(
+    mesh: Mesh | AbstractMesh, axis_name: str | tuple[str, ...] = "data"
+) -> tuple[str, ...]:
     """The mesh axes that shard the model: every axis but the data axes, in mesh order.
 
     Example:
