@@ -655,8 +655,9 @@ class RunCheckpoints:
                 f"checkpoint at {where} was written with a different optimizer or model state: "
                 f"{diff}; build target_state with the same optimizer, or {_FIX}"
             )
-        n_old = payload["replicas"]
+        n_old: int | None = payload["replicas"]
         rescale = n_old is not None and n_old != n_new
+        saved_rows = n_old if n_old is not None and rescale else n_new  # per-replica leaves
 
         leaves, treedef = jax.tree.flatten(target_state)
         specs = jax.tree.leaves(train_state_specs(target_state, axis_name), is_leaf=_is_spec)
@@ -666,7 +667,7 @@ class RunCheckpoints:
             dtype = np.dtype(leaf.dtype)
             shape = tuple(int(d) for d in np.shape(leaf))
             if len(spec) > 0:  # per-replica: leading axis = replica count
-                shape = ((n_old if rescale else n_new), *shape[1:])
+                shape = (saved_rows, *shape[1:])
             if len(spec) > 0 and rescale:
                 # read all saved replicas to the host; merged below
                 abstract.append(jax.ShapeDtypeStruct(shape, dtype))

@@ -79,6 +79,12 @@ def _transport_kinds(codec) -> tuple[str, ...]:
 FILENAME = "costs.json"
 
 
+
+def _is_block_codec(codec: Any) -> bool:
+    """Whether ``codec`` is priced by its buckets: a dataclass with the block codecs' fields."""
+    return bool(dataclasses.is_dataclass(codec) and hasattr(codec, "bucket_bytes")
+                and hasattr(codec, "method") and getattr(codec, "bits", None))
+
 class Planner:
     """Predicted step times for policies, from a :class:`StepTimeModel` refitted online.
 
@@ -218,8 +224,7 @@ class Planner:
                     leaves=len(leaves), scalar_bytes=scalars)
                 self.schedules[config] = {"dense_lane": lane, "predicted_s": times}
                 return {"dense_lane": lane}
-            if not (dataclasses.is_dataclass(codec) and hasattr(codec, "bucket_bytes")
-                    and hasattr(codec, "method") and getattr(codec, "bits", None)):
+            if not _is_block_codec(codec):
                 return {}
             # the codec's buckets: whole leaves, from the last (the backward pass's first)
             lane_bytes = [4.0 * math.prod(shape) for shape, _ in reversed(leaves)
@@ -245,7 +250,7 @@ class Planner:
         best, times = by_kind[kind]
         count = len(buckets(lane_bytes, best, split=False))
         bucket = None if count == 1 else int(best)
-        chosen = {"bucket_bytes": bucket}
+        chosen: dict[str, Any] = {"bucket_bytes": bucket}
         if hasattr(codec, "transport"):
             chosen["transport"] = CODEC_TRANSPORT[kind]
         self.schedules[config] = {**chosen, "buckets": count, "predicted_s": times[best],

@@ -143,7 +143,7 @@ class Gossip(SyncStrategy):
     def __post_init__(self) -> None:
         _check_topology(self.topology)
 
-    def check(self, n_replicas: int, codec: GradientCodec | None = None) -> None:
+    def check(self, n_replicas: int, codec: object = None) -> None:
         if n_replicas < 2:
             raise ValueError(
                 f"gossip needs at least 2 replicas, got {n_replicas}; use more devices or "

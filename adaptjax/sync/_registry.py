@@ -87,7 +87,7 @@ def _defaults() -> dict:
     }
 
 
-def resolve_sync(strategy: SyncStrategy | str | None) -> SyncStrategy:
+def resolve_sync(strategy: object) -> SyncStrategy:
     """A :class:`SyncStrategy` from a strategy, a name, or ``None`` (S-SGD).
 
     Example:
@@ -113,7 +113,7 @@ def resolve_sync(strategy: SyncStrategy | str | None) -> SyncStrategy:
     )
 
 
-def sync_key(strategy: SyncStrategy | str | None) -> str | None:
+def sync_key(strategy: object) -> str | None:
     """The strategy's key in :class:`adaptjax.RunConfig`: ``None`` for S-SGD, else its repr.
 
     Example:

@@ -213,8 +213,11 @@ class SyncStrategy:
     local_models: ClassVar[bool] = True
     accepts_codec: ClassVar[bool] = True
 
-    def check(self, n_replicas: int, codec: GradientCodec | None = None) -> None:
-        """Raises a one-line ``ValueError`` if this strategy cannot run so."""
+    def check(self, n_replicas: int, codec: object = None) -> None:
+        """Raises a one-line ``ValueError`` if this strategy cannot run so.
+
+        ``codec`` is the codec the run would carry (only whether one is given matters).
+        """
         if codec is not None and not self.accepts_codec:
             raise ValueError(
                 f"{self!r} cannot carry a codec (it averages parameters, which a lossy codec "
