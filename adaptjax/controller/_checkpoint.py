@@ -504,7 +504,9 @@ class RunCheckpoints:
         steps = self.all_steps()
         return steps[: max(0, len(steps) - (self._max_to_keep - 1))]
 
-    def save(self, step: int, state: TrainState, meta: Mapping[str, Any], *, wait: bool = True):
+    def save(
+        self, step: int, state: TrainState, meta: Mapping[str, Any], *, wait: bool = True
+    ) -> None:
         """Writes a complete checkpoint of ``state`` and ``meta`` at ``step``.
 
         Everything is checked before anything is written: the arguments, that

@@ -77,7 +77,7 @@ class RunLog:
                 if key != "step" and isinstance(value, float | int):
                     self._writer.add_scalar(key, value, int(step))
 
-    def event(self, kind: str, *, step: int, **fields) -> None:
+    def event(self, kind: str, *, step: int, **fields: Any) -> None:
         """Records one event (``kind`` is e.g. ``"rescale"``), timestamped."""
         row = {"time": time.time(), "kind": kind, "step": int(step)}
         row.update({k: _jsonable(v) for k, v in fields.items()})
@@ -178,7 +178,7 @@ class NullRunLog:
     def metrics(self, step: int, values: Mapping[str, Any]) -> None:
         """Writes nothing."""
 
-    def event(self, kind: str, *, step: int, **fields) -> None:
+    def event(self, kind: str, *, step: int, **fields: Any) -> None:
         """Keeps the event in :attr:`events` only."""
         row = {"time": time.time(), "kind": kind, "step": int(step)}
         row.update({k: _jsonable(v) for k, v in fields.items()})
