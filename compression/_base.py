@@ -235,7 +235,7 @@ _FACTORIES: dict[tuple[type, str], inspect.Signature] = {}
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def factory(cls: type) -> Callable[[F], F]:
+def factory(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Registers the decorated function as a factory of the codec class ``cls``.
 
     A codec's ``repr`` is the call of the factory named ``codec.name`` that a
@@ -252,7 +252,7 @@ def factory(cls: type) -> Callable[[F], F]:
       (onebit(block=256, error_feedback='ef21'), topk(0.01))
     """
 
-    def register(fn: F) -> F:
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(fn)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = [name for name in sig.parameters if name not in fields]
@@ -531,7 +531,7 @@ class Codec:
     def _check_axes(self, names) -> None:
         del names
 
-    def reduce(self, leaves: Sequence[LeafIn], ctx: Ctx) -> list[LeafOut]:
+    def reduce(self, leaves: Sequence[Any], ctx: Any) -> list[Any]:  # _lanes' private types
         """The compressed mean of one bucket of the codec's leaves (its lane, see ``_lanes``).
 
         Args:

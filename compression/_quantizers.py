@@ -49,7 +49,7 @@ from adaptjax.compression._formats import (
     SignBlocks,
     TernaryBlocks,
 )
-from adaptjax.compression._lanes import Ctx, LeafIn, LeafOut, block_leaf_bytes, leaf_outs
+from adaptjax.compression._lanes import block_leaf_bytes, leaf_outs
 from adaptjax.compression._layout import make_layout, prod
 from adaptjax.compression._views import BUCKET_MAX
 
@@ -154,7 +154,7 @@ class BlockCodec(Codec, BlockFormat):
                 f"axis_name=(slow, {self.fast_axis!r}) on a 2-D mesh"
             )
 
-    def reduce(self, leaves: Sequence[LeafIn], ctx: Ctx) -> list[LeafOut]:
+    def reduce(self, leaves: Sequence[Any], ctx: Any) -> list[Any]:  # _lanes' private types
         """One bucket by owner-compute, all-gather or the two-level mode (``_exchange``)."""
         # BUCKET_MAX read when traced: benchmarks/compile_time.py sets it to 0 (per leaf)
         return leaf_outs(*reduce_blocks(self, leaves, ctx, stages=(0, 1), pack_max=BUCKET_MAX,
@@ -271,7 +271,8 @@ def _quantizer(cls: type[BlockCodec]) -> Callable[[F], F]:
         if tail != _SHARED or "      {shared args}\n" not in doc:
             raise TypeError(f"{fn.__name__} does not follow the quantizer factory template")
         fn.__doc__ = doc.replace("      {shared args}\n", _SHARED_ARGS)
-        return factory(cls)(fn)
+        factory(cls)(fn)  # registers fn (and returns it as it is)
+        return fn
 
     return make
 
