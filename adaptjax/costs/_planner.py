@@ -280,7 +280,7 @@ class Planner:
         return self.links
 
     @staticmethod
-    def config_of(candidate: Candidate) -> RunConfig:
+    def config_of(candidate: Candidate | RunConfig) -> RunConfig:
         """The :class:`adaptjax.RunConfig` of a policy's candidate."""
         codec = candidate.codec
         return RunConfig(int(candidate.devices), int(candidate.batch_size),
@@ -298,7 +298,7 @@ class Planner:
         return wire_for(self.model, config)
 
     # ---- the policies' protocol ---------------------------------------------------------
-    def observe(self, candidate: Candidate, step_time: float) -> None:
+    def observe(self, candidate: Candidate | RunConfig, step_time: float) -> None:
         """Records a measured step time at ``candidate`` and refits the model."""
         config = self.config_of(candidate)
         if not (isinstance(step_time, int | float) and math.isfinite(step_time)
@@ -318,7 +318,7 @@ class Planner:
             self.save(os.path.join(self.run_dir, FILENAME))
         return self.model
 
-    def predict(self, candidate: Candidate) -> Prediction:
+    def predict(self, candidate: Candidate | RunConfig) -> Prediction:
         """The model's :class:`Prediction` (raises :class:`CannotPredict`)."""
         config = self.config_of(candidate)
         self.model.codec_time(config)  # a codec never measured: say so before compiling
@@ -334,7 +334,7 @@ class Planner:
                 raise
             return self._wire(config)
 
-    def step_time(self, candidate: Candidate) -> float | None:
+    def step_time(self, candidate: Candidate | RunConfig) -> float | None:
         """Predicted seconds per step at ``candidate``, or ``None`` when the model cannot tell."""
         try:
             return self.predict(candidate).step_time
