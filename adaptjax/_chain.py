@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import optax
 
@@ -28,28 +28,39 @@ class SyncChain(optax.GradientTransformationExtraArgs):
       ('SyncState', ['optimizer'])
     """
 
-    def __new__(cls, init, update, sync=None, rest=None, names=None):
+    sync: SyncGradients | None
+    rest: optax.GradientTransformation | None
+    _names: tuple[str, ...] | None
+
+    def __new__(
+        cls,
+        init: optax.TransformInitFn,
+        update: optax.TransformUpdateExtraArgsFn,
+        sync: SyncGradients | None = None,
+        rest: optax.GradientTransformation | None = None,
+        names: tuple[str, ...] | None = None,
+    ) -> Self:
         self = super().__new__(cls, init, update)
         self.sync = sync
         self.rest = rest
         self._names = names  # None for a tuple-state chain
         return self
 
-    def split_state(self, state) -> tuple[Any, Any]:
+    def split_state(self, state: Any) -> tuple[Any, Any]:
         """``(sync link's state, the rest's state)`` from this chain's state."""
         if self._names is None:
             return state[0], tuple(state[1:])
         first, *others = self._names
         return state[first], type(state)((k, state[k]) for k in others)
 
-    def join_state(self, sync_state, rest_state):
+    def join_state(self, sync_state: Any, rest_state: Any) -> Any:
         """The inverse of :meth:`split_state`."""
         if self._names is None:
             return (sync_state, *rest_state)
         return type(rest_state)([(self._names[0], sync_state), *rest_state.items()])
 
 
-def chain(*transforms) -> SyncChain:
+def chain(*transforms: optax.GradientTransformation) -> SyncChain:
     """``optax.chain(*transforms)``, with a non-finite guard that costs no collective.
 
     Same updates and state as ``optax.chain``. With
@@ -79,7 +90,7 @@ def chain(*transforms) -> SyncChain:
     return SyncChain(inner.init, inner.update)
 
 
-def named_chain(*transforms: tuple[str, Any]) -> SyncChain:
+def named_chain(*transforms: tuple[str, optax.GradientTransformation]) -> SyncChain:
     """``optax.named_chain(*transforms)``, guarded as :func:`chain` is.
 
     Args:
@@ -103,6 +114,6 @@ def named_chain(*transforms: tuple[str, Any]) -> SyncChain:
     return SyncChain(inner.init, inner.update)
 
 
-def guarded_sync(tx) -> bool:
+def guarded_sync(tx: object) -> bool:
     """Whether ``tx`` is a :class:`SyncChain` whose first link is a sync the guard can ride."""
     return isinstance(tx, SyncChain) and getattr(tx, "sync", None) is not None

@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.typing import DTypeLike
 
 from adaptjax._input_codec import FeatureCodec, InputCodec
 
@@ -118,7 +119,13 @@ class ArrayDataset:
       [2, 3]
     """
 
-    def __init__(self, *arrays, seed: int = 0, shuffle: bool = True, features=None):
+    def __init__(
+        self,
+        *arrays: Any,
+        seed: int = 0,
+        shuffle: bool = True,
+        features: InputCodec | Mapping[Any, InputCodec | None] | None = None,
+    ) -> None:
         if len(arrays) == 1 and isinstance(arrays[0], Mapping):
             names = [str(k) for k in arrays[0]]
             values = list(arrays[0].values())
@@ -204,7 +211,7 @@ class ArrayDataset:
         """Bytes one sample of a batch holds (codes for quantized arrays)."""
         return int(sum(a.itemsize * int(np.prod(a.shape[1:])) for a in self._arrays))
 
-    def decode(self, batch, dtype=None):
+    def decode(self, batch: Any, dtype: DTypeLike | None = None) -> Any:
         """The batch with every quantized array decoded to floats (jit-friendly).
 
         Call it inside the compiled step (the codes are what cross to the
@@ -239,16 +246,24 @@ class ArrayDataset:
         elif self._container == "tuple":
             parts = list(batch)
         else:
-            parts = [batch[k] for k in self._keys]
+            parts = [batch[k] for k in self._dict_keys()]
         parts = [
             p if c is None else c.decode(p, out_dtype)
             for c, p in zip(self._codecs, parts, strict=True)
         ]
+        return self._pack(parts)
+
+    def _dict_keys(self) -> list[Any]:
+        assert self._keys is not None  # kept for the dict container
+        return self._keys
+
+    def _pack(self, parts: list[Any]) -> Any:
+        """``parts`` in the container shape the arrays were given in."""
         if self._container == "single":
             return parts[0]
         if self._container == "tuple":
             return tuple(parts)
-        return dict(zip(self._keys, parts, strict=True))
+        return dict(zip(self._dict_keys(), parts, strict=True))
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The order in which epoch ``epoch`` visits the ``n`` sample indices."""
@@ -280,7 +295,7 @@ class ArrayDataset:
             out[sel] = self.permutation(int(e))[offsets[sel]]
         return out
 
-    def batch_at(self, cursor: int, batch_size: int):
+    def batch_at(self, cursor: int, batch_size: int) -> Any:
         """The batch of ``batch_size`` samples starting at stream position ``cursor``.
 
         Pure: the same arguments always give the same batch, and the dataset's
@@ -294,14 +309,9 @@ class ArrayDataset:
           The batch, in the container shape the arrays were given in.
         """
         idx = self.indices_at(cursor, batch_size)
-        parts = [a[idx] for a in self._arrays]
-        if self._container == "single":
-            return parts[0]
-        if self._container == "tuple":
-            return tuple(parts)
-        return dict(zip(self._keys, parts, strict=True))
+        return self._pack([a[idx] for a in self._arrays])
 
-    def next_batch(self, batch_size: int):
+    def next_batch(self, batch_size: int) -> Any:
         """The next ``batch_size`` samples of the stream; advances :attr:`cursor`.
 
         Args:
@@ -315,7 +325,7 @@ class ArrayDataset:
         self._cursor += int(batch_size)
         return batch
 
-    def next_rows(self, batch_size: int, start: int, stop: int):
+    def next_rows(self, batch_size: int, start: int, stop: int) -> Any:
         """Rows ``[start, stop)`` of the next ``batch_size``-sample batch; advances by all of it.
 
         In a multi-process job each process feeds only its own rows of the global
@@ -567,7 +577,7 @@ class IterableDataset:
             self._take(skip, keep=False)
             self._skip = 0
 
-    def next_batch(self, batch_size: int):
+    def next_batch(self, batch_size: int) -> Any:
         """The next ``batch_size`` samples, stacked; advances :attr:`cursor`.
 
         Args:

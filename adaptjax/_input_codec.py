@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 #: The codes an input codec may store.
 CODEC_DTYPES = ("int8", "bfloat16")
@@ -73,7 +74,7 @@ class InputCodec:
             allowed = ", ".join(repr(c) for c in CODEC_DTYPES)
             raise ValueError(f"InputCodec: unknown dtype {self.dtype!r}; use one of {allowed}")
 
-    def fit(self, x, name: str = "features") -> FeatureCodec:
+    def fit(self, x: ArrayLike, name: str = "features") -> FeatureCodec:
         """The codec fitted to the samples of ``x`` (leading axis = samples).
 
         Args:
@@ -140,7 +141,7 @@ class FeatureCodec:
         """The numpy dtype of the codes."""
         return np.dtype(np.int8) if self.dtype == "int8" else np.dtype(jnp.bfloat16)
 
-    def encode(self, x) -> np.ndarray:
+    def encode(self, x: ArrayLike) -> np.ndarray:
         """The codes of ``x`` (host, numpy); int8 values outside the fitted range are clipped."""
         x = np.asarray(x)
         if tuple(x.shape[1:]) != tuple(self.shape):
@@ -149,11 +150,13 @@ class FeatureCodec:
             )
         if self.dtype == "bfloat16":
             return x.astype(jnp.bfloat16)
-        step = np.where(self.scale > 0, self.scale, 1.0).astype(np.float64)
-        levels = np.rint((x.astype(np.float64) - self.offset) / step)
+        scale, offset = self.scale, self.offset
+        assert scale is not None and offset is not None  # int8 codecs are fitted with both
+        step = np.where(scale > 0, scale, 1.0).astype(np.float64)
+        levels = np.rint((x.astype(np.float64) - offset) / step)
         return (np.clip(levels, 0, _LEVELS) - 128).astype(np.int8)
 
-    def decode(self, codes, dtype=jnp.float32) -> jax.Array:
+    def decode(self, codes: ArrayLike, dtype: DTypeLike = jnp.float32) -> jax.Array:
         """The features of ``codes`` in ``dtype`` (jit-friendly: scale and offset are constants).
 
         Works on any number of rows (a replica's shard of a batch too).

@@ -22,12 +22,12 @@ import dataclasses
 import inspect
 import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 #: The axis names :func:`make_mesh` knows: the replica axis and the model's two.
@@ -35,11 +35,11 @@ MESH_AXES = ("data", "fsdp", "model")
 MODEL_AXIS = "model"
 
 
-def _axis_names(axis_name) -> tuple[str, ...]:
+def _axis_names(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
-def check_mesh(mesh, axis_name="data") -> int:
+def check_mesh(mesh: object, axis_name: str | tuple[str, ...] = "data") -> int:
     """Raises a one-line ``ValueError`` unless ``mesh`` has ``axis_name``; returns replicas."""
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -52,7 +52,9 @@ def check_mesh(mesh, axis_name="data") -> int:
     return int(np.prod([mesh.shape[a] for a in _axis_names(axis_name)]))
 
 
-def model_axes(mesh: Mesh, axis_name="data") -> tuple[str, ...]:
+def model_axes(
+    mesh: Mesh | AbstractMesh, axis_name: str | tuple[str, ...] = "data"
+) -> tuple[str, ...]:
     """The mesh axes that shard the model: every axis but the data axes, in mesh order.
 
     Example:
@@ -65,7 +67,7 @@ def model_axes(mesh: Mesh, axis_name="data") -> tuple[str, ...]:
     return tuple(a for a in mesh.axis_names if a not in data)
 
 
-def is_sharded(mesh: Mesh, axis_name="data") -> bool:
+def is_sharded(mesh: Mesh | AbstractMesh, axis_name: str | tuple[str, ...] = "data") -> bool:
     """Whether ``mesh`` has axes besides the data axes (even of size 1): the sharded path."""
     return bool(model_axes(mesh, axis_name))
 
@@ -109,7 +111,7 @@ def make_mesh(
     devices: int | Mapping[str, int] | None = None,
     *,
     axis_name: str = "data",
-    device_list=None,
+    device_list: Sequence[Any] | None = None,  # jax devices
 ) -> Mesh:
     """A mesh on the first devices: 1-D over ``"data"``, or named axes from a mapping.
 
@@ -156,7 +158,7 @@ def make_mesh(
     return Mesh(grid, tuple(shape))
 
 
-def mesh_shape(mesh: Mesh) -> dict[str, int]:
+def mesh_shape(mesh: Mesh | AbstractMesh) -> dict[str, int]:
     """``{axis: size}`` of a mesh, in its axis order."""
     return {name: int(mesh.shape[name]) for name in mesh.axis_names}
 
@@ -244,7 +246,7 @@ class FSDP:
         ):
             raise ValueError(f"FSDP min_size must be an int >= 0, got {self.min_size!r}")
 
-    def spec(self, shape, mesh: Mesh, base: P | None = None) -> P:
+    def spec(self, shape: Sequence[int], mesh: Mesh | AbstractMesh, base: P | None = None) -> P:
         """The spec of a leaf of ``shape``: ``base`` plus ``axis`` where the rule puts it."""
         shape = tuple(int(d) for d in shape)
         base = P() if base is None else base
@@ -298,7 +300,13 @@ def _leaf_name(path) -> str:
     return jax.tree_util.keystr(path) or "the root"
 
 
-def check_spec(path, shape, spec, mesh: Mesh, axis_name="data") -> P:
+def check_spec(
+    path: Any,
+    shape: Sequence[int],
+    spec: Any,
+    mesh: Mesh | AbstractMesh,
+    axis_name: str | tuple[str, ...] = "data",
+) -> P:
     """``spec`` checked for a leaf of ``shape`` at ``path``: one-line errors naming the leaf."""
     name = _leaf_name(path)
     if not isinstance(spec, P):
@@ -355,7 +363,13 @@ def _broadcast_prefix(prefix, tree) -> list:
     return jax.tree.leaves(full, is_leaf=lambda x: isinstance(x, P))
 
 
-def param_specs(params, mesh: Mesh, *, sharding=None, axis_name="data"):
+def param_specs(
+    params: Any,
+    mesh: Mesh | AbstractMesh,
+    *,
+    sharding: Any = None,
+    axis_name: str | tuple[str, ...] = "data",
+) -> Any:
     """The ``PartitionSpec`` of every parameter leaf on ``mesh`` (non-data axes only).
 
     On a mesh of data axes only, every leaf is ``P()`` (replicated, as

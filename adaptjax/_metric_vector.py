@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -40,8 +40,11 @@ class Metrics(Mapping):
     """
 
     __slots__ = ("_index", "extras", "names", "values")
+    values: Any  # the float32 vector (an attribute, where a Mapping has a method)
 
-    def __init__(self, names: tuple[str, ...], values, extras: Mapping[str, Any] | None = None):
+    def __init__(
+        self, names: tuple[str, ...], values: Any, extras: Mapping[str, Any] | None = None
+    ) -> None:
         self.names = tuple(names)
         self.values = values
         self.extras = dict(extras or {})
@@ -58,7 +61,7 @@ class Metrics(Mapping):
         parts = [jnp.asarray(v, jnp.float32).reshape(()) for v in scalars.values()]
         return cls(names, jnp.stack(parts), extras)
 
-    def __getitem__(self, key: str):
+    def __getitem__(self, key: str) -> Any:
         i = self._index.get(key)
         if i is None:
             if key in self.extras:
@@ -80,7 +83,8 @@ class Metrics(Mapping):
             shown = {"names": self.names, "values": self.values, **self.extras}
         return f"Metrics({shown})"
 
-    def tree_flatten_with_keys(self):
+    def tree_flatten_with_keys(self) -> tuple[tuple[tuple[Any, Any], ...], tuple[Any, bool]]:
+        """``(children with their keys, (names, has extras))`` for jax."""
         # No names, no leaf: an empty vector would still cost a buffer per device.
         children = ((jax.tree_util.GetAttrKey("values"), self.values),) if self.names else ()
         if self.extras:
@@ -88,7 +92,8 @@ class Metrics(Mapping):
         return children, (self.names, bool(self.extras))
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
+    def tree_unflatten(cls, aux: tuple[Any, bool], children: Iterable[Any]) -> Metrics:
+        """The inverse of :meth:`tree_flatten_with_keys`."""
         names, has_extras = aux
         children = list(children)
         values = children.pop(0) if names else _EMPTY

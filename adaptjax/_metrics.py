@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ def _has_metrics(node) -> bool:
     )
 
 
-def collect_metrics(opt_state) -> dict:
+def collect_metrics(opt_state: Any) -> dict:
     """Every monitor's current values as a flat dict of scalar arrays (jit-friendly).
 
     Example:
@@ -42,7 +42,7 @@ def collect_metrics(opt_state) -> dict:
     return out
 
 
-def read_metrics(opt_state) -> dict[str, float]:
+def read_metrics(opt_state: Any) -> dict[str, float]:
     """Every monitor's current values as a flat dict of Python floats.
 
     Finds each state in the tree that carries a ``metrics`` dict (the sync

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from adaptjax._tree import tree_sq_norm
 
@@ -110,11 +111,11 @@ class GradientMonitor(Protocol):
         """The names of the metrics ``update`` reports; fixed, and unique across monitors."""
         ...
 
-    def init(self, params) -> Any:
+    def init(self, params: Any) -> Any:
         """The monitor's initial state (a pytree; ``()`` for none) for ``params``."""
         ...
 
-    def local_scalars(self, local_grads, state) -> dict:
+    def local_scalars(self, local_grads: Any, state: Any) -> dict:
         """Scalars from this replica's gradient, psummed into ``GradStats.summed``.
 
         Args:
@@ -126,7 +127,7 @@ class GradientMonitor(Protocol):
         """
         ...
 
-    def update(self, stats: GradStats, state, **extra) -> tuple[Any, dict]:
+    def update(self, stats: GradStats, state: Any, **extra: Any) -> tuple[Any, dict]:
         """One measurement.
 
         Args:
@@ -167,8 +168,20 @@ class NoiseScaleState(NamedTuple):
     nu: Any  # second-moment EMA of the averaged gradient (preconditioning) or ()
 
     @classmethod
-    def make(cls, *, count, calls, nu_count, sqnorm_ema, variance_ema, sqnorm_sq_ema, held,
-             valid, prev_grads, nu) -> NoiseScaleState:
+    def make(
+        cls,
+        *,
+        count: ArrayLike,
+        calls: ArrayLike,
+        nu_count: ArrayLike,
+        sqnorm_ema: ArrayLike,
+        variance_ema: ArrayLike,
+        sqnorm_sq_ema: ArrayLike,
+        held: ArrayLike,
+        valid: ArrayLike,
+        prev_grads: Any,
+        nu: Any,
+    ) -> NoiseScaleState:
         """A state from its named parts (scalars, and ``held`` of shape (3,))."""
         counts = jnp.stack([jnp.asarray(c, jnp.int32) for c in (count, calls, nu_count)])
         scalars = [jnp.asarray(v, jnp.float32).reshape(1)
@@ -343,7 +356,7 @@ class GradientNoiseScale:
         p = self.prefix
         return (self.name, p + "grad_sqnorm", p + "grad_variance", self.name + "_valid")
 
-    def init(self, params) -> NoiseScaleState:
+    def init(self, params: Any) -> NoiseScaleState:
         """The zero state for gradients shaped like ``params``."""
         f32 = lambda p: jnp.zeros(jnp.shape(p), jnp.float32)
         zero = jnp.zeros((), jnp.float32)
@@ -369,7 +382,7 @@ class GradientNoiseScale:
         c = jnp.maximum(state.nu_count, 1).astype(jnp.float32)
         return jax.tree.map(lambda v: jnp.sqrt(v / (1.0 - self.b2**c)) + self.eps, state.nu)
 
-    def local_scalars(self, local_grads, state) -> dict:
+    def local_scalars(self, local_grads: Any, state: Any) -> dict:
         """This replica's preconditioned ``‖g‖²`` (psummed by the sync), else nothing."""
         if not self.preconditioned:
             return {}
@@ -377,7 +390,9 @@ class GradientNoiseScale:
         g = jax.tree.map(lambda x, p: x.astype(jnp.float32) / p, local_grads, pre)
         return {"sq": tree_sq_norm(g)}
 
-    def update(self, stats: GradStats, state: NoiseScaleState, **_):
+    def update(
+        self, stats: GradStats, state: NoiseScaleState, **_: Any
+    ) -> tuple[NoiseScaleState, dict]:
         """Folds this step's unbiased estimates into the EMAs; returns ``(state, metrics)``."""
         b = stats.local_batch_size or self.local_batch_size
         if b is None:
@@ -522,7 +537,13 @@ class GradientSNR:
 
     name = "grad_snr"
 
-    def __init__(self, decay: float = 0.95, *, differencing: bool = False, local_batch_size=None):
+    def __init__(
+        self,
+        decay: float = 0.95,
+        *,
+        differencing: bool = False,
+        local_batch_size: int | None = None,
+    ) -> None:
         self._inner = GradientNoiseScale(
             decay, differencing=differencing, local_batch_size=local_batch_size
         )
@@ -533,21 +554,21 @@ class GradientSNR:
         """``("grad_snr", "grad_snr_valid")``."""
         return (self.name, self.name + "_valid")
 
-    def init(self, params) -> SNRState:
+    def init(self, params: Any) -> SNRState:
         """The zero state for gradients shaped like ``params``."""
         return SNRState(self._inner.init(params))
 
-    def local_scalars(self, local_grads, state) -> dict:
+    def local_scalars(self, local_grads: Any, state: Any) -> dict:
         """Nothing: the sync's own squared norms are enough."""
         del local_grads, state
         return {}
 
-    def update(self, stats: GradStats, state: SNRState, **_):
+    def update(self, stats: GradStats, state: SNRState, **_: Any) -> tuple[SNRState, dict]:
         """Updates the noise-scale EMAs; returns ``(state, {"grad_snr", "grad_snr_valid"})``."""
         inner, m = self._inner.update(stats, state.inner)
         return SNRState(inner), self.from_shared(m, stats)
 
-    def shares_state_with(self, other) -> bool:
+    def shares_state_with(self, other: object) -> bool:
         """Whether ``other`` keeps exactly the EMAs this monitor would keep.
 
         :func:`adaptjax.sync_gradients` then gives this monitor no state and
@@ -559,6 +580,7 @@ class GradientSNR:
     def from_shared(self, metrics: dict, stats: GradStats) -> dict:
         """The SNR from this step's metrics of the :class:`GradientNoiseScale` it shares."""
         b = stats.local_batch_size or self.local_batch_size
+        assert b is not None  # else the GradientNoiseScale whose metrics these are has raised
         g2, var = metrics["grad_sqnorm"], metrics["grad_variance"]
         snr = jnp.maximum(g2, 0.0) * (b * stats.n_replicas) / jnp.where(var > 0, var, 1.0)
         return {
@@ -586,16 +608,16 @@ class GradientNorm:
         """``("grad_norm",)``."""
         return (self.name,)
 
-    def init(self, params):
+    def init(self, params: Any) -> tuple[()]:
         """No state: ``()``."""
         del params
         return ()
 
-    def local_scalars(self, local_grads, state) -> dict:
+    def local_scalars(self, local_grads: Any, state: Any) -> dict:
         """Nothing: the sync's own squared norms are enough."""
         del local_grads, state
         return {}
 
-    def update(self, stats: GradStats, state, **_):
+    def update(self, stats: GradStats, state: Any, **_: Any) -> tuple[Any, dict]:
         """Returns ``(state, {"grad_norm": ‖Ḡ‖})``."""
         return state, {self.name: jnp.sqrt(jnp.maximum(stats.mean_sq, 0.0))}

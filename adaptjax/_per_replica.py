@@ -40,13 +40,13 @@ Its rule is carried by the marker (``merge=``):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MergeRule = str | Callable[[np.ndarray, int], np.ndarray]
@@ -81,11 +81,13 @@ class PerReplica:
                 f"PerReplica merge={self.merge!r} is unknown; use one of {_RULES} or a callable"
             )
 
-    def tree_flatten(self):
+    def tree_flatten(self) -> tuple[tuple[Any], MergeRule]:
+        """``((value,), merge)``: the wrapped tree is the child, the rule is static."""
         return (self.value,), self.merge
 
     @classmethod
-    def tree_unflatten(cls, merge, children):
+    def tree_unflatten(cls, merge: MergeRule, children: Sequence[Any]) -> PerReplica:
+        """The inverse of :meth:`tree_flatten` (no check: jax passes back what it took)."""
         obj = object.__new__(cls)
         object.__setattr__(obj, "value", children[0])
         object.__setattr__(obj, "merge", merge)
@@ -105,7 +107,7 @@ def _map_marked(fn_replica, fn_other, tree):
     return jax.tree.map(visit, tree, is_leaf=_is_marker)
 
 
-def has_per_replica(tree) -> bool:
+def has_per_replica(tree: Any) -> bool:
     """Whether ``tree`` holds any :class:`PerReplica` subtree.
 
     Example:
@@ -156,8 +158,12 @@ def _spec_like_param(index: dict, path, shape) -> P:
 
 
 def state_partition_specs(
-    tree, axis_name: str | tuple[str, ...] = "data", *, params=None, param_specs=None
-):
+    tree: Any,
+    axis_name: str | tuple[str, ...] = "data",
+    *,
+    params: Any = None,
+    param_specs: Any = None,
+) -> Any:
     """Partition specs for a state tree: ``P(axis_name)`` under markers, else ``P()``.
 
     With ``params`` and their ``param_specs`` (a sharded mesh, see
@@ -184,8 +190,13 @@ def state_partition_specs(
 
 
 def state_shardings(
-    tree, mesh, axis_name: str | tuple[str, ...] = "data", *, params=None, param_specs=None
-):
+    tree: Any,
+    mesh: Mesh,
+    axis_name: str | tuple[str, ...] = "data",
+    *,
+    params: Any = None,
+    param_specs: Any = None,
+) -> Any:
     """``NamedSharding``s on ``mesh`` for a state tree (see :func:`state_partition_specs`).
 
     Example:
@@ -198,7 +209,7 @@ def state_shardings(
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def to_local(tree):
+def to_local(tree: Any) -> Any:
     """Inside ``shard_map``: drops the leading replica axis (size 1) of marked leaves.
 
     Example:
@@ -209,7 +220,7 @@ def to_local(tree):
     return _map_marked(lambda x: x[0], lambda x: x, tree)
 
 
-def to_global(tree):
+def to_global(tree: Any) -> Any:
     """Inside ``shard_map``: adds a leading replica axis of size 1 to marked leaves.
 
     Example:
@@ -220,7 +231,7 @@ def to_global(tree):
     return _map_marked(lambda x: x[None], lambda x: x, tree)
 
 
-def stack_replicas(tree, n_replicas: int):
+def stack_replicas(tree: Any, n_replicas: int) -> Any:
     """Host-side: broadcast each marked leaf of a local-view tree to ``(n, ...)``.
 
     Example:
@@ -264,7 +275,7 @@ def _merge_leaf(rule: MergeRule, old: np.ndarray, m: int) -> np.ndarray:
     return np.ascontiguousarray(new)
 
 
-def merge_replicas(tree, new_n_replicas: int):
+def merge_replicas(tree: Any, new_n_replicas: int) -> Any:
     """Maps the global view of a state tree from ``n`` to ``new_n_replicas`` replicas.
 
     Replicated leaves are returned unchanged; each marked leaf of shape

@@ -8,7 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+import optax
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from adaptjax._mesh import check_mesh, is_sharded, param_specs
@@ -39,13 +40,13 @@ class RngKeyData:
 jax.tree_util.register_pytree_with_keys(
     RngKeyData,
     lambda k: (((jax.tree_util.GetAttrKey("data"), k.data),), k.impl),
-    lambda impl, children: RngKeyData(children[0], impl),
+    lambda impl, children: RngKeyData(next(iter(children)), impl),  # children: (data,)
     lambda k: ((k.data,), k.impl),
 )
 
 
 def _is_key(x) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _is_key_data(x) -> bool:
@@ -121,15 +122,18 @@ class TrainState:
       ((1, 2), 1)
     """
 
-    step: jax.Array
+    # Leaves are arrays (int32 scalars for the two counters); train_state_specs,
+    # train_state_shardings and abstract_state return TrainStates of specs,
+    # shardings and ShapeDtypeStructs, hence Any.
+    step: Any
     params: Any
     opt_state: Any
-    nonfinite_count: jax.Array
+    nonfinite_count: Any
     model_state: Any = ()
     graphdef: Any = None
 
     @property
-    def model(self):
+    def model(self) -> Any:
         """The model, the NNX module (``nnx.merge``) or, for a pytree model, ``params``."""
         return merge_model(self.graphdef, self.params, self.model_state)
 
@@ -142,7 +146,11 @@ jax.tree_util.register_dataclass(
 
 
 def train_state_specs(
-    state: TrainState, axis_name="data", *, mesh=None, sharding=None
+    state: TrainState,
+    axis_name: str | tuple[str, ...] = "data",
+    *,
+    mesh: Mesh | AbstractMesh | None = None,
+    sharding: Any = None,
 ) -> TrainState:
     """Partition specs for a :class:`TrainState` (per-replica leaves over ``axis_name``).
 
@@ -185,7 +193,11 @@ def train_state_specs(
 
 
 def train_state_shardings(
-    state: TrainState, mesh, axis_name="data", *, sharding=None
+    state: TrainState,
+    mesh: Mesh,
+    axis_name: str | tuple[str, ...] = "data",
+    *,
+    sharding: Any = None,
 ) -> TrainState:
     """``NamedSharding``s for a :class:`TrainState` on ``mesh`` (see :func:`train_state_specs`).
 
@@ -276,8 +288,13 @@ def shape_struct(x) -> jax.ShapeDtypeStruct:
 
 
 def init_state(
-    model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...] = "data", sharding=None
-):
+    model_or_params: Any,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    axis_name: str | tuple[str, ...] = "data",
+    sharding: Any = None,
+) -> TrainState:
     """Builds a :class:`TrainState` placed on ``mesh``.
 
     On a mesh of data axes only, parameters are replicated; optimizer state
@@ -324,8 +341,13 @@ def init_state(
 
 
 def abstract_state(
-    model_or_params, tx, mesh, *, axis_name: str | tuple[str, ...] = "data", sharding=None
-):
+    model_or_params: Any,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    axis_name: str | tuple[str, ...] = "data",
+    sharding: Any = None,
+) -> TrainState:
     """The :class:`TrainState` that :func:`init_state` would build, as ``ShapeDtypeStruct`` leaves.
 
     Nothing is allocated: use it as the restore target of a checkpoint on a

@@ -15,7 +15,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from adaptjax._chain import guarded_sync
+from adaptjax._chain import SyncChain, guarded_sync
 from adaptjax._loss_scale import LossScaled, adjust_in, current_loss_scale, has_loss_scale
 from adaptjax._mesh import check_mesh, is_sharded
 from adaptjax._metric_vector import Metrics
@@ -33,7 +33,7 @@ from adaptjax._tree import ShardLayout, pmean_replicas, tree_sq_norm
 from adaptjax._wire import GUARD_SCOPE
 from adaptjax._xla_options import step_compiler_options
 from adaptjax.sync._registry import resolve_sync
-from adaptjax.sync._strategy import find_model_sync, local_params
+from adaptjax.sync._strategy import SyncStrategy, find_model_sync, local_params
 
 # On XLA:CPU a multi-device step launches on the client's thread pool, which
 # has max(cores, devices) threads; a launch that finds a device's in-flight
@@ -63,8 +63,17 @@ class DataParallelStep:
     ``jitted`` directly skips both the batch check and this bound.
     """
 
-    def __init__(self, fn, *, mesh, axis_name, microbatches, n_replicas, sync=None):
-        self.jitted = fn
+    def __init__(
+        self,
+        fn: Any,
+        *,
+        mesh: Mesh,
+        axis_name: str | tuple[str, ...],
+        microbatches: int,
+        n_replicas: int,
+        sync: SyncStrategy | None = None,
+    ) -> None:
+        self.jitted = fn  # a jax.jit-wrapped function (jax has no public type for it)
         self.sync = sync  # the SyncStrategy the step was built for (None: not given)
         self.mesh = mesh
         self.axis_name = axis_name
@@ -74,7 +83,7 @@ class DataParallelStep:
         self._max_in_flight = CPU_MAX_STEPS_IN_FLIGHT if on_cpu else None
         self._in_flight: collections.deque = collections.deque()
 
-    def check_batch(self, batch) -> int:
+    def check_batch(self, batch: Any) -> int:
         """Validates the batch's leading dimension; returns the global batch size."""
         sizes = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in jax.tree.leaves(batch)}
         if not sizes or -1 in sizes:
@@ -90,7 +99,7 @@ class DataParallelStep:
             )
         return size
 
-    def __call__(self, state: TrainState, batch):
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         self.check_batch(batch)
         if self._max_in_flight is not None:
             while len(self._in_flight) >= self._max_in_flight:
@@ -101,7 +110,8 @@ class DataParallelStep:
             self._in_flight.append(metrics.values)  # an output, never donated
         return new_state, metrics
 
-    def lower(self, state, batch):
+    def lower(self, state: TrainState, batch: Any) -> jax.stages.Lowered:
+        """``jitted.lower(state, batch)`` after checking the batch (for AOT and HLO inspection)."""
         self.check_batch(batch)
         return self.jitted.lower(state, batch)
 
@@ -116,8 +126,8 @@ def data_parallel_step(
     axis_name: str | tuple[str, ...] = "data",
     donate: bool = True,
     skip_nonfinite: bool = True,
-    sync=None,
-    sharding=None,
+    sync: SyncStrategy | str | None = None,
+    sharding: Any = None,
     loss_scale: LossScaled | None = None,
 ) -> DataParallelStep:
     """Builds ``step(state, batch) -> (state, metrics)``, jitted over ``mesh``.
@@ -307,7 +317,8 @@ def _check_loss_scale(loss_fn, tx, loss_scale, skip_nonfinite: bool) -> LossScal
             "skipped and the scale shrinks); drop skip_nonfinite=False"
         )
     precision = getattr(loss_fn, "precision", None)  # adaptjax.with_precision's
-    if loss_scale is None and getattr(precision, "needs_loss_scale", False):
+    needs_loss_scale = getattr(precision, "needs_loss_scale", False)
+    if loss_scale is None and precision is not None and needs_loss_scale:
         raise ValueError(
             f"loss_fn computes in {precision.compute}, whose gradients underflow without loss "
             "scaling: pass loss_scale=adaptjax.dynamic_loss_scale(optimizer) (that link of tx), "
@@ -402,11 +413,11 @@ class _StepConfig:
         rows = jax.tree.leaves(batch)[0].shape[0] // self.n_replicas
         fsdp = self.rows_axis(rows)
         lead = (*data, fsdp) if fsdp else data
-        spec = P(lead if len(lead) > 1 else lead[0])
+        spec = P(lead[0] if len(lead) == 1 else lead)
         return jax.tree.map(lambda _: NamedSharding(self.mesh, spec), batch)
 
 
-def _data_axes(axis_name) -> tuple[str, ...]:
+def _data_axes(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
@@ -497,7 +508,7 @@ def _loss_and_model_state(config: _StepConfig, model_state, graphdef, batch, sca
     return scaled, (loss, aux, model_state_after(model, model_state))
 
 
-def _loss_and_aux(has_aux: bool, out):
+def _loss_and_aux(has_aux: bool, out: Any) -> tuple[Any, Any]:
     """``(loss, aux)`` from what ``loss_fn`` returned; one-line errors at trace time."""
     pair = isinstance(out, tuple | list)
     if has_aux and not (pair and len(out) == 2):
@@ -510,6 +521,8 @@ def _loss_and_aux(has_aux: bool, out):
             f"loss_fn returned {_described(out)}; build the step with has_aux=True if it "
             "returns (loss, aux)"
         )
+    loss: Any  # a scalar array, checked below
+    aux: Any
     loss, aux = out if has_aux else (out, ())
     if jnp.shape(loss) != ():
         raise ValueError(
@@ -582,12 +595,15 @@ def _accumulate_microbatch(config: _StepConfig, layout, params, graphdef, scale,
 def _sync_with_guard(config: _StepConfig, state, grads, guard, global_params, extra) -> _Synced:
     """The guard's scalars ride in the sync link's all-reduce (``adaptjax.chain``)."""
     tx = config.tx
+    assert isinstance(tx, SyncChain) and tx.sync and tx.rest  # the caller checked guarded_sync
+    update_with_sums = tx.sync.update_with_sums
+    assert update_with_sums is not None  # sync_gradients always gives it
     sync_state, rest_state = tx.split_state(state.opt_state)
     # The codec and the monitors run in the update branch (`complete`), so a
     # skipped step keeps the sync's old state too (monitor EMAs, codec
     # residuals) and runs neither; a kept one writes it in place, the codec's
     # mean fused into the optimizer's read of it.
-    summed, complete, sync_state, guard_sum = tx.sync.update_with_sums(
+    summed, complete, sync_state, guard_sum = update_with_sums(
         grads, sync_state, global_params, guard, deferred=True, **extra
     )
     ok = jnp.all(jnp.isfinite(guard_sum))
@@ -652,7 +668,11 @@ def _skip_branch(old_model_state, summed, rest_state, params, model_state, sync_
 def _step_outputs(config: _StepConfig, state, synced: _Synced, updated, aux, in_sync: bool):
     """``(new state, metrics)`` of the step from the updated parts."""
     new_params, rest_state, model_state, sync_state = updated
-    opt_state = config.tx.join_state(sync_state, rest_state) if in_sync else rest_state
+    opt_state = rest_state
+    if in_sync:  # guarded_sync(config.tx): a SyncChain
+        tx = config.tx
+        assert isinstance(tx, SyncChain)
+        opt_state = tx.join_state(sync_state, rest_state)
     aux = pmean_replicas(aux, config.axis_name)
     scalars = {"loss": synced.loss, "nonfinite": (~synced.ok).astype(jnp.float32)}
     if config.loss_scale is not None:  # skipped: shrink; `period` finite in a row: grow

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Self
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
 from adaptjax._codec import GradientCodec
 from adaptjax._hash import hash32
@@ -326,7 +327,14 @@ class SyncGradients(optax.GradientTransformationExtraArgs):
       ([1.5], [4.0])
     """
 
-    def __new__(cls, init, update, update_with_sums=None):
+    update_with_sums: Callable[..., tuple[Any, Callable[..., Any], Any, Any]] | None
+
+    def __new__(
+        cls,
+        init: optax.TransformInitFn,
+        update: optax.TransformUpdateExtraArgsFn,
+        update_with_sums: Callable[..., tuple[Any, Callable[..., Any], Any, Any]] | None = None,
+    ) -> Self:
         self = super().__new__(cls, init, update)
         self.update_with_sums = update_with_sums
         return self
@@ -335,8 +343,8 @@ class SyncGradients(optax.GradientTransformationExtraArgs):
 def sync_gradients(
     axis_name: str | tuple[str, ...] = "data",
     *,
-    wire_dtype=None,
-    codec=None,
+    wire_dtype: DTypeLike | None = None,
+    codec: GradientCodec | None = None,
     monitors: Sequence[Any] = (),
     monitor_every: int = 1,
     norm_chunks: int = 32,
@@ -760,7 +768,11 @@ def _measure(config: _SyncConfig, inputs: _Inputs, sums: _Exchanged, monitor_sta
 
 
 def noise_scale(
-    axis_name: str | tuple[str, ...] = "data", *, wire_dtype=None, codec=None, **monitor_kwargs
+    axis_name: str | tuple[str, ...] = "data",
+    *,
+    wire_dtype: DTypeLike | None = None,
+    codec: GradientCodec | None = None,
+    **monitor_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """Sync plus :class:`adaptjax.GradientNoiseScale` in one transformation.
 

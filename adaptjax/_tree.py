@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 # Leaves under this many elements are concatenated and reduced together: on
@@ -35,7 +37,7 @@ def _sum_squares(leaves) -> jax.Array:
     return parts[0] if len(parts) == 1 else jnp.sum(jnp.stack(parts))
 
 
-def tree_sq_norm(tree) -> jax.Array:
+def tree_sq_norm(tree: Any) -> jax.Array:
     """Sum of squares of every leaf, accumulated in float32.
 
     Leaves under 4096 elements are concatenated and reduced in one kernel
@@ -51,7 +53,7 @@ def tree_sq_norm(tree) -> jax.Array:
     return _sum_squares(jax.tree.leaves(tree))
 
 
-def tree_vdot(a, b) -> jax.Array:
+def tree_vdot(a: Any, b: Any) -> jax.Array:
     """Inner product of two trees of the same structure, in float32.
 
     Example:
@@ -112,7 +114,9 @@ def pmean_replicas(tree, axis_name):
     return tree if _trivial_over(axis_name) else jax.lax.pmean(tree, axis_name)
 
 
-def tree_sq_norm_sampled(tree, index: jax.Array, chunks: int, *, min_size: int = 4096):
+def tree_sq_norm_sampled(
+    tree: Any, index: jax.Array, chunks: int, *, min_size: int = 4096
+) -> jax.Array:
     """An unbiased, cheaper estimate of :func:`tree_sq_norm` from one chunk per leaf.
 
     Each leaf of ``d >= min_size`` elements is cut into ``chunks`` contiguous
@@ -218,7 +222,14 @@ class ShardLayout:
     index: dict
 
     @classmethod
-    def of(cls, params, mesh, *, sharding=None, axis_name="data") -> ShardLayout:
+    def of(
+        cls,
+        params: Any,
+        mesh: Mesh,
+        *,
+        sharding: Any = None,
+        axis_name: str | tuple[str, ...] = "data",
+    ) -> ShardLayout:
         """The layout of ``params`` on ``mesh``; ``sharding`` as in :func:`adaptjax.param_specs`."""
         from adaptjax._mesh import model_axes, param_specs  # _mesh imports jax only
         from adaptjax._per_replica import _spec_index
@@ -234,7 +245,7 @@ class ShardLayout:
             size *= int(self.mesh.shape[a])
         return size
 
-    def local_shape(self, shape, spec) -> tuple[int, ...]:
+    def local_shape(self, shape: Sequence[int], spec: P) -> tuple[int, ...]:
         """The shape of one device's shard of a leaf of ``shape`` laid out by ``spec``."""
         out = list(shape)
         for d, entry in enumerate(spec):
@@ -242,7 +253,7 @@ class ShardLayout:
                 out[d] //= int(self.mesh.shape[a])
         return tuple(out)
 
-    def specs_for(self, tree):
+    def specs_for(self, tree: Any) -> Any:
         """A spec per leaf of ``tree``: its parameter's for state that mirrors one, else ``P()``.
 
         ``tree`` is in the local view (no leading replica axis), e.g. a codec's state.
@@ -253,7 +264,9 @@ class ShardLayout:
             lambda p, x: _spec_like_param(self.index, p, jnp.shape(x)), tree
         )
 
-    def local_map(self, fn, in_specs, out_specs):
+    def local_map(
+        self, fn: Callable[..., Any], in_specs: Any, out_specs: Any
+    ) -> Callable[..., Any]:
         """``fn`` on each device's shards: a ``jax.shard_map`` manual over :attr:`axes`."""
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
@@ -267,7 +280,7 @@ class ShardLayout:
             check_vma=False,
         )
 
-    def first_of(self, specs) -> list:
+    def first_of(self, specs: Any) -> list[jax.Array]:
         """Per leaf (inside :meth:`local_map`): whether this device counts it in a sum.
 
         A leaf sharded over every one of :attr:`axes` is counted everywhere; one
@@ -299,7 +312,7 @@ class ShardLayout:
             total = total + part
         return total
 
-    def sq_partials(self, tree, index=0, chunks: int = 1) -> jax.Array:
+    def sq_partials(self, tree: Any, index: int | jax.Array = 0, chunks: int = 1) -> jax.Array:
         """Every device's share of ``Σ‖x‖²`` as one vector over :attr:`axes` (no collective).
 
         Add several of them up and call :meth:`total` once (micro-batches).
@@ -314,7 +327,7 @@ class ShardLayout:
         fn = lambda v: jax.lax.psum(v[0], self.axes)
         return self.local_map(fn, P(self.axes), P())(partials)
 
-    def sq_norm(self, tree, index=0, chunks: int = 1) -> jax.Array:
+    def sq_norm(self, tree: Any, index: int | jax.Array = 0, chunks: int = 1) -> jax.Array:
         """``Σ‖x‖²`` of a tree shaped like the parameters, from each device's shards.
 
         With ``chunks > 1`` each shard is read as :func:`tree_sq_norm_sampled`

@@ -361,7 +361,8 @@ class _Coll:
     operands: list[_Operand]
     group_size: int
     instr: _Instr
-    program_dtypes: list[str] = dataclasses.field(default_factory=list)
+    # each operand's dtype in the program (None until _resolve_widening matches it)
+    program_dtypes: list[str | None] = dataclasses.field(default_factory=list)
     axes: tuple[str, ...] = ()
 
 
@@ -722,7 +723,7 @@ def _resolve_widening(
 ) -> None:
     """Sets ``program_dtypes`` of each compiled collective (see `wire_bytes`)."""
     for c in compiled:
-        c.program_dtypes = [None] * len(c.operands)  # type: ignore[list-item]
+        c.program_dtypes = [None] * len(c.operands)
     program = program or []
     # one entry per operand of the program's collectives:
     # [kind, group size, dtype, elements, matched yet, index of its collective]
@@ -831,7 +832,9 @@ def _joined(dtypes: list[str]) -> str:
 
 def _finish(c: _Coll, branch: tuple = ()) -> Collective:
     compiled = [op.dtype for op in c.operands]
-    program = c.program_dtypes or compiled
+    # _resolve_widening, when it ran, matched every operand (else its compiled dtype)
+    resolved = zip(c.program_dtypes, compiled, strict=True) if c.program_dtypes else ()
+    program = [d or op for d, op in resolved] or compiled
     shapes = tuple(op.shape for op in c.operands)
     return Collective(
         kind=c.kind,
@@ -1069,6 +1072,8 @@ def _mesh_form_groups(attrs: str) -> list[list[int]] | None:
     import numpy as np
 
     m = re.search(r"\breplica_groups=mesh\[([^\]]*)\]", attrs)
+    if m is None:
+        return None
     axes = [(a, int(n)) for a, n in re.findall(r"'([^']*)'=(\d+)", m.group(1))]
     rest = attrs[m.end() :]
     g = re.search(r"\{([^{}]*)\}", rest)

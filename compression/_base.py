@@ -252,7 +252,7 @@ def factory(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
       (onebit(block=256, error_feedback='ef21'), topk(0.01))
     """
 
-    def register(fn):
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(fn)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = [name for name in sig.parameters if name not in fields]
@@ -401,20 +401,20 @@ class Codec:
         return feedback_for(self.error_feedback)
 
     # --------------------------------------------------------- per-leaf plan
-    def can_compress(self, shape) -> bool:
+    def can_compress(self, shape: Sequence[int]) -> bool:
         """Whether the codec can compress a leaf of this shape at all."""
         del shape
         return True
 
-    def check_leaf(self, shape, where: str) -> None:
+    def check_leaf(self, shape: Sequence[int], where: str) -> None:
         """Raises a one-line ValueError when a compressed leaf is invalid for this codec."""
         del shape, where
 
-    def leaf_bytes(self, shape, n: int) -> float:
+    def leaf_bytes(self, shape: Sequence[int], n: int) -> float:
         """Bytes per device this codec sends for one leaf at ``n`` replicas."""
         raise NotImplementedError
 
-    def method(self, shape, n: int) -> str:
+    def method(self, shape: Sequence[int], n: int) -> str:
         """The lane of a leaf of ``shape`` at ``n`` replicas: ``"f32"``, ``"bf16"``, ``"codec"``."""
         size = prod(shape)
         if size < self.min_size:
@@ -425,7 +425,7 @@ class Codec:
             return "bf16"
         return "codec"
 
-    def stateful(self, shape) -> bool:
+    def stateful(self, shape: Sequence[int]) -> bool:
         """Whether the codec keeps buffers for a leaf of ``shape`` (of ``min_size`` or more)."""
         return prod(shape) >= self.min_size
 
@@ -440,7 +440,7 @@ class Codec:
         del leaf
         return {}
 
-    def init(self, params) -> CompressionState:
+    def init(self, params: Any) -> CompressionState:
         """The codec state for ``params`` (local view: one replica's buffers)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         paths, leaves = [p for p, _ in flat], [x for _, x in flat]
@@ -469,7 +469,9 @@ class Codec:
         )
 
     # ------------------------------------------------------------ optax form
-    def update(self, updates, state: CompressionState, params=None, **extra):
+    def update(
+        self, updates: Any, state: CompressionState, params: Any = None, **extra: Any
+    ) -> tuple[Any, CompressionState]:
         """Optax ``update``: the compressed mean of ``updates`` over ``axis_name``."""
         del params, extra
         return self.sync(updates, state, axis_name=self.axis_name, step=state.count)
@@ -479,7 +481,14 @@ class Codec:
         return iter((self.init, self.update))
 
     # ------------------------------------------------------------------ sync
-    def sync(self, grads, state: CompressionState, *, axis_name=None, step=None):
+    def sync(
+        self,
+        grads: Any,
+        state: CompressionState,
+        *,
+        axis_name: str | tuple[str, ...] | None = None,
+        step: int | jax.Array | None = None,
+    ) -> tuple[Any, CompressionState]:
         """The compressed all-reduce-mean of ``grads`` (inside ``shard_map``).
 
         Each leaf gets its ``Leaf`` record (lane, shape, state); the
@@ -522,7 +531,7 @@ class Codec:
     def _check_axes(self, names) -> None:
         del names
 
-    def reduce(self, leaves, ctx):
+    def reduce(self, leaves: Sequence[Any], ctx: Any) -> list[Any]:  # _lanes' private types
         """The compressed mean of one bucket of the codec's leaves (its lane, see ``_lanes``).
 
         Args:
@@ -537,17 +546,21 @@ class Codec:
         raise NotImplementedError
 
     # ------------------------------------------------------------ protocol
-    def encode(self, x, *, seed=0):
+    def encode(self, x: jax.Array, *, seed: int | jax.Array = 0) -> Any:
         """One array to this codec's fixed-size payload pytree (pure, jittable)."""
         raise NotImplementedError
 
-    def decode(self, payload, shape, *, seed=0):
+    def decode(
+        self, payload: Any, shape: Sequence[int], *, seed: int | jax.Array = 0
+    ) -> jax.Array:
         """Inverse of :meth:`encode` (up to the codec's loss): a float32 array."""
         raise NotImplementedError
 
-    def plan(self, grads, n: int, *, show: bool = False) -> Plan:
+    def plan(self, grads: Any, n: int, *, show: bool = False) -> Plan:
         """The per-leaf plan at ``n`` replicas; see :func:`adaptjax.compression.plan`."""
-        return plan(grads, self, n, show=show)
+        # pyright checks this file as compression/_base.py but sees _plan's Codec through the
+        # install's link tree (adaptjax/compression/_base.py): one class, two names to it
+        return plan(grads, self, n, show=show)  # pyright: ignore[reportArgumentType]
 
 
 class _Sending(NamedTuple):

@@ -70,7 +70,7 @@ class Blocks(NamedTuple):
     block: int
 
     @classmethod
-    def of(cls, seed, nb: int, block: int, rows: int = 1) -> Blocks:
+    def of(cls, seed: jax.Array, nb: int, block: int, rows: int = 1) -> Blocks:
         """``rows × nb`` full blocks of one leaf, laid out in order (row-major)."""
         shape = (rows, nb, 1)
         idx = jax.lax.broadcasted_iota(_U32, shape, 0) * _U32(nb)

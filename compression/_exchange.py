@@ -277,6 +277,7 @@ def _two_level(fmt, views, seeds, ctx, fast_axis: str):
         outs.append(_from_bf16(gathered[:, off : off + w]).reshape(v.x.shape))
         off += w
         if ctx.residual:
+            assert res_s is not None  # _owner returns residuals when asked for them
             own = f_n * (res_s[j] + (outs_s[j] - back[j][1]))
             r = (v.x.reshape(f_n, -1) - bits[j][1]).reshape(f_n, s_n, *v.x.shape[1:])
             mine = jax.lax.broadcasted_iota(jnp.int32, (f_n, 1, 1, 1), 0) == f_idx

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import jax
 from adaptjax.compression._lanes import LANES, Leaf, lane_buckets
 from adaptjax.compression._layout import bf16_bytes, fp32_bytes
+
+if TYPE_CHECKING:
+    from adaptjax.compression._base import Codec
 
 
 def leaf_plan(codec, paths, shapes, n: int) -> list[Leaf]:
@@ -115,7 +119,7 @@ class Plan:
 
     def __str__(self) -> str:
         head = ("leaf", "shape", "elements", "method", "bytes/dev", "vs fp32", "vs bf16")
-        lines = [head]
+        lines: list[tuple[str, ...]] = [head]
 
         def ratio(a, b):
             return f"{b / a:.1f}x" if a > 0 else "-"
@@ -163,7 +167,7 @@ class Plan:
         return "\n".join(out)
 
 
-def plan(grads, codec, n: int, *, show: bool = True) -> Plan:
+def plan(grads: Any, codec: Codec, n: int, *, show: bool = True) -> Plan:
     """The per-leaf table of what ``codec`` does at ``n`` replicas, printed and returned.
 
     A leaf goes ``"f32"`` under the codec's ``min_size``; ``"bf16"`` when the codec

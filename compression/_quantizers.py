@@ -27,8 +27,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 from adaptjax.compression._base import Codec, F, factory
 from adaptjax.compression._bits import mix_seed
@@ -125,7 +126,7 @@ class BlockCodec(Codec, BlockFormat):
         """Bits per element on the wire, the payload's (scales included)."""
         return bits_per_element(self)
 
-    def leaf_bytes(self, shape, n: int, transport: str | None = None) -> float:
+    def leaf_bytes(self, shape: Sequence[int], n: int, transport: str | None = None) -> float:
         """Bytes per device for one leaf: ``2(N−1)/N·E`` by owner-compute, ``(N−1)·E`` gathered.
 
         ``E = ceil(d / block) · block_bytes`` is one replica's encoded leaf;
@@ -140,7 +141,7 @@ class BlockCodec(Codec, BlockFormat):
             return None
         return bucket_transport(self, sizes, n, self.transport)
 
-    def method(self, shape, n: int) -> str:
+    def method(self, shape: Sequence[int], n: int) -> str:
         # the bf16 lane where the codec sends more than bf16 (more than 16 bits per element)
         if prod(shape) < self.min_size:
             return "f32"
@@ -153,7 +154,7 @@ class BlockCodec(Codec, BlockFormat):
                 f"axis_name=(slow, {self.fast_axis!r}) on a 2-D mesh"
             )
 
-    def reduce(self, leaves, ctx):
+    def reduce(self, leaves: Sequence[Any], ctx: Any) -> list[Any]:  # _lanes' private types
         """One bucket by owner-compute, all-gather or the two-level mode (``_exchange``)."""
         # BUCKET_MAX read when traced: benchmarks/compile_time.py sets it to 0 (per leaf)
         return leaf_outs(*reduce_blocks(self, leaves, ctx, stages=(0, 1), pack_max=BUCKET_MAX,
@@ -165,7 +166,7 @@ class BlockCodec(Codec, BlockFormat):
         count = make_layout([size], self.block).block_counts().reshape(1, nb, 1)
         return Blocks.of(mix_seed(seed), nb, self.block)._replace(count=jnp.asarray(count))
 
-    def encode(self, x, *, seed=0):
+    def encode(self, x: jax.Array, *, seed: int | jax.Array = 0) -> dict[str, jax.Array]:
         """Encodes one array: its payload entries flattened (``{"codes": ..., "scales": ...}``).
 
         Example:
@@ -185,7 +186,9 @@ class BlockCodec(Codec, BlockFormat):
         padded = jnp.pad(flat, (0, nb * self.block - size)).reshape(1, nb, self.block)
         return {k: v.reshape(-1) for k, v in encode_checked(self, padded, blocks).items()}
 
-    def decode(self, payload, shape, *, seed=0):
+    def decode(
+        self, payload: Any, shape: Sequence[int], *, seed: int | jax.Array = 0
+    ) -> jax.Array:
         """Decodes :meth:`encode`'s payload to a float32 array of ``shape``."""
         del seed
         size = prod(shape)
@@ -264,10 +267,12 @@ def _quantizer(cls: type[BlockCodec]) -> Callable[[F], F]:
     def make(fn: F) -> F:
         params = inspect.signature(fn).parameters
         tail = {k: p.default for k, p in list(params.items())[-len(_SHARED):]}
-        if tail != _SHARED or "      {shared args}\n" not in (fn.__doc__ or ""):
+        doc = fn.__doc__ or ""
+        if tail != _SHARED or "      {shared args}\n" not in doc:
             raise TypeError(f"{fn.__name__} does not follow the quantizer factory template")
-        fn.__doc__ = fn.__doc__.replace("      {shared args}\n", _SHARED_ARGS)
-        return factory(cls)(fn)
+        fn.__doc__ = doc.replace("      {shared args}\n", _SHARED_ARGS)
+        factory(cls)(fn)  # registers fn (and returns it as it is)
+        return fn
 
     return make
 

@@ -374,7 +374,7 @@ def _sparse_reduce(leaves: Sequence[LeafIn], ks, ctx: Ctx, variant, residual):
             if sent is not None:
                 idx = jnp.where(sent, idx, size)
             r = jnp.ravel(leaf.x).at[idx].set(0.0, mode="drop")
-            if d_idx is not None:
+            if d_idx is not None and d_val is not None:  # the owner transport's own drops
                 r = r.at[d_idx].add(ctx.n * d_val, mode="drop")
             res.append(r.reshape(leaf.leaf.shape))
     return outs, (res if residual else None)

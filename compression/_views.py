@@ -93,14 +93,14 @@ class View(NamedTuple):
         ``seeds`` holds one uint32 seed per leaf of the bucket.
         """
         n, nb = self.x.shape[:2]
-        rows = n if rows is None else rows
+        count_rows: int = n if rows is None else rows
         if self.base is None:
-            shape = (rows, nb, 1)
+            shape = (count_rows, nb, 1)
             r = jax.lax.broadcasted_iota(_U32, shape, 0) + jnp.asarray(row, _U32)
             base = (r * _U32(nb) + jax.lax.broadcasted_iota(_U32, shape, 1)) * _U32(block)
             return Blocks(seeds[self.leaf], base, jnp.float32(block), block)
-        take = (lambda a: a) if rows == n else (
-            lambda a: jax.lax.dynamic_slice_in_dim(jnp.asarray(a), row, rows, 0))
+        take = (lambda a: a) if count_rows == n else (
+            lambda a: jax.lax.dynamic_slice_in_dim(jnp.asarray(a), row, count_rows, 0))
         seed = jnp.stack(seeds)[take(self.leaf)]
         count = take(np.maximum(self.count, 1.0).astype(np.float32))
         return Blocks(seed, take(self.base), count, block)
@@ -187,6 +187,8 @@ def assemble(outs, xs, lays: list[LeafLayout], packing: Packing | None, block: i
         if lay.cols:
             pieces.append(next(mains).reshape(-1))
         if lay.tail:
+            # a leaf with a tail: bucket_views packed it, so packing and packed_flat exist
+            assert packing is not None and packed_flat is not None
             start = (lay.first - packing.col0 * n) * block
             pieces.append(jax.lax.slice(packed_flat, (start,), (start + lay.tail,)))
         flat = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)

@@ -149,14 +149,15 @@ class Rescale:
         if isinstance(self.mesh_shape, Mapping):
             object.__setattr__(self, "mesh_shape", _named_shape(self.mesh_shape, owner))
             return
-        if isinstance(self.mesh_shape, str | bytes) or not hasattr(self.mesh_shape, "__iter__"):
+        sizes = self.mesh_shape
+        assert sizes is not None  # devices is None, so mesh_shape was given (checked above)
+        if isinstance(sizes, str | bytes) or not hasattr(sizes, "__iter__"):
             raise ValueError(
                 f"{owner}: mesh_shape must be a tuple of ints or a dict {{axis: size}}, got "
-                f"{short_repr(self.mesh_shape)}"
+                f"{short_repr(sizes)}"
             )
         shape = tuple(
-            check_int(d, owner=owner, name="every mesh_shape dimension", minimum=1)
-            for d in self.mesh_shape
+            check_int(d, owner=owner, name="every mesh_shape dimension", minimum=1) for d in sizes
         )
         if not shape:
             raise ValueError(f"{owner}: mesh_shape must have at least one dimension, got ()")
@@ -424,8 +425,10 @@ def opaque_key(obj: object) -> str | None:
     The qualified type name plus ``repr`` with memory addresses removed, so the
     same configured codec gives the same key after a restart.
     """
-    if obj is None:
-        return None
+    return None if obj is None else _qualified_repr(obj)
+
+
+def _qualified_repr(obj: object) -> str:
     kind = type(obj)
     return f"{kind.__module__}.{kind.__qualname__}:{_ADDRESS.sub('', repr(obj))}"
 
@@ -440,7 +443,7 @@ def precision_name(precision: object) -> str:
     if isinstance(precision, str):
         return precision
     key = getattr(precision, "key", None)
-    return key if isinstance(key, str) else opaque_key(precision)
+    return key if isinstance(key, str) else _qualified_repr(precision)
 
 
 def action_signature(action: Action) -> list[Any]:

@@ -80,6 +80,10 @@ class BatchSizePolicy(StatefulPolicy):
     the base alone.
     """
 
+    lr_rule: str  # the subclass's dataclass fields
+    optimizer_kind: str
+    lr_key: str
+
     @staticmethod
     def _lr_state() -> dict:
         return {

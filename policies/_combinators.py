@@ -9,7 +9,7 @@ import copy
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from adaptjax.policies._actions import (
     ACTION_TYPES,
@@ -198,7 +198,7 @@ class When(Policy):
     """See :func:`when`."""
 
     predicate: Callable[[Mapping[str, float], Context], Any]
-    actions: tuple[Action, ...]
+    actions: Action | Sequence[Action]  # a tuple of actions after __post_init__
 
     def __post_init__(self) -> None:
         check_callable(
@@ -220,7 +220,8 @@ class When(Policy):
             return []
         if not fire:
             return []
-        return [a if a.reason else with_reason(a, "when: its predicate held") for a in self.actions]
+        actions = cast(tuple[Action, ...], self.actions)  # as __post_init__ left it
+        return [a if a.reason else with_reason(a, "when: its predicate held") for a in actions]
 
 
 def when(
@@ -272,10 +273,11 @@ class AnyOf(Policy):
                 if index is None:
                     out.append(action)
                 elif isinstance(action, SetHyperparams):  # merge; earlier values win
-                    kept = out[index].values
+                    earlier = cast(SetHyperparams, out[index])  # found by type(action)
+                    kept = earlier.values
                     extra = {k: v for k, v in action.values.items() if k not in kept}
                     if extra:
-                        reasons = "; ".join(r for r in (out[index].reason, action.reason) if r)
+                        reasons = "; ".join(r for r in (earlier.reason, action.reason) if r)
                         out[index] = SetHyperparams({**kept, **extra}, reason=reasons)
         return out
 

@@ -111,12 +111,12 @@ class Context:
             check_int(b, owner=owner, name="every compiled batch size", minimum=1) for b in sizes
         ))
         if self.mesh_shape is not None:
-            object.__setattr__(self, "mesh_shape", self._checked_mesh(owner))
+            object.__setattr__(self, "mesh_shape", self._checked_mesh(self.mesh_shape, owner))
 
-    def _checked_mesh(self, owner: str) -> FrozenMapping:
-        check_mapping(self.mesh_shape, owner=owner, name="mesh_shape")
+    def _checked_mesh(self, mesh_shape: Mapping[str, int], owner: str) -> FrozenMapping:
+        check_mapping(mesh_shape, owner=owner, name="mesh_shape")
         shape = {}
-        for axis, size in self.mesh_shape.items():
+        for axis, size in mesh_shape.items():
             check_str(axis, owner=owner, name="every axis of mesh_shape", allow_empty=False)
             shape[axis] = check_int(size, owner=owner, name=f"mesh_shape[{axis!r}]", minimum=1)
         if shape.get("data") != self.devices:

@@ -4,7 +4,7 @@ import abc
 import copy
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from adaptjax.policies._actions import ACTION_TYPES, Action
 from adaptjax.policies._checks import short_repr
@@ -89,7 +89,9 @@ def required_metrics(policy: Any) -> frozenset[str]:
       ['comm_share']
     """
     method = getattr(policy, "required_metrics", None)
-    return frozenset(method()) if callable(method) else frozenset()
+    if not callable(method):
+        return frozenset()
+    return frozenset(cast(Iterable[str], method()))  # a duck-typed policy's promise
 
 
 def upcoming(policy: Any, ctx: Context) -> list[Action]:
@@ -185,6 +187,8 @@ class StatefulPolicy(Policy):
     the running state lives in one private dict, ``self._state``, created by
     ``_initial_state()`` and the only thing :meth:`state_dict` returns.
     """
+
+    _state: dict[str, Any]  # set in __post_init__ (through object.__setattr__: frozen)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_state", self._initial_state())

@@ -2,6 +2,7 @@
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 from adaptjax.policies._actions import ACTION_TYPES, Action, with_reason
 from adaptjax.policies._checks import check_int, check_mapping
@@ -48,6 +49,10 @@ class Schedule(StatefulPolicy):
         object.__setattr__(self, "actions", FrozenMapping(dict(sorted(clean.items()))))
         super().__post_init__()
 
+    def _entries(self) -> Mapping[int, tuple[Action, ...]]:
+        """``actions`` as __post_init__ left them: every entry a tuple, in step order."""
+        return cast(Mapping[int, tuple[Action, ...]], self.actions)
+
     def _initial_state(self) -> dict:
         return {"fired": []}  # steps already acted on
 
@@ -55,7 +60,7 @@ class Schedule(StatefulPolicy):
         """Returns the actions of every entry that is due and has not fired."""
         out: list[Action] = []
         fired = self._state["fired"]
-        for step, entry in self.actions.items():
+        for step, entry in self._entries().items():
             if step <= ctx.step and step not in fired:
                 fired.append(step)
                 out.extend(
@@ -68,4 +73,4 @@ class Schedule(StatefulPolicy):
         """The actions of the next entry that has not fired."""
         del ctx
         fired = self._state["fired"]
-        return next((list(e) for step, e in self.actions.items() if step not in fired), [])
+        return next((list(e) for step, e in self._entries().items() if step not in fired), [])

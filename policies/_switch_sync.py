@@ -80,13 +80,16 @@ class SwitchSync(Policy):
     def _holds(self, metrics: Mapping[str, float], ctx: Context) -> bool:
         if self.when is not None:
             return bool(self.when(metrics, ctx))
-        value = read_metric(metrics, self.metric)
+        metric, below, above = self.metric, self.below, self.above
+        assert metric is not None  # no when: a metric rule (__post_init__ checked exactly one)
+        value = read_metric(metrics, metric)
         if value is None:
             return False
         scale = float(ctx.batch_size) if self.relative_to_batch else 1.0
-        if self.below is not None:
-            return value < self.below * scale
-        return value > self.above * scale
+        if below is not None:
+            return value < below * scale
+        assert above is not None  # exactly one of below and above (checked in __post_init__)
+        return value > above * scale
 
     def decide(self, metrics: Mapping[str, float], ctx: Context) -> list[Action]:
         """Returns ``[SetSync(to)]`` when the rule holds and ``to`` is not running, else ``[]``."""

@@ -107,3 +107,24 @@ def test_ci_installs_what_the_readme_test_section_says():
     ]
     assert len(installs) == 1, f".ci/run installs more than the README before pytest: {installs}"
     assert _extras(installs[0], ".ci/run") == _extras(tests[0], "README's test section")
+
+
+def test_ci_type_checks_last_with_the_types_extra_on_a_strict_editable_install():
+    # pyright resolves adaptjax.policies and adaptjax.compression only through the link tree
+    # of a strict editable install; the docs build and the tests must never see that install.
+    ci = (ROOT / ".ci" / "run").read_text()
+    lines = [line for line in ci.splitlines() if not line.lstrip().startswith("#")]
+    strict = [line for line in lines if "editable_mode=strict" in line]
+    assert len(strict) == 1, f".ci/run: expected one strict editable install, found {strict}"
+    assert _extras(strict[0], ".ci/run's type-check install") == {"types"}
+    checks = [line for line in lines if "-m pyright" in line]
+    assert len(checks) == 1, f".ci/run: expected one pyright run, found {checks}"
+    order = [ci.index(s) for s in ("python -m pytest", "-m sphinx", strict[0], checks[0])]
+    assert order == sorted(order), ".ci/run: the tests, the docs, then the types install and check"
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    types = [Requirement(r) for r in pyproject["project"]["optional-dependencies"]["types"]]
+    assert [(r.name, r.extras) for r in types] == [("pyright", {"nodejs"})]
+    assert str(types[0].specifier).startswith("=="), "pin pyright: its checks change by release"
+    config = pyproject["tool"]["pyright"]
+    assert (config["typeCheckingMode"], sorted(config["include"])) == (
+        "basic", ["adaptjax", "compression", "policies"])

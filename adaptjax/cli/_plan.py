@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 from adaptjax.controller._plan_probe import DEFAULT_STEPS, PLAN_DIR_ENV, PLAN_STEPS_ENV
 
@@ -87,7 +88,7 @@ def plan(run_dir: str, *, devices: int | None = None, bandwidth: float | None = 
     return ranked_table(run_dir, devices=devices, bandwidth=bandwidth, latency=latency, top=top)
 
 
-def probe_script(script: str, script_args: list[str] = (), *, steps: int = DEFAULT_STEPS,
+def probe_script(script: str, script_args: Sequence[str] = (), *, steps: int = DEFAULT_STEPS,
                  keep: str | None = None) -> str:
     """Runs ``script`` as a probe in a fresh plan directory; returns that directory.
 
@@ -156,7 +157,7 @@ def probe_script(script: str, script_args: list[str] = (), *, steps: int = DEFAU
     return directory
 
 
-def run(args: argparse.Namespace, script_args: list[str] = ()) -> int:
+def run(args: argparse.Namespace, script_args: Sequence[str] = ()) -> int:
     target = args.run_dir
     kw = dict(devices=args.devices, bandwidth=args.bandwidth, latency=args.latency, top=args.top)
     if not os.path.isfile(target) and not target.endswith(".py"):

@@ -338,7 +338,8 @@ def _leaf_name(path) -> str:
 
 def _user_line(error: BaseException) -> str:
     """`` at FILE:LINE (`code`)`` of the innermost frame outside jax and adaptjax, or ``''``."""
-    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, np, ajp)) + (
+    files = (jax.__file__, np.__file__, ajp.__file__)
+    skip = tuple(os.path.dirname(f) + os.sep for f in files if f) + (
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
     )
     frames = [f for f in traceback.extract_tb(error.__traceback__)

@@ -56,6 +56,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -161,7 +162,7 @@ def leaf_checksum(x) -> str:
       >>> leaf_checksum(np.zeros(3, np.float32)) == leaf_checksum(np.ones(3, np.float32))
       False
     """
-    if jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+    if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     a = np.ascontiguousarray(_host_value(x))
     h = hashlib.blake2b(digest_size=16)
@@ -503,7 +504,9 @@ class RunCheckpoints:
         steps = self.all_steps()
         return steps[: max(0, len(steps) - (self._max_to_keep - 1))]
 
-    def save(self, step: int, state: TrainState, meta: Mapping[str, Any], *, wait: bool = True):
+    def save(
+        self, step: int, state: TrainState, meta: Mapping[str, Any], *, wait: bool = True
+    ) -> None:
         """Writes a complete checkpoint of ``state`` and ``meta`` at ``step``.
 
         Everything is checked before anything is written: the arguments, that
@@ -654,8 +657,9 @@ class RunCheckpoints:
                 f"checkpoint at {where} was written with a different optimizer or model state: "
                 f"{diff}; build target_state with the same optimizer, or {_FIX}"
             )
-        n_old = payload["replicas"]
+        n_old: int | None = payload["replicas"]
         rescale = n_old is not None and n_old != n_new
+        saved_rows = n_old if n_old is not None and rescale else n_new  # per-replica leaves
 
         leaves, treedef = jax.tree.flatten(target_state)
         specs = jax.tree.leaves(train_state_specs(target_state, axis_name), is_leaf=_is_spec)
@@ -665,7 +669,7 @@ class RunCheckpoints:
             dtype = np.dtype(leaf.dtype)
             shape = tuple(int(d) for d in np.shape(leaf))
             if len(spec) > 0:  # per-replica: leading axis = replica count
-                shape = ((n_old if rescale else n_new), *shape[1:])
+                shape = (saved_rows, *shape[1:])
             if len(spec) > 0 and rescale:
                 # read all saved replicas to the host; merged below
                 abstract.append(jax.ShapeDtypeStruct(shape, dtype))

@@ -35,14 +35,20 @@ def enable_compilation_cache(where: str | os.PathLike | None = "auto") -> str | 
       True
     """
     if where is None:
-        return jax.config.jax_compilation_cache_dir or None
-    if where == "auto" and jax.config.jax_compilation_cache_dir:
-        return jax.config.jax_compilation_cache_dir  # the user's own setting wins
+        return _configured_dir() or None
+    if where == "auto" and _configured_dir():
+        return _configured_dir()  # the user's own setting wins
     path = default_cache_dir() if where == "auto" else os.fspath(where)
-    if path != jax.config.jax_compilation_cache_dir:
+    if path != _configured_dir():
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
         # JAX decides once per process whether the cache is used, at the first compile;
         # a compile before this call (model initialisation, say) would have turned it off.
         compilation_cache.reset_cache()
     return path
+
+
+def _configured_dir() -> str | None:
+    """``jax.config.jax_compilation_cache_dir``: the cache jax uses now (``None``/"" for none)."""
+    # jax.config's options are read through __getattr__; its stubs declare none of them
+    return jax.config.jax_compilation_cache_dir  # pyright: ignore[reportAttributeAccessIssue]

@@ -18,7 +18,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import optax
@@ -71,6 +71,11 @@ from adaptjax.launch._distributed import (
     write_rescale_request,
 )
 from adaptjax.sync._strategy import consensus_params
+
+if TYPE_CHECKING:  # annotations only
+    from adaptjax._codec import GradientCodec
+    from adaptjax._precision import Precision
+    from adaptjax.sync._strategy import SyncStrategy
 
 
 class NonFiniteTraining(RuntimeError):
@@ -221,22 +226,25 @@ class Controller:
     """
 
     def __init__(
-        self, *, model, loss_fn: Callable[..., Any],
+        self, *, model: Any, loss_fn: Callable[..., Any],
         optimizer: Callable[..., optax.GradientTransformation], hyperparams: Mapping[str, Any],
-        data, devices: int | None = None, batch_size: int, run_dir: str | os.PathLike,
-        microbatches: int | None = None, policies: Sequence[ajp.Policy] = (), codec=None,
-        sync=None, monitors: Sequence[Any] | None = None, norm_chunks: int | None = None,
+        data: Any, devices: int | None = None, batch_size: int, run_dir: str | os.PathLike,
+        microbatches: int | None = None, policies: Sequence[ajp.Policy] = (),
+        codec: GradientCodec | None = None, sync: SyncStrategy | str | None = None,
+        monitors: Sequence[Any] | None = None, norm_chunks: int | None = None,
         has_aux: bool = False, policy_every: int = 10, checkpoint_every: int | None = None,
         max_to_keep: int | None = 3, eval_fn: Callable[[Any], Mapping[str, float]] | None = None,
         eval_every: int | None = None, max_devices: int | None = None,
         link_bandwidth: float | None = None, progress: bool = True, tensorboard: bool = True,
         compilation_cache_dir: str | os.PathLike | None = "auto", resume: bool = False,
         on_step: Callable[[Controller], None] | None = None,
-        max_nonfinite_steps: int | None = 100, precompile_upcoming: bool = True, precision=None,
+        max_nonfinite_steps: int | None = 100, precompile_upcoming: bool = True,
+        precision: Precision | str | None = None,
         checkpoint_options: CheckpointOptions | None = None,
         eval_options: EvalOptions | None = None, compile_options: CompileOptions | None = None,
-        mesh_shape: Mapping[str, int] | None = None, sharding=None, loss_scale=None,
-    ):
+        mesh_shape: Mapping[str, int] | None = None, sharding: Any = None,
+        loss_scale: Mapping[str, Any] | None = None,
+    ) -> None:
         """See the class. Checks every argument, then takes ``run_dir`` and the state."""
         a = check_arguments(locals())  # nothing has touched the disk before this returns
         self.max_devices, self.policy, self._policies = a.max_devices, a.policy, list(policies)
@@ -298,7 +306,7 @@ class Controller:
         return r.config, r.state
 
     @classmethod
-    def resume(cls, run_dir: str | os.PathLike | None = None, **kwargs) -> Controller:
+    def resume(cls, run_dir: str | os.PathLike | None = None, **kwargs: Any) -> Controller:
         """Continues the run in ``run_dir`` from its newest intact checkpoint.
 
         Pass the arguments of the original run (code can't be read from disk);
@@ -309,7 +317,7 @@ class Controller:
         return cls(**resume_arguments(run_dir, kwargs))
 
     @property
-    def model(self):
+    def model(self) -> Any:
         """The current model (NNX module) or params; under local models, their mean."""
         params = consensus_params(self.state.params, self.state.opt_state)
         return merge_model(self.state.graphdef, params, self.state.model_state)
@@ -547,21 +555,26 @@ class Controller:
         """Changes the global batch (and optionally the micro-batch count) from the next step."""
         self.apply([ajp.SetBatchSize(batch_size, microbatches)])
 
-    def set_codec(self, codec) -> None:
+    def set_codec(self, codec: GradientCodec | None) -> None:
         """Switches the sync's codec (``None``: dense). Optimizer and monitor states carry over."""
         self.apply([ajp.SetCodec(codec)])
 
-    def set_sync(self, strategy) -> None:
+    def set_sync(self, strategy: SyncStrategy | str | None) -> None:
         """Switches the synchronisation strategy (a strategy, its name, or ``None``: S-SGD)."""
         self.apply([ajp.SetSync(strategy)])
 
-    def rescale(self, devices: int | None = None, *, mesh_shape=None) -> None:
+    def rescale(
+        self,
+        devices: int | None = None,
+        *,
+        mesh_shape: tuple[int, ...] | Mapping[str, int] | None = None,
+    ) -> None:
         """Moves training to ``devices`` replicas (at most ``max_devices``) or to ``mesh_shape``
         (``{"data": 1, "fsdp": 4}``) through a checkpoint; the batch is rounded if needed."""
         self.apply([ajp.Rescale(devices=devices, mesh_shape=mesh_shape)])
 
     def precompile(self, devices: int | None = None, batch_size: int | None = None,
-                   microbatches: int | None = None, codec=...) -> float:
+                   microbatches: int | None = None, codec: Any = ...) -> float:
         """Compiles a configuration's step now (blocking); returns the seconds it took.
 
         For a change no policy announces (announced ones are compiled in the

@@ -38,7 +38,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +103,7 @@ def branch_lr_factor(rule: str, scale: float, metrics: Mapping[str, float],
     return ajp.lr_scale(rule, scale, optimizer_kind=kind, sigma_sq=sigma_sq, mu_sq=mu_sq)
 
 
-def _finite(x) -> bool:
+def _finite(x: object) -> TypeGuard[float]:
     return isinstance(x, int | float) and math.isfinite(x)
 
 
@@ -135,7 +135,7 @@ def plan_branches(probe: ajp.Probe, config: RunConfig, plan: Callable[[list], Ru
             return ("lr_rule='adascale' needs grad_variance and grad_sqnorm (or a valid "
                     "noise_scale) in the recorded metrics; monitor the noise scale or use "
                     "lr_rule='sqrt'")
-        rate = None if probe.lr_rule == "none" else lr * factor
+        rate = None if probe.lr_rule == "none" or lr is None else lr * factor
         branches.append(Branch(c, total // c.batch_size, rate))
     return branches, total
 

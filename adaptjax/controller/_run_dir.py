@@ -190,7 +190,7 @@ class RunDirectory:
             # An earlier save completes before this one starts: its events go first, so every
             # checkpoint on disk older than this one has its events in the log.
             self.confirm(block=True)
-            self._tell_on(self.log.sync)
+            self._tell_on(self._open_log().sync)
             self._check_room(step, state)
             try:
                 self.checkpoints.save(step, state, {**meta, "on_complete": events}, wait=False)
@@ -200,8 +200,10 @@ class RunDirectory:
             logged = []
             for e in events:
                 start = t0 if e["kind"] == "checkpoint" else since
-                timed = start is not None and "latency_s" not in e
-                logged.append({**e, "latency_s": done - start} if timed else e)
+                if start is not None and "latency_s" not in e:
+                    logged.append({**e, "latency_s": done - start})
+                else:
+                    logged.append(e)
             self._unconfirmed.append((step, logged))
 
     def _check_room(self, step: int, state) -> None:
@@ -285,17 +287,23 @@ class RunDirectory:
         if error is not None:
             self._raise_failed(last, error)
 
+    def _open_log(self) -> RunLog | NullRunLog:
+        assert self.log is not None, "open_log() comes before anything is logged"
+        return self.log
+
     def _log_completed(self, saves: list[tuple[int, list[dict]]]) -> None:
+        log = self._open_log()
         for step, events in saves:
             for e in events:
-                self.log.event(e["kind"], step=step, **{k: v for k, v in e.items() if k != "kind"})
+                log.event(e["kind"], step=step, **{k: v for k, v in e.items() if k != "kind"})
 
     def recover_events(self, step: int, meta: Mapping[str, Any]) -> None:
         """Writes the completion events of checkpoint ``step`` that a kill kept from the log."""
+        log = self._open_log()
         for e in meta.get("on_complete", []):
-            if not self.log.has_event(e["kind"], step):
+            if not log.has_event(e["kind"], step):
                 fields = {k: v for k, v in e.items() if k not in ("kind", "latency_s")}
-                self.log.event(e["kind"], step=step, recovered=True, **fields)
+                log.event(e["kind"], step=step, recovered=True, **fields)
 
     def restore_newest_intact(self, load: Callable[[int], Any]) -> tuple[int, Any, list[dict]]:
         """Calls ``load(step)`` on checkpoints newest first until one verifies.

@@ -77,7 +77,7 @@ class RunLog:
                 if key != "step" and isinstance(value, float | int):
                     self._writer.add_scalar(key, value, int(step))
 
-    def event(self, kind: str, *, step: int, **fields) -> None:
+    def event(self, kind: str, *, step: int, **fields: Any) -> None:
         """Records one event (``kind`` is e.g. ``"rescale"``), timestamped."""
         row = {"time": time.time(), "kind": kind, "step": int(step)}
         row.update({k: _jsonable(v) for k, v in fields.items()})
@@ -178,7 +178,7 @@ class NullRunLog:
     def metrics(self, step: int, values: Mapping[str, Any]) -> None:
         """Writes nothing."""
 
-    def event(self, kind: str, *, step: int, **fields) -> None:
+    def event(self, kind: str, *, step: int, **fields: Any) -> None:
         """Keeps the event in :attr:`events` only."""
         row = {"time": time.time(), "kind": kind, "step": int(step)}
         row.update({k: _jsonable(v) for k, v in fields.items()})
@@ -246,6 +246,13 @@ def _step_of(row: Mapping) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+def _kept_step(row: Mapping) -> int:
+    """The step of a row :func:`scan_jsonl` kept (it keeps only rows with an int step)."""
+    step = _step_of(row)
+    assert step is not None
+    return step
+
+
 def read_jsonl_rows(path: str | os.PathLike) -> list[dict]:
     """The JSON rows of a ``.jsonl`` file, without damaged and torn lines (:func:`scan_jsonl`)."""
     return scan_jsonl(path)[0]
@@ -295,9 +302,9 @@ def truncate_run_logs(run_dir: str | os.PathLike, step: int) -> LogRepair:
         rows, bad = scan_jsonl(path)
         if bad:
             damaged[path] = bad
-        keep = [r for r in rows if _step_of(r) <= step]
+        keep = [r for r in rows if _kept_step(r) <= step]
         if name == "metrics.jsonl":
-            kept_steps = {_step_of(r) for r in keep}
+            kept_steps = {_kept_step(r) for r in keep}
         tmp = path + ".tmp"
         with open(tmp, "w") as f, _writing(f):
             f.writelines(json.dumps(r) + "\n" for r in keep)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -194,7 +194,7 @@ def calibrate_links(
 
 
 def time_axis_collectives(
-    mesh_shape,
+    mesh_shape: Mapping[str, int],
     kinds: Sequence[str] = DEFAULT_KINDS,
     sizes: Sequence[int] = DEFAULT_SIZES,
     repeats: int = 7,
@@ -242,7 +242,7 @@ def time_axis_collectives(
 
 
 def calibrate_axis_links(
-    mesh_shape,
+    mesh_shape: Mapping[str, int],
     *,
     kinds: Sequence[str] = DEFAULT_KINDS,
     sizes: Sequence[int] = DEFAULT_SIZES,

@@ -13,10 +13,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import AbstractMesh
 
 from adaptjax._per_replica import stack_replicas
@@ -55,7 +57,13 @@ def _split(spec, shape: Mapping[str, int]) -> list[int]:
     return out
 
 
-def state_bytes_per_device(model, tx, mesh_shape: Mapping[str, int], *, sharding=None) -> int:
+def state_bytes_per_device(
+    model: Any,
+    tx: optax.GradientTransformation,
+    mesh_shape: Mapping[str, int],
+    *,
+    sharding: Any = None,
+) -> int:
     """Bytes of parameters and optimizer state on each device of a ``mesh_shape`` mesh.
 
     The state :func:`adaptjax.init_state` would build for ``model`` and ``tx``

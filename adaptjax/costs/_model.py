@@ -387,6 +387,7 @@ class StepTimeModel:
             err = model._error(dense)
             if best is None or err < best[0]:
                 best = (err, model)
+        assert best is not None  # the loop ran at least once
         model = best[1]
         if model.compute is None:
             return model

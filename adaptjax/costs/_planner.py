@@ -43,7 +43,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -63,6 +63,10 @@ from adaptjax.costs._model import (
 from adaptjax.costs._schedule import OWNER_COMPUTE, buckets, choose_bucket_bytes, choose_dense_lane
 from adaptjax.costs._simulate import wire_for
 
+if TYPE_CHECKING:
+    from adaptjax.controller._controller import Controller
+    from adaptjax.policies import Candidate
+
 #: A codec's ``transport`` for each exchange kind the planner prices.
 CODEC_TRANSPORT = {OWNER_COMPUTE: "owner", "all-gather": "allgather"}
 
@@ -78,6 +82,12 @@ def _transport_kinds(codec) -> tuple[str, ...]:
 
 FILENAME = "costs.json"
 
+
+
+def _is_block_codec(codec: Any) -> bool:
+    """Whether ``codec`` is priced by its buckets: a dataclass with the block codecs' fields."""
+    return bool(dataclasses.is_dataclass(codec) and hasattr(codec, "bucket_bytes")
+                and hasattr(codec, "method") and getattr(codec, "bits", None))
 
 class Planner:
     """Predicted step times for policies, from a :class:`StepTimeModel` refitted online.
@@ -140,7 +150,7 @@ class Planner:
         self.model = StepTimeModel(self.links or {})
 
     # ---- wiring ------------------------------------------------------------------------
-    def attach(self, controller, *, calibrate: bool = True) -> Planner:
+    def attach(self, controller: Controller, *, calibrate: bool = True) -> Planner:
         """Reads compiled steps' collectives from ``controller``; calibrates links if unset.
 
         With ``calibrate=False`` links stay unset until :meth:`calibrate` is
@@ -218,8 +228,7 @@ class Planner:
                     leaves=len(leaves), scalar_bytes=scalars)
                 self.schedules[config] = {"dense_lane": lane, "predicted_s": times}
                 return {"dense_lane": lane}
-            if not (dataclasses.is_dataclass(codec) and hasattr(codec, "bucket_bytes")
-                    and hasattr(codec, "method") and getattr(codec, "bits", None)):
+            if not _is_block_codec(codec):
                 return {}
             # the codec's buckets: whole leaves, from the last (the backward pass's first)
             lane_bytes = [4.0 * math.prod(shape) for shape, _ in reversed(leaves)
@@ -245,7 +254,7 @@ class Planner:
         best, times = by_kind[kind]
         count = len(buckets(lane_bytes, best, split=False))
         bucket = None if count == 1 else int(best)
-        chosen = {"bucket_bytes": bucket}
+        chosen: dict[str, Any] = {"bucket_bytes": bucket}
         if hasattr(codec, "transport"):
             chosen["transport"] = CODEC_TRANSPORT[kind]
         self.schedules[config] = {**chosen, "buckets": count, "predicted_s": times[best],
@@ -253,7 +262,7 @@ class Planner:
         return chosen
 
     def calibrate(self, devices: int, kinds: Sequence[str] | None = None, *,
-                  mesh_shape=None) -> dict:
+                  mesh_shape: Mapping[str, int] | None = None) -> dict:
         """Times micro-collectives on up to ``devices`` devices and uses them as the links.
 
         ``kinds`` (default: every kind :func:`adaptjax.costs.calibrate_links`
@@ -271,7 +280,7 @@ class Planner:
         return self.links
 
     @staticmethod
-    def config_of(candidate) -> RunConfig:
+    def config_of(candidate: Candidate | RunConfig) -> RunConfig:
         """The :class:`adaptjax.RunConfig` of a policy's candidate."""
         codec = candidate.codec
         return RunConfig(int(candidate.devices), int(candidate.batch_size),
@@ -289,7 +298,7 @@ class Planner:
         return wire_for(self.model, config)
 
     # ---- the policies' protocol ---------------------------------------------------------
-    def observe(self, candidate, step_time: float) -> None:
+    def observe(self, candidate: Candidate | RunConfig, step_time: float) -> None:
         """Records a measured step time at ``candidate`` and refits the model."""
         config = self.config_of(candidate)
         if not (isinstance(step_time, int | float) and math.isfinite(step_time)
@@ -309,7 +318,7 @@ class Planner:
             self.save(os.path.join(self.run_dir, FILENAME))
         return self.model
 
-    def predict(self, candidate) -> Prediction:
+    def predict(self, candidate: Candidate | RunConfig) -> Prediction:
         """The model's :class:`Prediction` (raises :class:`CannotPredict`)."""
         config = self.config_of(candidate)
         self.model.codec_time(config)  # a codec never measured: say so before compiling
@@ -325,7 +334,7 @@ class Planner:
                 raise
             return self._wire(config)
 
-    def step_time(self, candidate) -> float | None:
+    def step_time(self, candidate: Candidate | RunConfig) -> float | None:
         """Predicted seconds per step at ``candidate``, or ``None`` when the model cannot tell."""
         try:
             return self.predict(candidate).step_time

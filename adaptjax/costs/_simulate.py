@@ -34,7 +34,7 @@ import math
 import os
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,6 +51,9 @@ from adaptjax.costs._model import (
     rescale_report,
     reshape_report,
 )
+
+if TYPE_CHECKING:
+    from adaptjax._wire import WireReport
 
 TIME_KEYS = (
     "step_time", "throughput", "comm_time", "comm_share", "compile_seconds", "train_seconds",
@@ -116,7 +119,7 @@ def predicted_times(model: StepTimeModel, cluster: Cluster | None = None) -> Cal
     return step_time
 
 
-def wire_for(model: StepTimeModel, config):
+def wire_for(model: StepTimeModel, config: RunConfig) -> WireReport:
     """The collectives of ``config``: an observed step's with its codec, rescaled."""
     _, _, _, codec, sync = config_key(config)
     same = [o for o in model.observations if config_key(o.config)[3:] == (codec, sync)]

@@ -261,8 +261,11 @@ def mesh_rows(mesh, batch_size: int) -> tuple[int, int]:
     if jax.process_count() == 1:
         return 0, int(batch_size)
     indices = NamedSharding(mesh, P("data")).addressable_devices_indices_map((int(batch_size),))
-    rows = sorted({(i[0].start or 0, int(batch_size) if i[0].stop is None else i[0].stop)
-                   for i in indices.values()})
+    firsts = []  # each device's slice of the batch axis
+    for index in indices.values():
+        assert index is not None  # a NamedSharding indexes every device it addresses
+        firsts.append(index[0])
+    rows = sorted({(s.start or 0, int(batch_size) if s.stop is None else s.stop) for s in firsts})
     if any(a[1] != b[0] for a, b in zip(rows, rows[1:], strict=False)):
         raise ValueError(
             f"this process's devices hold rows {rows} of the batch, not one block; build the "

@@ -137,6 +137,12 @@ class _Options:
     backoff: float
     check_decisions: bool
 
+    @property
+    def process_cap(self) -> int:
+        """``max_processes`` as :func:`launch` resolved it before starting anything."""
+        assert self.max_processes is not None
+        return self.max_processes
+
 
 def _check_options(command: list[str], o: _Options) -> None:
     """One-line :class:`LaunchError` for each bad argument, before anything starts."""
@@ -190,8 +196,10 @@ class _Attempt:
             process_group=0,
         )
         self.group = self.reaper.pid
-        with self.reaper.stdout:  # it ignores SIGTERM from here on: the group may be signalled
-            if self.reaper.stdout.read(1) != b"R":
+        ready = self.reaper.stdout
+        assert ready is not None  # stdout=PIPE
+        with ready:  # it ignores SIGTERM from here on: the group may be signalled
+            if ready.read(1) != b"R":
                 self.kill_all()
                 raise RuntimeError(f"adaptjax launch's reaper did not start ({_REAPER})")
         address = f"{COORDINATOR_HOST}:{port}"
@@ -222,6 +230,7 @@ class _Attempt:
             self.readers.append(t)
 
     def _pump(self, rank: int, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None  # stdout=PIPE
         for raw in proc.stdout:
             line = raw.decode(errors="replace").rstrip("\n")
             with self.lock:
@@ -248,6 +257,7 @@ class _Attempt:
         self.signal_all(signal.SIGKILL)
         for p in (*self.procs, self.reaper):
             p.wait()
+        assert self.reaper.stdin is not None  # stdin=PIPE
         with contextlib.suppress(OSError):
             self.reaper.stdin.close()
         for t in self.readers:
@@ -318,9 +328,10 @@ def _run_attempt(attempt: _Attempt, *, start_timeout, hang_timeout, stop_event) 
             attempt.say("forwarding SIGTERM to every process (they checkpoint and exit)")
             attempt.signal_all(signal.SIGTERM)
             forwarded_at = time.monotonic()
-        if all(c is not None for c in codes):
+        ended = [c for c in codes if c is not None]
+        if len(ended) == len(codes):
             attempt.kill_all()  # joins the output readers
-            return _ended(codes)
+            return _ended(ended)
         if forwarded_at is not None:
             if time.monotonic() - forwarded_at > hang_timeout:
                 attempt.say(f"processes did not exit {hang_timeout:.0f} s after SIGTERM; killing")
@@ -336,7 +347,7 @@ def _attempt_env(o: _Options, n: int, attempt: int) -> dict[str, str]:
     """The environment every process of the ``attempt``-th start gets (before its rank's)."""
     env = dict(os.environ)
     env[ENV_ATTEMPT] = str(attempt)
-    env[ENV_MAX_PROCESSES] = str(max(o.max_processes, n))
+    env[ENV_MAX_PROCESSES] = str(max(o.process_cap, n))
     if o.check_decisions:
         env[ENV_CHECK_DECISIONS] = "1"
     if o.devices_per_process is not None:
@@ -407,7 +418,7 @@ def _supervise(command, o: _Options, *, stop, workdir, out, err) -> int:
             attempt.say(f"stopped by a signal (exit code {rc})")
             return rc
         if rc == EXIT_RESCALE:
-            wanted = _requested_processes(attempt, o.max_processes)
+            wanted = _requested_processes(attempt, o.process_cap)
             if wanted is None:
                 return EXIT_RESCALE
             attempt.say(f"rescale: relaunching with {wanted} process(es) (was {n})")
@@ -492,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         options, command = argv, []
     parser = argparse.ArgumentParser(
         prog="adaptjax launch",
-        description=__doc__.splitlines()[0],
+        description=(__doc__ or "").splitlines()[0],
         epilog="Exit codes: 0 done; 75 preempted (resume later); 76 a process-count change the "
         "launcher could not carry out; 2 bad arguments; otherwise the failing process's code.",
     )

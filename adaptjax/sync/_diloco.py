@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import optax
 
+from adaptjax._codec import GradientCodec
 from adaptjax.sync._local_sgd import amortise, check_period, local_sgd
 from adaptjax.sync._strategy import SyncStrategy, all_reduce_bytes
+
+if TYPE_CHECKING:
+    from adaptjax._wire import WireReport
 
 
 def diloco(
@@ -17,7 +22,7 @@ def diloco(
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
     nesterov: bool = True,
-    codec=None,
+    codec: GradientCodec | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo's outer loop as the ``post`` step of a chain.
 
@@ -98,7 +103,9 @@ class DiLoCo(SyncStrategy):
         check_period(self.H)
         _check_outer(self.outer_lr, self.outer_momentum)
 
-    def post(self, axis_name="data", *, codec=None):
+    def post(
+        self, axis_name: str | tuple[str, ...] = "data", *, codec: GradientCodec | None = None
+    ) -> optax.GradientTransformationExtraArgs | None:
         return diloco(
             self.H,
             axis_name,
@@ -111,5 +118,5 @@ class DiLoCo(SyncStrategy):
     def wire_formula(self, param_bytes: float, n_replicas: int) -> float:
         return all_reduce_bytes(param_bytes, n_replicas) / self.H
 
-    def amortised_bytes(self, report) -> float:
+    def amortised_bytes(self, report: WireReport) -> float:
         return amortise(report, self.H)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from adaptjax._codec import GradientCodec
 from adaptjax._per_replica import PerReplica
 from adaptjax._tree import axis_size
 from adaptjax.sync._strategy import LOCAL_MERGE, SyncStrategy
@@ -111,7 +112,9 @@ def gossip(
         zeros = jax.tree.map(jnp.zeros_like, params if params is not None else updates)
         return zeros, GossipState(state.count + 1, PerReplica(new_local, LOCAL_MERGE))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # optax's OptState alias (arrays, iterables, mappings) has no room for a custom
+    # pytree node such as PerReplica, which this state holds
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +143,7 @@ class Gossip(SyncStrategy):
     def __post_init__(self) -> None:
         _check_topology(self.topology)
 
-    def check(self, n_replicas: int, codec=None) -> None:
+    def check(self, n_replicas: int, codec: object = None) -> None:
         if n_replicas < 2:
             raise ValueError(
                 f"gossip needs at least 2 replicas, got {n_replicas}; use more devices or "
@@ -148,7 +151,9 @@ class Gossip(SyncStrategy):
             )
         super().check(n_replicas, codec)
 
-    def post(self, axis_name="data", *, codec=None):
+    def post(
+        self, axis_name: str | tuple[str, ...] = "data", *, codec: GradientCodec | None = None
+    ) -> optax.GradientTransformationExtraArgs | None:
         self.check(2, codec)
         return gossip(axis_name, topology=self.topology)
 

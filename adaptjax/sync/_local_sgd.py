@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,9 @@ from adaptjax.sync._strategy import (
     all_reduce_bytes,
     check_axis_params,
 )
+
+if TYPE_CHECKING:
+    from adaptjax._wire import WireReport
 
 
 class LocalSGDState(NamedTuple):
@@ -49,7 +52,7 @@ def local_sgd(
     axis_name: str | tuple[str, ...] = "data",
     *,
     outer: optax.GradientTransformation | None = None,
-    codec=None,
+    codec: GradientCodec | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Periodic averaging as the ``post`` step of a chain (local SGD; DiLoCo with ``outer``).
 
@@ -136,7 +139,9 @@ def local_sgd(
             state.count + 1, PerReplica(new_local, LOCAL_MERGE), outer_state, codec_state
         )
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # optax's OptState alias (arrays, iterables, mappings) has no room for a custom
+    # pytree node such as PerReplica, which this state holds
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def amortise(report, H: int) -> float:
@@ -176,11 +181,13 @@ class LocalSGD(SyncStrategy):
     def __post_init__(self) -> None:
         check_period(self.H)
 
-    def post(self, axis_name="data", *, codec=None):
+    def post(
+        self, axis_name: str | tuple[str, ...] = "data", *, codec: GradientCodec | None = None
+    ) -> optax.GradientTransformationExtraArgs | None:
         return local_sgd(self.H, axis_name, codec=codec)
 
     def wire_formula(self, param_bytes: float, n_replicas: int) -> float:
         return all_reduce_bytes(param_bytes, n_replicas) / self.H
 
-    def amortised_bytes(self, report) -> float:
+    def amortised_bytes(self, report: WireReport) -> float:
         return amortise(report, self.H)

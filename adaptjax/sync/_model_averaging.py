@@ -8,6 +8,7 @@ from typing import NamedTuple
 import jax
 import optax
 
+from adaptjax._codec import GradientCodec
 from adaptjax._per_replica import PerReplica
 from adaptjax._tree import axis_size, pmean_replicas
 from adaptjax.sync._strategy import (
@@ -79,7 +80,9 @@ def model_averaging(
         global_updates = jax.tree.map(lambda zi, p: (zi - p).astype(p.dtype), z, params)
         return global_updates, ModelAveragingState(PerReplica(new_local, LOCAL_MERGE))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # optax's OptState alias (arrays, iterables, mappings) has no room for a custom
+    # pytree node such as PerReplica, which this state holds
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +118,9 @@ class ModelAveraging(SyncStrategy):
         ):
             raise ValueError(f"ModelAveraging alpha must be in (0, 1] or None, got {self.alpha!r}")
 
-    def post(self, axis_name="data", *, codec=None):
+    def post(
+        self, axis_name: str | tuple[str, ...] = "data", *, codec: GradientCodec | None = None
+    ) -> optax.GradientTransformationExtraArgs | None:
         self.check(2, codec)
         return model_averaging(axis_name, alpha=self.alpha)
 

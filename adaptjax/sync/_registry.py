@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import optax
 
 from adaptjax._chain import chain
+from adaptjax._codec import GradientCodec
 from adaptjax._walk import find_held
 from adaptjax.sync._diloco import DiLoCo
 from adaptjax.sync._gossip import Gossip
@@ -19,9 +23,9 @@ def sync_chain(
     strategy: SyncStrategy | str | None = None,
     axis_name: str | tuple[str, ...] = "data",
     *,
-    codec=None,
-    monitors=(),
-    **sync_kwargs,
+    codec: GradientCodec | None = None,
+    monitors: Sequence[Any] = (),
+    **sync_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """``optimizer`` synchronised by ``strategy``: ``chain(pre, optimizer, post)``.
 
@@ -83,7 +87,7 @@ def _defaults() -> dict:
     }
 
 
-def resolve_sync(strategy) -> SyncStrategy:
+def resolve_sync(strategy: object) -> SyncStrategy:
     """A :class:`SyncStrategy` from a strategy, a name, or ``None`` (S-SGD).
 
     Example:
@@ -109,7 +113,7 @@ def resolve_sync(strategy) -> SyncStrategy:
     )
 
 
-def sync_key(strategy) -> str | None:
+def sync_key(strategy: object) -> str | None:
     """The strategy's key in :class:`adaptjax.RunConfig`: ``None`` for S-SGD, else its repr.
 
     Example:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
+import optax
+
+from adaptjax._codec import GradientCodec
 from adaptjax._sync import sync_gradients
 from adaptjax.sync._strategy import SyncStrategy, all_reduce_bytes
 
@@ -33,10 +37,19 @@ class SSGD(SyncStrategy):
     local_models: ClassVar[bool] = False
     accepts_codec: ClassVar[bool] = True
 
-    def pre(self, axis_name="data", *, codec=None, monitors=(), **sync_kwargs):
+    def pre(
+        self,
+        axis_name: str | tuple[str, ...] = "data",
+        *,
+        codec: GradientCodec | None = None,
+        monitors: Sequence[Any] = (),
+        **sync_kwargs: Any,
+    ) -> optax.GradientTransformationExtraArgs:
         return sync_gradients(axis_name, codec=codec, monitors=monitors, **sync_kwargs)
 
-    def post(self, axis_name="data", *, codec=None):
+    def post(
+        self, axis_name: str | tuple[str, ...] = "data", *, codec: GradientCodec | None = None
+    ) -> optax.GradientTransformationExtraArgs | None:
         return None
 
     def wire_formula(self, param_bytes: float, n_replicas: int) -> float:

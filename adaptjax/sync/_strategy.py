@@ -30,13 +30,18 @@ does the same and passes ``local_params=`` to ``tx.update``).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from adaptjax._codec import GradientCodec
 from adaptjax._per_replica import PerReplica
+
+if TYPE_CHECKING:
+    from adaptjax._wire import WireReport
 
 #: The merge rule of local models and their optimizer state on a rescale.
 LOCAL_MERGE = "fold"
@@ -54,7 +59,7 @@ def find_model_sync(opt_state):
     return None
 
 
-def local_params(params, opt_state):
+def local_params(params: Any, opt_state: Any) -> Any:
     """The parameters this replica differentiates at: its local model, or ``params``.
 
     Call inside ``shard_map`` on the *local view* of the optimizer state
@@ -79,7 +84,7 @@ def local_params(params, opt_state):
     return params if node is None else node.local.value
 
 
-def consensus_params(params, opt_state):
+def consensus_params(params: Any, opt_state: Any) -> Any:
     """Host side: the mean of the replicas' local models (``params`` when there are none).
 
     Takes the *global view* (what :func:`adaptjax.init_state` and the step
@@ -122,7 +127,9 @@ def _unmark(state):
     return state._replace(inner_state=state.inner_state.value)
 
 
-def per_replica_optimizer(optimizer: optax.GradientTransformation):
+def per_replica_optimizer(
+    optimizer: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
     """Runs ``optimizer`` on each replica's own model, its moments per replica.
 
     The state is wrapped in :class:`adaptjax.PerReplica` (merge rule
@@ -153,7 +160,9 @@ def per_replica_optimizer(optimizer: optax.GradientTransformation):
         updates, state = optimizer.update(updates, _unmark(state), at, **extra)
         return updates, _mark(state)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # optax's OptState alias (arrays, iterables, mappings) has no room for a custom
+    # pytree node such as PerReplica, which this state holds
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def pass_gradients() -> optax.GradientTransformationExtraArgs:
@@ -204,8 +213,11 @@ class SyncStrategy:
     local_models: ClassVar[bool] = True
     accepts_codec: ClassVar[bool] = True
 
-    def check(self, n_replicas: int, codec=None) -> None:
-        """Raises a one-line ``ValueError`` if this strategy cannot run so."""
+    def check(self, n_replicas: int, codec: object = None) -> None:
+        """Raises a one-line ``ValueError`` if this strategy cannot run so.
+
+        ``codec`` is the codec the run would carry (only whether one is given matters).
+        """
         if codec is not None and not self.accepts_codec:
             raise ValueError(
                 f"{self!r} cannot carry a codec (it averages parameters, which a lossy codec "
@@ -213,16 +225,25 @@ class SyncStrategy:
                 "LocalSGD or DiLoCo with a codec"
             )
 
-    def pre(self, axis_name="data", *, codec=None, monitors=(), **sync_kwargs):
+    def pre(
+        self,
+        axis_name: str | tuple[str, ...] = "data",
+        *,
+        codec: GradientCodec | None = None,
+        monitors: Sequence[Any] = (),
+        **sync_kwargs: Any,
+    ) -> optax.GradientTransformationExtraArgs:
         """The transformation before the optimizer (on this replica's gradient)."""
         del axis_name, codec, monitors, sync_kwargs
         return pass_gradients()
 
-    def optimizer(self, optimizer: optax.GradientTransformation):
+    def optimizer(self, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
         """The optimizer as this strategy runs it (per replica with local models)."""
         return per_replica_optimizer(optimizer) if self.local_models else optimizer
 
-    def post(self, axis_name="data", *, codec=None):
+    def post(
+        self, axis_name: str | tuple[str, ...] = "data", *, codec: GradientCodec | None = None
+    ) -> optax.GradientTransformationExtraArgs | None:
         """The transformation after the optimizer (model synchronisation), or ``None``."""
         raise NotImplementedError
 
@@ -234,7 +255,7 @@ class SyncStrategy:
         """
         raise NotImplementedError
 
-    def amortised_bytes(self, report) -> float:
+    def amortised_bytes(self, report: WireReport) -> float:
         """Bytes per device per step from a :class:`adaptjax.WireReport` of one step."""
         return report.total
 
