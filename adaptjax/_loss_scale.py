@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Self
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +60,7 @@ def has_loss_scale(opt_state) -> bool:
     return bool(_states(opt_state))
 
 
-def current_loss_scale(opt_state) -> jax.Array:
+def current_loss_scale(opt_state: Any) -> jax.Array:
     """The loss scale in ``opt_state`` (float32); ``1.0`` when it holds none.
 
     Multiply the loss by it before differentiating; :func:`dynamic_loss_scale`
@@ -141,18 +141,29 @@ class LossScaled(optax.GradientTransformationExtraArgs):
       (8.0, 2.0)
     """
 
-    def __new__(cls, init, update, inner, adjust, initial_scale):
+    inner: optax.GradientTransformation
+    initial_scale: float
+    _adjust: Callable[[LossScaleState, Any], LossScaleState]
+
+    def __new__(
+        cls,
+        init: optax.TransformInitFn,
+        update: Callable[..., Any],
+        inner: optax.GradientTransformation,
+        adjust: Callable[[LossScaleState, Any], LossScaleState],
+        initial_scale: float,
+    ) -> Self:
         self = super().__new__(cls, init, update)
         self.inner = inner
         self._adjust = adjust
         self.initial_scale = initial_scale
         return self
 
-    def adjust(self, state: LossScaleState, finite) -> LossScaleState:
+    def adjust(self, state: LossScaleState, finite: jax.typing.ArrayLike) -> LossScaleState:
         """``state`` after a step whose gradients were ``finite`` (a bool scalar)."""
         return self._adjust(state, finite)
 
-    def wrap_state(self, inner_state) -> LossScaleState:
+    def wrap_state(self, inner_state: Any) -> LossScaleState:
         """This transformation's state around an existing ``inner`` state (a fresh scale).
 
         For a run that moves to float16 mid-way: its optimizer state carries

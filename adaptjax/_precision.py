@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 #: The dtypes a step may compute in.
 DTYPES = ("float32", "bfloat16", "float16")
@@ -179,15 +180,15 @@ class Precision:
         """Whether gradients underflow without loss scaling (``compute == "float16"``)."""
         return self.compute == "float16"
 
-    def cast_to_compute(self, tree):
+    def cast_to_compute(self, tree: Any) -> Any:
         """Float leaves of ``tree`` in ``compute``."""
         return cast_floats(tree, self.compute)
 
-    def cast_to_output(self, tree):
+    def cast_to_output(self, tree: Any) -> Any:
         """Float leaves of ``tree`` in ``output``."""
         return cast_floats(tree, self.output)
 
-    def cast_to_params(self, tree):
+    def cast_to_params(self, tree: Any) -> Any:
         """Float leaves of ``tree`` in ``params`` (float32)."""
         return cast_floats(tree, self.params)
 
@@ -289,7 +290,9 @@ def _first_overflow(params, dtype) -> tuple[str, float] | None:
     return None
 
 
-def check_precision(precision: Precision | str | None, model_or_params, tx) -> Precision:
+def check_precision(
+    precision: Precision | str | None, model_or_params: Any, tx: optax.GradientTransformation
+) -> Precision:
     """Checks that ``model_or_params`` and ``tx`` can train in ``precision``; returns it.
 
     Before anything compiles (``tx``'s state is traced with ``jax.eval_shape``,

@@ -206,7 +206,10 @@ class PrecisionPolicy(StatefulPolicy):
         value = read_metric(metrics, self.metric)
         if value is None:
             return False
-        return value < self.below if self.below is not None else value > self.above
+        if self.below is not None:
+            return value < self.below
+        assert self.above is not None  # __post_init__ asks for exactly one of them
+        return value > self.above
 
     def decide(self, metrics: Mapping[str, float], ctx: Context) -> list[Action]:
         """``[SetPrecision(low)]`` when stable, ``[SetPrecision(high)]`` after an incident."""

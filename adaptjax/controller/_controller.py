@@ -26,7 +26,7 @@ import optax
 from adaptjax import policies as ajp
 from adaptjax._data import check_count
 from adaptjax._input_codec import batch_bytes
-from adaptjax._state import merge_model
+from adaptjax.controller import _views
 from adaptjax.controller._arguments import (
     Checked,
     check_arguments,
@@ -70,7 +70,6 @@ from adaptjax.launch._distributed import (
     heartbeat,
     write_rescale_request,
 )
-from adaptjax.sync._strategy import consensus_params
 
 if TYPE_CHECKING:  # annotations only
     from adaptjax._codec import GradientCodec
@@ -187,10 +186,8 @@ class Controller:
       policies: policies from :mod:`adaptjax.policies`, combined with ``any_of``.
       codec: initial codec (``None``: dense fp32 sync).
       sync: initial :class:`adaptjax.SyncStrategy` or its name (``None``: S-SGD).
-      monitors, norm_chunks: for :func:`adaptjax.sync_gradients` (default
-        monitors: noise scale, SNR, gradient norm).
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      policy_every: ask the policies about every this many steps.
+      monitors, norm_chunks: :func:`adaptjax.sync_gradients`' (default: noise scale, SNR, norm).
+      has_aux, policy_every: ``loss_fn`` returns ``(loss, aux)``; ask the policies every N steps.
       checkpoint_every, max_to_keep: :class:`adaptjax.CheckpointOptions`' fields.
       eval_fn, eval_every: :class:`adaptjax.EvalOptions`' fields.
       max_devices: the most replicas a policy may ask for (default: all devices).
@@ -258,9 +255,10 @@ class Controller:
         register_held(self.steps, codec, sync, policies)
         a = dataclasses.replace(a, config=self.steps.start(a.config, data, precision))
         min_samples, min_replicas = a.sample_needs  # what the monitors need of a configuration
-        self._limits = dict(max_devices=a.max_devices, strategies=self.steps.strategies,
-                            min_samples=min_samples, min_replicas=min_replicas,
-                            device_limit=a.device_limit, check_mesh=self.steps.check_mesh)
+        self._limits: dict[str, Any] = dict(
+            max_devices=a.max_devices, strategies=self.steps.strategies, min_samples=min_samples,
+            min_replicas=min_replicas, device_limit=a.device_limit,
+            check_mesh=self.steps.check_mesh)
         enable_compilation_cache(a.compile.cache_dir)
         self.data = data
         self.reader = MetricsReader(functools.partial(comm_seconds, self.steps, data,
@@ -316,22 +314,12 @@ class Controller:
         """
         return cls(**resume_arguments(run_dir, kwargs))
 
-    @property
-    def model(self) -> Any:
-        """The current model (NNX module) or params; under local models, their mean."""
-        params = consensus_params(self.state.params, self.state.opt_state)
-        return merge_model(self.state.graphdef, params, self.state.model_state)
-
-    hyperparams = property(lambda self: hyperparams_of(self.state),
-                           doc="The optimizer's numeric hyperparameters as the state holds them.")
-
-    run_dir = property(lambda self: self._dir.path, doc="The run directory's path.")
-    log = property(lambda self: self._dir.log,
-                   doc="The :class:`adaptjax.RunLog` (``log.events``: this session's events).")
-    checkpoints = property(lambda self: self._dir.checkpoints,
-                           doc="The run's :class:`adaptjax.RunCheckpoints`.")
-    nonfinite_count = property(lambda self: self.reader.nonfinite_count,
-                               doc="Steps skipped so far for non-finite values (recorded).")
+    model = property(_views.model)
+    hyperparams = property(_views.hyperparams)
+    run_dir = property(_views.run_dir)
+    log = property(_views.log)
+    checkpoints = property(_views.checkpoints)
+    nonfinite_count = property(_views.nonfinite_count)
 
     def context(self, step: int | None = None) -> ajp.Context:
         """The :class:`adaptjax.policies.Context` policies see (``step``: the metrics' step)."""
@@ -410,12 +398,12 @@ class Controller:
         t0 = time.perf_counter()
         self.clock.started(t0)
         self._compiler.wait_for(config)  # compiling in the background: wait, never twice
-        if self._host_hparams is None:
-            self._host_hparams = self.hyperparams
+        hparams = self._host_hparams if self._host_hparams is not None else self.hyperparams
+        self._host_hparams = hparams
         self.state, metrics = fn(self.state, batch)
         compiled = fn.jitted._cache_size() > before
         self.step += 1
-        self._hparams_of_step[self.step] = self._host_hparams
+        self._hparams_of_step[self.step] = hparams
         self.samples_seen += config.batch_size
         if compiled:
             self.compilations += 1
@@ -457,7 +445,9 @@ class Controller:
         """``eval_fn`` on the model of ``step`` (the newest), prefixed ``eval_``."""
         assert step == self.step, "evaluation runs on the model of its own step"
         t0 = time.perf_counter()
-        results = {f"eval_{k}": float(v) for k, v in self.eval_options.fn(self.model).items()}
+        fn = self.eval_options.fn
+        assert fn is not None, "evaluation runs only with an eval_fn"
+        results = {f"eval_{k}": float(v) for k, v in fn(self.model).items()}
         self.log.event("eval", step=step, latency_s=elapsed(t0), **results)
         return results
 
@@ -492,7 +482,7 @@ class Controller:
         if plan.hyperparams and self._host_hparams is not None:
             self._host_hparams = {**self._host_hparams, **plan.hyperparams}
         if carried.relaunch is not None:
-            self._relaunch(carried)
+            self._relaunch(carried, carried.relaunch)
         if carried.transition is not None:  # logged with its checkpoint, once that is complete
             self._checkpoint(transition=carried.transition, since=t0)
             if carried.restore:  # onto the new mesh's shardings, as a resume would
@@ -537,13 +527,12 @@ class Controller:
         self._host_hparams = None  # the checkpoint's
         self.reader.restart_clock()
 
-    def _relaunch(self, carried: Carried) -> None:
-        """A transition to another process count: checkpoint it, exit with EXIT_RESCALE."""
+    def _relaunch(self, carried: Carried, processes: int) -> None:
+        """A transition to ``processes`` processes: checkpoint it, exit with EXIT_RESCALE."""
         self._checkpoint(transition=carried.transition)
         self._dir.confirm(block=True)
-        self.log.event("relaunch", step=self.step, processes=carried.relaunch,
-                       exit_code=EXIT_RESCALE)
-        write_rescale_request(carried.relaunch, self.config.device_count)
+        self.log.event("relaunch", step=self.step, processes=processes, exit_code=EXIT_RESCALE)
+        write_rescale_request(processes, self.config.device_count)
         self.close()
         raise SystemExit(EXIT_RESCALE)
 
@@ -626,6 +615,7 @@ class Controller:
     def _probe_and_exit(self) -> None:
         """Under ``adaptjax plan``: time the configurations the cost model needs, then exit 0."""
         try:
+            assert self._plan_request is not None  # set when the run is under adaptjax plan
             probe = Probe(self, self._plan_request, self._policies)
             for config, timed in probe.visits():
                 self.apply(move_actions(self.config, config, self.steps))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -36,7 +37,7 @@ def rebuild_state(state, new_tx, mesh, *, carry_sync: bool, sharding=None):
     fresh = jax.device_get(init_state(params, new_tx, mesh, sharding=sharding))
     named = isinstance(fresh.opt_state, dict)
     opt_key, sync_slot = ("optimizer", "sync") if named else (1, 0)
-    opt_state = dict(fresh.opt_state) if named else list(fresh.opt_state)
+    opt_state: Any = dict(fresh.opt_state) if named else list(fresh.opt_state)
     old_opt, old_scale = split_loss_scale(old.opt_state[opt_key])
     new_opt, new_scale = split_loss_scale(fresh.opt_state[opt_key])
     carried = _carried_optimizer(old_opt, new_opt, n)

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from adaptjax._data import check_count
 from adaptjax._mesh import checked_shape
@@ -102,7 +103,7 @@ class RunConfig:
         """The number of devices of the mesh (``devices`` times the model axes' sizes)."""
         return math.prod(self.axes.values())
 
-    def replace(self, **changes) -> RunConfig:
+    def replace(self, **changes: Any) -> RunConfig:
         """A copy with ``changes`` (checked like the original).
 
         A new ``devices`` without a new ``mesh_shape`` resizes the ``"data"``
@@ -209,7 +210,7 @@ def round_batch(batch_size: int, devices: int, microbatches: int) -> int:
     return max(unit, int(round(batch_size / unit)) * unit)
 
 
-def codec_key(codec) -> str | None:
+def codec_key(codec: object) -> str | None:
     """A stable name for a codec object: its ``repr`` without memory addresses.
 
     Example:

@@ -212,7 +212,7 @@ class StepCache:
                       if options.get(k) is not None}
             if fields and codec is not None:
                 codec = dataclasses.replace(codec, **fields)
-            opt = optax.inject_hyperparams(self.optimizer, hyperparam_dtype=np.float32)(
+            opt = optax.inject_hyperparams(self.optimizer, hyperparam_dtype=np.dtype(np.float32))(
                 **self.hyperparams
             )
             if not strategy.local_models:
@@ -229,7 +229,7 @@ class StepCache:
                 ]
             scale = None
             if scaled:  # around the optimizer link alone: the guard still rides the sync
-                scale = dynamic_loss_scale(parts[1][1], **self.loss_scale)
+                scale = dynamic_loss_scale(parts[1][1], **(self.loss_scale or {}))
                 parts[1] = (OPTIMIZER, scale)
             self._txs[cache] = named_chain(*parts, (UPDATE_NORM, update_norm())), scale
         return self._txs[cache]

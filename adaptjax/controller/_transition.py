@@ -268,8 +268,8 @@ def _sync(asked: _Asked, config: RunConfig, devices: int, strategies) -> tuple[o
             sync = None  # unknown here: its checks ran when it was chosen
     codec = asked.codec
     has_codec = (codec is not None) if codec is not _KEEP else config.codec is not None
-    if sync is not None:
-        sync.check(devices, object() if has_codec else None)
+    if sync is not None:  # a strategy already (resolve_sync returns one as it is)
+        resolve_sync(sync).check(devices, object() if has_codec else None)
     return sync, changed
 
 
