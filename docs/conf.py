@@ -61,6 +61,8 @@ nitpick_ignore_regex = [
     (r"py:class", r"(int|uint|float|bfloat)(8|16|32|64)( array)?"),
     # Shapes in Google-style types ("float32 (3,): the last valid readings").
     (r"py:class", r"\d+"),
+    # The private stand-in log of processes other than 0 (Controller.log's docstring says so).
+    (r"py:class", r"NullRunLog"),
 ]
 
 # Constants are documented by a ``#:`` comment where they are defined; their

@@ -36,7 +36,11 @@ def run_dir(ctrl: Controller) -> str:
 
 
 def log(ctrl: Controller) -> RunLog | NullRunLog:
-    """The :class:`adaptjax.RunLog` (``log.events``: this session's events)."""
+    """The :class:`adaptjax.RunLog` (``log.events``: this session's events).
+
+    On processes other than 0 of a multi-process job, a stand-in that keeps
+    ``events`` in memory and writes nothing.
+    """
     assert ctrl._dir.log is not None  # set when the run directory is opened
     return ctrl._dir.log
 
