@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Self
 
@@ -121,9 +122,12 @@ def codec_sync(codec, grads, state, *, axis_name, step, layout=None):
     devices. The codec plans each shard as a leaf of the shard's shape: a
     shard under the codec's ``min_size`` goes in its exact float32 lane (its
     residual buffer, unused, is kept as it is). The codec's other state must
-    be split like the gradients, as error-feedback residuals are; a codec
-    whose state is not (PowerSGD's low-rank factors) raises a one-line
-    ``ValueError`` before anything compiles.
+    be split like the gradients, as error-feedback residuals are. A codec
+    whose state is not (PowerSGD's low-rank factors) falls back to the
+    bfloat16 lane with a one-line warning at trace time: every shard is
+    averaged over the data axis in bfloat16 (as ``sync_gradients(...,
+    wire_dtype=jnp.bfloat16)`` does) and the codec's state is kept as it is,
+    so the result is a bfloat16 mean, never a wrong one.
 
     Args:
       codec: a :class:`adaptjax.GradientCodec`.
@@ -139,7 +143,10 @@ def codec_sync(codec, grads, state, *, axis_name, step, layout=None):
     if layout is None:
         return codec.sync(grads, state, axis_name=axis_name, step=step)
     g_specs = layout.specs_for(grads)
-    kept, unused = _shard_state(codec, grads, state, g_specs, layout)
+    split = _shard_state(codec, grads, state, g_specs, layout)
+    if split is None:
+        return _bf16_fallback(codec, grads, axis_name, g_specs, layout), state
+    kept, unused = split
     s_specs = layout.specs_for(kept)
 
     def local(g, s, t):
@@ -155,13 +162,34 @@ def _is_none(x) -> bool:
     return x is None
 
 
+def _bf16_fallback(codec, grads, axis_name, g_specs, layout):
+    """Each shard's mean over ``axis_name`` in bfloat16, with a one-line warning."""
+    name = getattr(codec, "name", type(codec).__name__)
+    warnings.warn(
+        f"codec {name!r} cannot run on each shard of a sharded mesh (its state is not split "
+        "like the gradients, e.g. low-rank factors): its gradients travel as bfloat16 instead "
+        "and its state is kept as it is; use onebit, topk or a quantiser to compress them",
+        UserWarning,
+        stacklevel=2,
+    )
+
+    def mean(g):
+        n = jax.lax.axis_size(axis_name)
+        # as the dense lane with wire_dtype=bfloat16: summed in bfloat16, divided, cast back
+        return jax.tree.map(
+            lambda x: (jax.lax.psum(x.astype(jnp.bfloat16), axis_name) / n).astype(x.dtype), g
+        )
+
+    return layout.local_map(mean, (g_specs,), g_specs)(grads)
+
+
 def _shard_state(codec, grads, state, g_specs, layout):
-    """``(state the codec expects per shard, the buffers it does not use)``.
+    """``(state the codec expects per shard, the buffers it does not use)``, or ``None``.
 
     The state was built for whole leaves; per shard the codec wants the state
     ``codec.init`` gives a shard. Buffers of leaves whose shards fall under
-    its ``min_size`` are set aside (``None`` there); any other difference is
-    a one-line ``ValueError``.
+    its ``min_size`` are set aside (``None`` there); any other difference
+    (state not split like the gradients) gives ``None``.
     """
     s_specs = layout.specs_for(state)
     local = lambda tree, specs: jax.tree.map(
@@ -178,12 +206,7 @@ def _shard_state(codec, grads, state, g_specs, layout):
         for w, h in zip(wanted, have, strict=True)
     )
     if not same:
-        name = getattr(codec, "name", type(codec).__name__)
-        raise ValueError(
-            f"codec {name!r} cannot run on each shard of a sharded mesh: its state is not split "
-            "like the gradients (e.g. low-rank factors); use onebit, topk, a quantiser or bf16, "
-            "or a mesh without model axes (per-shard state for this codec is phase 2 of issue 34)"
-        )
+        return None
     leaves = jax.tree.leaves(state, is_leaf=_is_none)
     kept = [None if w is None else x for w, x in zip(wanted, leaves, strict=True)]
     unused = [x if w is None else None for w, x in zip(wanted, leaves, strict=True)]
