@@ -180,3 +180,19 @@ def test_a_checkpoint_of_an_unknown_codec_or_strategy_names_the_fix():
     meta = {"config": dataclasses.asdict(adaptjax.RunConfig(4, 16, sync="Gossip()"))}
     with pytest.raises(ValueError, match="pass it as sync= or inside a policy"):
         config_from(meta, steps)
+
+
+def test_a_checkpoint_keyed_by_a_codecs_0_1_0_repr_continues_under_its_key_today():
+    # adaptjax 0.1.0 keyed a configuration's codec by its dataclass repr
+    steps = _steps()
+    codec = ajc.onebit(block=64)
+    key = steps.add_codec(codec)
+    old = codec._legacy_repr()
+    assert old.startswith("_OneBit(") and key == "onebit(block=64)"
+    meta = {"config": dataclasses.asdict(adaptjax.RunConfig(4, 16, codec=old))}
+    assert config_from(meta, steps) == adaptjax.RunConfig(4, 16, codec=key)
+    # another codec's old key is still unknown, by its own name
+    other = ajc.onebit(block=128)._legacy_repr()
+    meta = {"config": dataclasses.asdict(adaptjax.RunConfig(4, 16, codec=other))}
+    with pytest.raises(ValueError, match=r"^the checkpoint was written with codec \"_OneBit\("):
+        config_from(meta, steps)
