@@ -10,10 +10,23 @@ import math
 from collections.abc import Mapping
 
 from adaptjax.policies._actions import Action, SetBatchSize, SetHyperparams
-from adaptjax.policies._checks import read_metric
+from adaptjax.policies._checks import check_int, check_optional_int, read_metric
 from adaptjax.policies._context import Context
 from adaptjax.policies._goodput import lr_scale
 from adaptjax.policies._policy import StatefulPolicy
+
+
+def check_batch_range(policy, owner: str) -> None:
+    """``policy.max_batch_size`` and ``min_batch_size`` checked and set (one-line errors)."""
+    top = check_int(policy.max_batch_size, owner=owner, name="max_batch_size", minimum=1)
+    low = check_optional_int(policy.min_batch_size, owner=owner, name="min_batch_size", minimum=1)
+    if low is not None and low > top:
+        raise ValueError(
+            f"{owner}: min_batch_size={low} exceeds max_batch_size={top}; "
+            "make min_batch_size <= max_batch_size"
+        )
+    object.__setattr__(policy, "max_batch_size", top)
+    object.__setattr__(policy, "min_batch_size", low)
 
 
 def batch_bounds(

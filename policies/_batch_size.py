@@ -6,7 +6,12 @@ import statistics
 from collections.abc import Mapping
 
 from adaptjax.policies._actions import Action, SetBatchSize
-from adaptjax.policies._batch_rules import BatchSizePolicy, batch_bounds, noise_reading
+from adaptjax.policies._batch_rules import (
+    BatchSizePolicy,
+    batch_bounds,
+    check_batch_range,
+    noise_reading,
+)
 from adaptjax.policies._checks import (
     check_choice,
     check_float,
@@ -141,15 +146,7 @@ class AdaptiveBatchSize(BatchSizePolicy):
     def __post_init__(self) -> None:
         owner = "AdaptiveBatchSize"
         check_planner(self.planner, owner)
-        top = check_int(self.max_batch_size, owner=owner, name="max_batch_size", minimum=1)
-        low = check_optional_int(self.min_batch_size, owner=owner, name="min_batch_size", minimum=1)
-        if low is not None and low > top:
-            raise ValueError(
-                f"{owner}: min_batch_size={low} exceeds max_batch_size={top}; "
-                "make min_batch_size <= max_batch_size"
-            )
-        object.__setattr__(self, "max_batch_size", top)
-        object.__setattr__(self, "min_batch_size", low)
+        check_batch_range(self, owner)
         check_choice(self.lr_rule, LR_RULES, owner=owner, name="lr_rule")
         check_choice(self.optimizer_kind, OPTIMIZER_KINDS, owner=owner, name="optimizer_kind")
         object.__setattr__(

@@ -5,7 +5,12 @@ import statistics
 from collections.abc import Mapping
 
 from adaptjax.policies._actions import Action, SetBatchSize
-from adaptjax.policies._batch_rules import BatchSizePolicy, batch_bounds, noise_reading
+from adaptjax.policies._batch_rules import (
+    BatchSizePolicy,
+    batch_bounds,
+    check_batch_range,
+    noise_reading,
+)
 from adaptjax.policies._checks import (
     check_choice,
     check_float,
@@ -116,15 +121,7 @@ class BatchSizeWarmup(BatchSizePolicy):
 
     def __post_init__(self) -> None:
         owner = "BatchSizeWarmup"
-        top = check_int(self.max_batch_size, owner=owner, name="max_batch_size", minimum=1)
-        low = check_optional_int(self.min_batch_size, owner=owner, name="min_batch_size", minimum=1)
-        if low is not None and low > top:
-            raise ValueError(
-                f"{owner}: min_batch_size={low} exceeds max_batch_size={top}; "
-                "make min_batch_size <= max_batch_size"
-            )
-        object.__setattr__(self, "max_batch_size", top)
-        object.__setattr__(self, "min_batch_size", low)
+        check_batch_range(self, owner)
         fraction = check_float(self.fraction, owner=owner, name="fraction", low=0.0)
         if fraction <= 0.0:
             raise ValueError(f"{owner}: fraction must be > 0, got {fraction}; try 1.0")
