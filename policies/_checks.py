@@ -147,3 +147,18 @@ def check_planner(planner, owner: str) -> None:
             f"{owner}: planner must have a step_time(candidate) method (see "
             f"adaptjax.policies.Predictor), got {short_repr(planner)}; or pass planner=None"
         )
+
+
+def check_metric_gate(policy, owner: str) -> None:
+    """A gate ``metric`` with exactly one of ``below``/``above``, checked and set.
+
+    For policies whose move waits on ``metrics[metric] < below`` (or ``> above``);
+    one-line ``ValueError``s name ``owner``.
+    """
+    check_str(policy.metric, owner=owner, name="metric", allow_empty=False)
+    if (policy.below is None) == (policy.above is None):
+        raise ValueError(f"{owner}: with metric=, give exactly one of below= and above=")
+    for name in ("below", "above"):
+        value = getattr(policy, name)
+        if value is not None:
+            object.__setattr__(policy, name, check_float(value, owner=owner, name=name))

@@ -5,7 +5,12 @@ import math
 from collections.abc import Mapping
 
 from adaptjax.policies._actions import Action, SetPrecision, precision_name
-from adaptjax.policies._checks import check_float, check_int, check_str, read_metric
+from adaptjax.policies._checks import (
+    check_float,
+    check_int,
+    check_metric_gate,
+    read_metric,
+)
 from adaptjax.policies._context import Context
 from adaptjax.policies._policy import StatefulPolicy
 
@@ -141,13 +146,7 @@ class PrecisionPolicy(StatefulPolicy):
             if self.below is not None or self.above is not None:
                 raise ValueError(f"{owner}: below= and above= need metric= (e.g. 'grad_snr')")
             return
-        check_str(self.metric, owner=owner, name="metric", allow_empty=False)
-        if (self.below is None) == (self.above is None):
-            raise ValueError(f"{owner}: with metric=, give exactly one of below= and above=")
-        for name in ("below", "above"):
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, check_float(value, owner=owner, name=name))
+        check_metric_gate(self, owner)
 
     def _initial_state(self) -> dict:
         return {

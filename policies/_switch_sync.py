@@ -4,7 +4,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from adaptjax.policies._actions import Action, SetSync
-from adaptjax.policies._checks import check_float, check_str, read_metric
+from adaptjax.policies._checks import check_metric_gate, read_metric
 from adaptjax.policies._context import Context
 from adaptjax.policies._policy import Policy
 
@@ -65,13 +65,7 @@ class SwitchSync(Policy):
         if self.when is not None and not callable(self.when):
             raise ValueError(f"{owner}: when must be callable(metrics, ctx) -> bool")
         if self.metric is not None:
-            check_str(self.metric, owner=owner, name="metric", allow_empty=False)
-            if (self.below is None) == (self.above is None):
-                raise ValueError(f"{owner}: with metric=, give exactly one of below= and above=")
-            for name in ("below", "above"):
-                value = getattr(self, name)
-                if value is not None:
-                    object.__setattr__(self, name, check_float(value, owner=owner, name=name))
+            check_metric_gate(self, owner)
 
     def required_metrics(self) -> frozenset[str]:
         """The threshold rule's metric (a ``when`` rule may read any)."""
