@@ -30,11 +30,17 @@ measured along the way.
 
 **The critical batch, measured.** Each adaptive run is probed at a quarter,
 half and three quarters of its budget (``Probe(--probe-sizes, steps=
---probe-steps, lr_rule="sqrt")``, see :class:`adaptjax.policies.Probe`): the
-controller branches from the live state, trains each size on the same
+--probe-steps, lr_rule=--probe-lr-rule)``, see :class:`adaptjax.policies.Probe`):
+the controller branches from the live state, trains each size on the same
 samples and fits the critical batch, leaving the run itself bit-exact. Its
 critical batch is printed beside the noise scale measured at the same step,
 with the probes' share of the run's time (``--probe-steps 0``: no probes).
+The defaults, 8 steps and ``"adascale"``, are what made every branch's drop
+positive on this LM (issue 35): with 4 steps and ``"sqrt"`` the branches at
+batches other than the run's lost loss (an Adam branch a few steps long keeps
+its moments, so a larger batch at sqrt(B/M) x lr overshoots and a smaller one
+at a ν fitted to batch M takes too large steps); evaluation noise was not the
+cause (1,024 and 8,192 evaluation samples gave drops within 0.004).
 
 **Profiles.** ``--measure-profile`` times the controller's step at each size
 on this machine (the accelerator, where there is one: ``devices`` = the
@@ -356,8 +362,10 @@ def build_parser():
     parser.add_argument("--gpu-profile", default=None, help="a stored profile to price with")
     parser.add_argument("--probe-sizes", type=int, nargs="+", default=None,
                         help="the probes' branch batches (default: --sizes)")
-    parser.add_argument("--probe-steps", type=int, default=4,
+    parser.add_argument("--probe-steps", type=int, default=8,
                         help="optimizer steps of the largest probe branch (0: no probes)")
+    parser.add_argument("--probe-lr-rule", default="adascale", choices=LR_RULES,
+                        help="the probe branches' learning-rate rule from the run's batch")
     return parser
 
 
@@ -416,7 +424,8 @@ def run_all(data, cfg, args, devices, budget):
                   f"{r['final']:.4f}, {r['wall']:.0f} s", flush=True)
         probe = None
         if args.probe_steps:
-            probe = ajp.Probe(args.probe_sizes, steps=args.probe_steps, lr_rule="sqrt")
+            probe = ajp.Probe(args.probe_sizes, steps=args.probe_steps,
+                              lr_rule=args.probe_lr_rule)
         for name in args.variants:
             policy = variant_policy(name, large)
             r = train(data, cfg, batch=small, lr=args.lr, policies=[policy], probe=probe,
