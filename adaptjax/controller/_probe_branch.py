@@ -41,16 +41,16 @@ refit it. With σ² and μ² as AdaScale reads them, E[g²] at batch B is
 AdaScale gain; ``"adascale"`` for Adam scales the rate by √r on the premise
 that ν is the batch's, so the branch gets that ν (ν / r), and its update is
 r times the run's: AdaScale's SGD gain, the ratio of the best rates ε*(B) /
-ε*(M). Measured on the byte-level LM (``benchmarks/adaptive_batch.py``, from
-batch 16 and 32 states, 8-step probes): with ν kept, a batch-8 branch lost
-0.075 where the run's own batch held level; with ν / r it lost 0.018. Other
+ε*(M). Measured on the byte-level LM (``benchmarks/adaptive_batch.py``, 8-step
+probes): from a batch-32 state, a batch-8 branch lost 0.075 with ν kept and
+0.018 with ν / r; from a batch-16 state it gained 0.014 and 0.029. Other
 rules leave ν as it is (they are rules for a run that keeps its moments).
-Evaluation noise is small beside the drops: 1,024 and 8,192 evaluation
-samples gave drops within 0.004 of each other. What remains is the training
-noise of one short trajectory: the run's own continuation over 1,024 samples
-lowered the loss by anywhere from -0.002 to +0.04, so a probe resolves the
-critical batch only when its branches are long enough for their drops to
-stand above that.
+Evaluation noise is small beside the drops (1,024 and 8,192 evaluation
+samples gave drops within 0.004); what remains is the training noise of one
+short trajectory (the run's own continuation over 1,024 samples from the
+batch-32 state moved the loss by -0.002 to +0.026, depending on the
+samples), so branches must be long enough for their drops to stand above it:
+16 steps of the largest did there.
 """
 
 from __future__ import annotations
