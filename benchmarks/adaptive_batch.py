@@ -30,11 +30,25 @@ measured along the way.
 
 **The critical batch, measured.** Each adaptive run is probed at a quarter,
 half and three quarters of its budget (``Probe(--probe-sizes, steps=
---probe-steps, lr_rule="sqrt")``, see :class:`adaptjax.policies.Probe`): the
-controller branches from the live state, trains each size on the same
+--probe-steps, lr_rule=--probe-lr-rule)``, see :class:`adaptjax.policies.Probe`):
+the controller branches from the live state, trains each size on the same
 samples and fits the critical batch, leaving the run itself bit-exact. Its
 critical batch is printed beside the noise scale measured at the same step,
 with the probes' share of the run's time (``--probe-steps 0``: no probes).
+The defaults, 16 steps and ``"adascale"`` (which for Adam also gives each
+branch its batch's second moment), are the shortest that made every branch's
+drop positive on this LM, from batch-16 and batch-32 states, on any of
+several sample offsets (issue 35). With 4 steps and ``"sqrt"`` branches at
+batches other than the run's lost loss: a batch-8 branch at a ν fitted to
+batch M takes too large steps, a batch-128 one at sqrt(B/M) x lr with the
+run's momentum overshoots. At 8 steps the run's own continuation from a
+batch-32 state moved the loss by -0.002 to +0.026 depending on the samples,
+the size of the drops themselves. Evaluation noise was not the cause (1,024
+and 8,192 evaluation samples gave drops within 0.004). The drops need not
+follow ΔL(B) = ΔL_max / (1 + B_crit / B): at equal tokens that model makes
+them fall with B, and on this LM they rose to 32-64 (from batch 16) or to 128
+(from batch 32) on every offset, which the fit reads as a large or infinite
+critical batch.
 
 **Profiles.** ``--measure-profile`` times the controller's step at each size
 on this machine (the accelerator, where there is one: ``devices`` = the
@@ -356,8 +370,10 @@ def build_parser():
     parser.add_argument("--gpu-profile", default=None, help="a stored profile to price with")
     parser.add_argument("--probe-sizes", type=int, nargs="+", default=None,
                         help="the probes' branch batches (default: --sizes)")
-    parser.add_argument("--probe-steps", type=int, default=4,
+    parser.add_argument("--probe-steps", type=int, default=16,
                         help="optimizer steps of the largest probe branch (0: no probes)")
+    parser.add_argument("--probe-lr-rule", default="adascale", choices=LR_RULES,
+                        help="the probe branches' learning-rate rule from the run's batch")
     return parser
 
 
@@ -416,7 +432,8 @@ def run_all(data, cfg, args, devices, budget):
                   f"{r['final']:.4f}, {r['wall']:.0f} s", flush=True)
         probe = None
         if args.probe_steps:
-            probe = ajp.Probe(args.probe_sizes, steps=args.probe_steps, lr_rule="sqrt")
+            probe = ajp.Probe(args.probe_sizes, steps=args.probe_steps,
+                              lr_rule=args.probe_lr_rule)
         for name in args.variants:
             policy = variant_policy(name, large)
             r = train(data, cfg, batch=small, lr=args.lr, policies=[policy], probe=probe,

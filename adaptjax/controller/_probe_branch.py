@@ -13,6 +13,9 @@ the state the run is in (its dispatched steps recorded), every branch
   batch; for ``"adascale"`` the gain from the recorded ``grad_variance`` and
   ``grad_sqnorm``, taken whole for ``optax.sgd`` and as its square root for
   every other optimizer, as :func:`adaptjax.policies.lr_scale` does for Adam);
+* for ``"adascale"`` and an optimizer other than ``optax.sgd``, with the
+  second-moment estimate ν of every Adam-like state (a ``nu`` field) divided
+  by the same gain r (see below);
 * on a copy of the state (the step donates its input; random streams advance
   in the copy only);
 
@@ -30,6 +33,24 @@ learning rate and follows the rule's ratios instead: the probe then measures
 ``lr_rule`` (for ``"adascale"``: the noise scale the rule was given), not the
 batch. Short branches (small ``steps``) and a rule close to the best one are
 what make the fit the batch's.
+
+**Adam's moments in a branch.** Adam's ν (b2 = 0.999: a memory of ~1000
+steps) holds E[g²] of the run's batch M; a branch of a few dozen steps cannot
+refit it. With σ² and μ² as AdaScale reads them, E[g²] at batch B is
+∝ μ² + σ²M/B, which is ν x 1/r with r = (σ² + μ²) / (σ²M/B + μ²) the
+AdaScale gain; ``"adascale"`` for Adam scales the rate by √r on the premise
+that ν is the batch's, so the branch gets that ν (ν / r), and its update is
+r times the run's: AdaScale's SGD gain, the ratio of the best rates ε*(B) /
+ε*(M). Measured on the byte-level LM (``benchmarks/adaptive_batch.py``, 8-step
+probes): from a batch-32 state, a batch-8 branch lost 0.075 with ν kept and
+0.018 with ν / r; from a batch-16 state it gained 0.014 and 0.029. Other
+rules leave ν as it is (they are rules for a run that keeps its moments).
+Evaluation noise is small beside the drops (1,024 and 8,192 evaluation
+samples gave drops within 0.004); what remains is the training noise of one
+short trajectory (the run's own continuation over 1,024 samples from the
+batch-32 state moved the loss by -0.002 to +0.026, depending on the
+samples), so branches must be long enough for their drops to stand above it:
+16 steps of the largest did there.
 """
 
 from __future__ import annotations
@@ -71,6 +92,7 @@ class Branch:
     config: RunConfig
     steps: int
     learning_rate: float | None  # None: the rule is "none" and the state's rate stays
+    nu_scale: float | None = None  # the factor on Adam's ν; None: ν stays
 
 
 def branch_lr_factor(rule: str, scale: float, metrics: Mapping[str, float],
@@ -101,6 +123,28 @@ def branch_lr_factor(rule: str, scale: float, metrics: Mapping[str, float],
     else:
         return None
     return ajp.lr_scale(rule, scale, optimizer_kind=kind, sigma_sq=sigma_sq, mu_sq=mu_sq)
+
+
+def scale_second_moment(opt_state, factor: float):
+    """``opt_state`` with the ``nu`` of every state that has one (Adam's ν) times ``factor``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from adaptjax.controller._probe_branch import scale_second_moment
+      >>> state = optax.adam(0.1).init(jnp.zeros(2))
+      >>> state = state[0]._replace(nu=jnp.ones(2)), state[1]
+      >>> scale_second_moment(state, 0.5)[0].nu.tolist()
+      [0.5, 0.5]
+    """
+    def is_moment(x) -> bool:
+        return isinstance(x, tuple) and "nu" in getattr(x, "_fields", ())
+
+    def scale(x):
+        if not is_moment(x):
+            return x
+        return x._replace(nu=jax.tree.map(lambda v: v * jnp.asarray(factor, v.dtype), x.nu))
+
+    return jax.tree.map(scale, opt_state, is_leaf=is_moment)
 
 
 def _finite(x: object) -> TypeGuard[float]:
@@ -136,7 +180,9 @@ def plan_branches(probe: ajp.Probe, config: RunConfig, plan: Callable[[list], Ru
                     "noise_scale) in the recorded metrics; monitor the noise scale or use "
                     "lr_rule='sqrt'")
         rate = None if probe.lr_rule == "none" or lr is None else lr * factor
-        branches.append(Branch(c, total // c.batch_size, rate))
+        # "adascale" for Adam: lr x sqrt(r) and nu / r, i.e. nu at batch B (module docstring)
+        nu = 1.0 / factor**2 if probe.lr_rule == "adascale" and not sgd else None
+        branches.append(Branch(c, total // c.batch_size, rate, nu))
     return branches, total
 
 
@@ -221,6 +267,9 @@ class ProbeRunner:
         if branch.learning_rate is not None:
             copy = write_hyperparams(copy, {LR_KEY: branch.learning_rate},
                                      self.steps.mesh(config.devices))
+        if branch.nu_scale is not None:
+            copy = dataclasses.replace(copy, opt_state=scale_second_moment(copy.opt_state,
+                                                                           branch.nu_scale))
         b = config.batch_size
         event = None
         for k in range(branch.steps):

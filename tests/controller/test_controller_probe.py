@@ -171,3 +171,43 @@ def test_the_transition_carries_the_probe_and_the_later_one_wins():
     t = plan_transition([first, ajp.SetBatchSize(32), second], config, max_devices=8)
     assert t.probe == second and t.config.batch_size == 32
     assert plan_transition([ajp.Checkpoint()], config, max_devices=8).probe is None
+
+
+def test_adascale_branches_of_adam_take_the_second_moment_of_their_batch():
+    # gain r = (σ² + μ²) / (σ²M/B + μ²) with σ² = grad_variance / M: lr x √r and ν / r for Adam
+    from adaptjax.controller._probe_branch import plan_branches
+    from adaptjax.controller._run_config import RunConfig
+
+    config, m = RunConfig(devices=2, batch_size=16), 16
+    metrics = {"grad_variance": 32.0, "grad_sqnorm": 1.0}  # σ² = 2, μ² = 1
+    plan = lambda actions: config.replace(batch_size=actions[0].batch_size)  # noqa: E731
+    probe = ajp.Probe((8, 16, 64), steps=1, lr_rule="adascale")
+    gains = [(2.0 + 1.0) / (2.0 * m / b + 1.0) for b in (8, 16, 64)]
+    branches, _ = plan_branches(probe, config, plan, {"learning_rate": 0.1}, metrics, sgd=False)
+    assert [b.learning_rate for b in branches] == pytest.approx([0.1 * r**0.5 for r in gains])
+    assert [b.nu_scale for b in branches] == pytest.approx([1.0 / r for r in gains])
+    for sgd, rule in ((True, "adascale"), (False, "sqrt"), (False, "none")):
+        probe = ajp.Probe((8, 16, 64), steps=1, lr_rule=rule)
+        branches, _ = plan_branches(probe, config, plan, {"learning_rate": 0.1}, metrics, sgd=sgd)
+        assert all(b.nu_scale is None for b in branches)  # ν stays as the run's
+
+
+def test_a_second_moment_divided_by_r_enters_adams_next_update():
+    # Adam: ν' = b2 ν/r + (1 - b2) g², m' = b1 m + (1 - b1) g, update -lr m̂' / √ν̂' (eps = 0);
+    # the first moment and the count are left as they were
+    from adaptjax.controller._probe_branch import scale_second_moment
+
+    b1, b2, lr, r = 0.9, 0.999, 0.1, 4.0
+    opt = optax.chain(optax.clip(10.0), optax.adam(lr, b1=b1, b2=b2, eps=0.0))
+    params = {"w": jnp.zeros(3)}
+    g = np.asarray([0.5, -1.0, 2.0], np.float32)
+    _, state = opt.update({"w": jnp.asarray(g)}, opt.init(params), params)  # one step's moments
+    scaled = scale_second_moment(state, 1.0 / r)
+    np.testing.assert_array_equal(scaled[1][0].mu["w"], state[1][0].mu["w"])
+    np.testing.assert_allclose(scaled[1][0].nu["w"], state[1][0].nu["w"] / r, rtol=1e-7)
+    assert int(scaled[1][0].count) == int(state[1][0].count) == 1
+    update, _ = opt.update({"w": jnp.asarray(g)}, scaled, params)
+    nu = b2 * (1 - b2) * g**2 / r + (1 - b2) * g**2
+    mu = b1 * (1 - b1) * g + (1 - b1) * g
+    expected = -lr * (mu / (1 - b1**2)) / np.sqrt(nu / (1 - b2**2))
+    np.testing.assert_allclose(update["w"], expected, rtol=1e-4)  # float32
