@@ -20,6 +20,7 @@ Hangs and timeouts (see the README's test section):
 """
 
 import os
+import signal
 
 import pytest
 
@@ -88,6 +89,19 @@ _LEFT_OUT_OF_THE_FAST_LOOP = {
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
+def pytest_configure(config):
+    """Ctrl-C as a user's program gets it, in every test process and the jobs they start.
+
+    A process started in the background by a non-interactive shell (``pytest
+    ... &`` in a script, or CI's runner) inherits ``SIGINT`` ignored, and so
+    would every job a fault test starts: their Ctrl-C would never arrive. Python's
+    own handler is put back (jobs then start with the default, as from a terminal).
+    """
+    del config
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_modifyitems(config, items):
     """Marks the fast loop's leave-outs slow; slow tests get a longer per-test timeout."""
     collected = {item.nodeid for item in items}
