@@ -18,22 +18,32 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 
 
-@pytest.mark.slow
-def test_tiny_lm_trains_through_the_controller(tmp_path):
-    import lm
-
+def _corpus(tmp_path):
     data = tmp_path / "text"
     data.mkdir()
     for i in range(24):
         (data / f"f{i}.txt").write_text(f"line {i}: the quick brown fox jumps over it\n" * 40)
-    run_dir = tmp_path / "run"
+    return data
+
+
+def _run_lm(*args):
+    """``lm.main(args)``'s result and the lines it printed."""
+    import lm
+
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        result = lm.main([
-            "--size", "tiny", "--steps", "20", "--data", str(data), "--run-dir", str(run_dir),
-            "--no-progress", "--policy-every", "5", "--val-windows", "16",
-        ])
-    last = out.getvalue().strip().splitlines()[-1]
+        result = lm.main(list(args))
+    return result, out.getvalue().splitlines()
+
+
+@pytest.mark.slow
+def test_tiny_lm_trains_through_the_controller(tmp_path):
+    run_dir = tmp_path / "run"
+    result, text = _run_lm(
+        "--size", "tiny", "--steps", "20", "--data", str(_corpus(tmp_path)),
+        "--run-dir", str(run_dir), "--no-progress", "--policy-every", "5", "--val-windows", "16",
+    )
+    last = text[-1]
     assert last == f"validation bits per byte: {result['bpb']:.4f}"
     assert result["bpb"] == pytest.approx(result["loss"] / math.log(2))
     assert result["loss"] < math.log(256)  # better than a uniform guess over bytes
@@ -54,22 +64,16 @@ def test_missing_sources_exit_names_the_data_flag(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_lm_on_sharded_meshes_prints_bytes_per_device(tmp_path):
-    import lm
-
-    data = tmp_path / "text"
-    data.mkdir()
-    for i in range(24):
-        (data / f"f{i}.txt").write_text(f"line {i}: the quick brown fox jumps over it\n" * 40)
+    data = _corpus(tmp_path)
     results, lines = [], []
     meshes = ("data=2,fsdp=4", "data=2,fsdp=2,model=2")
     for mesh in meshes:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            results.append(lm.main([
-                "--size", "tiny", "--steps", "2", "--data", str(data), "--mesh", mesh,
-                "--val-windows", "8", "--layers", "1", "--width", "64",
-            ]))
-        lines.append(out.getvalue().splitlines())
+        result, text = _run_lm(
+            "--size", "tiny", "--steps", "2", "--data", str(data), "--mesh", mesh,
+            "--val-windows", "8", "--layers", "1", "--width", "64",
+        )
+        results.append(result)
+        lines.append(text)
     # width 64: embedding, qkv, proj, up, down and head kernels have >= 4096
     # elements and are split 4 ways (over fsdp, or fsdp x model); the rest is whole
     # (with "model", the MLP's first bias is split over it too: 128 elements fewer)
@@ -84,3 +88,24 @@ def test_tiny_lm_on_sharded_meshes_prints_bytes_per_device(tmp_path):
         assert expected <= per_device <= expected + 256
     # the same global batch, replicas and dropout masks: the same model
     assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_the_sharded_lm_rescales_its_data_axis_and_back(tmp_path):
+    # examples/lm.py --mesh through the controller: its ElasticScale moves it between shapes
+    run_dir = tmp_path / "run"
+    result, text = _run_lm(
+        "--size", "tiny", "--steps", "20", "--data", str(_corpus(tmp_path)),
+        "--mesh", "data=2,fsdp=4", "--run-dir", str(run_dir), "--no-progress",
+        "--policy-every", "5", "--val-windows", "16", "--width", "64",
+    )
+    (row,) = [r for r in text if "params+optimizer bytes per device:" in r]
+    assert row.startswith("mesh: {'data': 2, 'fsdp': 4}")
+    assert text[-1] == f"validation bits per byte: {result['bpb']:.4f}"
+    assert result["loss"] < math.log(256)  # better than a uniform guess over bytes
+    events = [json.loads(line) for line in open(run_dir / "events.jsonl")]
+    moves = [(e["mesh_from"], e["mesh_to"]) for e in events if e["kind"] == "rescale"]
+    two, one = {"data": 2, "fsdp": 4}, {"data": 1, "fsdp": 4}
+    assert moves == [(two, one), (one, two)]
+    assert [r["step"] for r in map(json.loads, open(run_dir / "metrics.jsonl"))] == list(
+        range(1, 21))
