@@ -222,3 +222,35 @@ def test_the_probe_moves_by_the_controllers_own_actions():
     visits = probe_visits(["a", "b", "c"], steps=7)
     assert sum(n for c, n in visits if c == "a") == 7  # every configuration: all its steps
     assert [c for c, _ in visits] == list("abccbaabc")
+
+
+def _tensorboard_records(folder):
+    """Every event of the TFRecord files in ``folder`` (length, crc, data, crc per record)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    events = []
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            data = f.read()
+        at = 0
+        while at < len(data):
+            n = int.from_bytes(data[at:at + 8], "little")
+            events.append(Event.FromString(data[at + 12:at + 12 + n]))
+            at += 12 + n + 4
+    return events
+
+
+def test_a_steps_metrics_are_one_tensorboard_event_with_every_scalar(tmp_path):
+    log = adaptjax.RunLog(tmp_path, tensorboard=True)
+    rows = {1: {"loss": 2.5, "noise_scale": 40.0, "batch_size": 32, "codec": "none"},
+            2: {"loss": 2.25, "noise_scale": 44.0, "batch_size": 64, "codec": "none"}}
+    for step, row in rows.items():
+        log.metrics(step, row)
+    log.event("rescale", step=2, latency_s=0.5)
+    log.close()
+    written = [e for e in _tensorboard_records(tmp_path / "tensorboard") if e.summary.value]
+    assert [e.step for e in written] == [1, 2, 2]
+    for event, (step, row) in zip(written, rows.items(), strict=False):
+        values = {v.tag: v.simple_value for v in event.summary.value}
+        assert values == {k: v for k, v in row.items() if k != "codec"}, step
+    assert {v.tag: v.simple_value for v in written[2].summary.value} == {"latency/rescale": 0.5}
