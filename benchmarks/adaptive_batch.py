@@ -30,7 +30,8 @@ measured along the way.
 
 **The critical batch, measured.** Each adaptive run is probed at a quarter,
 half and three quarters of its budget (``Probe(--probe-sizes, steps=
---probe-steps, lr_rule=--probe-lr-rule)``, see :class:`adaptjax.policies.Probe`):
+--probe-steps, lr_rule=--probe-lr-rule, lr_multipliers=--probe-lr-multipliers)``,
+see :class:`adaptjax.policies.Probe`):
 the controller branches from the live state, trains each size on the same
 samples and fits the critical batch, leaving the run itself bit-exact. Its
 critical batch is printed beside the noise scale measured at the same step,
@@ -46,9 +47,18 @@ batch-32 state moved the loss by -0.002 to +0.026 depending on the samples,
 the size of the drops themselves. Evaluation noise was not the cause (1,024
 and 8,192 evaluation samples gave drops within 0.004). The drops need not
 follow ΔL(B) = ΔL_max / (1 + B_crit / B): at equal tokens that model makes
-them fall with B, and on this LM they rose to 32-64 (from batch 16) or to 128
-(from batch 32) on every offset, which the fit reads as a large or infinite
-critical batch.
+them fall with B, and on this LM, at the rule's rate alone, they rose to
+32-64 (from batch 16) or to 128 (from batch 32) on every offset, which the fit
+reads as a large or infinite critical batch. The reason is the rate: swept by
+factors 1/16-4 from a batch-32 state (600 steps in), every batch's best loss
+came at 1/4 of the rule's rate, with drops of 0.105 / 0.104 / 0.078 at batch
+8 / 32 / 128 against 0.013 / 0.038 / 0.047 at the rule's rate, and those fit
+B_crit = 332. Hence the default sweep, ``--probe-lr-multipliers 0.125 0.25
+0.5 1``, four branches per batch: each batch is compared at its best rate.
+That best rate is the best one for the next few thousand samples, well below
+the run's: a short branch gains most from lowering the rate (the noise of the
+run's iterates settles), so the probe measures the critical batch of that
+short horizon.
 
 **Profiles.** ``--measure-profile`` times the controller's step at each size
 on this machine (the accelerator, where there is one: ``devices`` = the
@@ -374,6 +384,9 @@ def build_parser():
                         help="optimizer steps of the largest probe branch (0: no probes)")
     parser.add_argument("--probe-lr-rule", default="adascale", choices=LR_RULES,
                         help="the probe branches' learning-rate rule from the run's batch")
+    parser.add_argument("--probe-lr-multipliers", type=float, nargs="+",
+                        default=[0.125, 0.25, 0.5, 1.0],
+                        help="factors on each branch's rate; each batch's best loss counts")
     return parser
 
 
@@ -390,6 +403,9 @@ def check_args(parser, args):
     if args.probe_steps < 0 or (args.probe_steps and (
             len(args.probe_sizes) < 3 or args.probe_sizes[0] % args.devices)):
         parser.error("--probe-sizes: give 3+ sizes, multiples of --devices; --probe-steps >= 0")
+    if not all(0 < m < math.inf for m in args.probe_lr_multipliers):
+        parser.error(f"--probe-lr-multipliers: every factor must be > 0 and finite, got "
+                     f"{args.probe_lr_multipliers}")
     for name in args.variants:
         try:
             variant_policy(name, args.sizes[-1])
@@ -433,7 +449,8 @@ def run_all(data, cfg, args, devices, budget):
         probe = None
         if args.probe_steps:
             probe = ajp.Probe(args.probe_sizes, steps=args.probe_steps,
-                              lr_rule=args.probe_lr_rule)
+                              lr_rule=args.probe_lr_rule,
+                              lr_multipliers=args.probe_lr_multipliers)
         for name in args.variants:
             policy = variant_policy(name, large)
             r = train(data, cfg, batch=small, lr=args.lr, policies=[policy], probe=probe,
@@ -460,8 +477,9 @@ def print_probes(runs, name, context):
             if math.isfinite(ratio):
                 ratios.append(ratio)
             batch = r["sizes"][e["step"] - 1]
-            drops = " ".join(f"{b}:{d:+.4f}" for b, d in zip(e["batch_sizes"], e["drops"],
-                                                              strict=True))
+            best = e.get("lr_multipliers") or [None] * len(e["drops"])
+            drops = " ".join(f"{b}:{d:+.4f}" + (f" (x{m:g})" if m is not None else "")
+                             for b, d, m in zip(e["batch_sizes"], e["drops"], best, strict=True))
             print(f"{seed:>4} {e['step']:>6} {sum(r['sizes'][:e['step']]) * context:>9} "
                   f"{batch:>5} | {phi:>11.1f} | {c:>14.1f} | {ratio:>6.2f} | "
                   f"{e['latency_s']:>7.1f} | {drops}")

@@ -338,15 +338,21 @@ class Probe:
       steps: optimizer steps of the largest branch, >= 1.
       lr_rule: ``"sqrt"`` (Adam), ``"linear"`` (SGD), ``"none"`` or
         ``"adascale"`` (see ``lr_scale``).
+      lr_multipliers: factors on each branch's scaled learning rate, each > 0
+        (kept sorted, distinct). A batch trains once per factor and its lowest
+        loss counts: the loss at the best rate for its batch, which the model
+        ΔL(B) = ΔL_max / (1 + B_crit / B) assumes (Merrill et al. tune each
+        branch's rate alike). ``(1.0,)``: the rule's rate alone.
 
     Example:
       >>> Probe(batch_sizes=[128, 32, 64], steps=20)
-      Probe(batch_sizes=(32, 64, 128), steps=20, lr_rule='sqrt')
+      Probe(batch_sizes=(32, 64, 128), steps=20, lr_rule='sqrt', lr_multipliers=(1.0,))
     """
 
     batch_sizes: tuple[int, ...]
     steps: int = 10
     lr_rule: str = "sqrt"
+    lr_multipliers: tuple[float, ...] = (1.0,)
     reason: str = dataclasses.field(default="", compare=False, repr=False, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -374,6 +380,20 @@ class Probe:
             raise ValueError(
                 f"{owner}: unknown lr_rule {short_repr(self.lr_rule)}; use one of {allowed}"
             )
+        object.__setattr__(self, "lr_multipliers", _multipliers(self.lr_multipliers, owner))
+
+
+def _multipliers(value: Any, owner: str) -> tuple[float, ...]:
+    """``value`` as a sorted tuple of distinct finite floats > 0, at least one."""
+    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+        raise ValueError(
+            f"{owner}: lr_multipliers must be a tuple of numbers, got {short_repr(value)}"
+        )
+    factors = sorted({check_float(m, owner=owner, name="every lr multiplier", low=0.0,
+                                  low_open=True) for m in value})
+    if not factors:
+        raise ValueError(f"{owner}: lr_multipliers needs at least one factor, got ()")
+    return tuple(factors)
 
 
 #: The action classes, as a tuple (for ``isinstance``).

@@ -168,7 +168,8 @@ class CriticalBatchProbe(StatefulPolicy):
     ``critical_batch`` back: without explicit ``sizes`` the next probe's sizes
     are centred on the larger of the current batch and the last measurement
     (c/4, c/2, c, 2c, 4c, powers of two times the replicas x micro-batches,
-    at most ``max_batch_size``).
+    at most ``max_batch_size``); after an infinite one (the drops grew with
+    the batch up to the largest size), on twice the last probe's largest size.
 
     Args:
       every: steps between probes, >= 1.
@@ -179,6 +180,8 @@ class CriticalBatchProbe(StatefulPolicy):
       lr_rule: how a branch's learning rate follows its batch from the current
         one (``"sqrt"``, the rule for Adam; see :func:`lr_scale`).
       max_batch_size: the largest branch batch ``sizes=None`` may choose (``None``: no limit).
+      lr_multipliers: factors on each branch's learning rate, the best loss of
+        each batch counting (see :class:`Probe`); ``(1.0,)``: the rule's rate alone.
 
     Example:
       >>> from adaptjax.policies import Context, CriticalBatchProbe
@@ -186,7 +189,7 @@ class CriticalBatchProbe(StatefulPolicy):
       >>> ctx = Context(step=0, batch_size=64, microbatches=1, devices=8, max_devices=8,
       ...               hyperparams={})
       >>> policy.decide({}, ctx)
-      [Probe(batch_sizes=(32, 64, 128, 256), steps=20, lr_rule='sqrt')]
+      [Probe(batch_sizes=(32, 64, 128, 256), steps=20, lr_rule='sqrt', lr_multipliers=(1.0,))]
       >>> policy.decide({"critical_batch": 180.0}, ctx)  # not due until step 500
       []
     """
@@ -197,6 +200,7 @@ class CriticalBatchProbe(StatefulPolicy):
     start: int = dataclasses.field(default=0, kw_only=True)
     lr_rule: str = dataclasses.field(default="sqrt", kw_only=True)
     max_batch_size: int | None = dataclasses.field(default=None, kw_only=True)
+    lr_multipliers: tuple[float, ...] = dataclasses.field(default=(1.0,), kw_only=True)
 
     def __post_init__(self) -> None:
         owner = "CriticalBatchProbe"
@@ -209,14 +213,18 @@ class CriticalBatchProbe(StatefulPolicy):
         check_choice(self.lr_rule, LR_RULES, owner=owner, name="lr_rule")
         object.__setattr__(self, "max_batch_size", check_optional_int(
             self.max_batch_size, owner=owner, name="max_batch_size", minimum=1))
-        if self.sizes is not None:  # checked as the action checks them
-            probe = Probe(self.sizes, steps=self.steps, lr_rule=self.lr_rule)
+        # sizes and multipliers are checked as the action checks them
+        probe = Probe(self.sizes or (1, 2, 3), steps=self.steps, lr_rule=self.lr_rule,
+                      lr_multipliers=self.lr_multipliers)
+        object.__setattr__(self, "lr_multipliers", probe.lr_multipliers)
+        if self.sizes is not None:
             object.__setattr__(self, "sizes", probe.batch_sizes)
         super().__post_init__()
 
     def _initial_state(self) -> dict:
-        # last_probe: the step of the last request; measured: [[step, critical_batch], ...]
-        return {"last_probe": None, "measured": []}
+        # last_probe: the step of the last request; last_top: its largest batch;
+        # measured: [[step, critical_batch], ...] (inf: above the sizes probed)
+        return {"last_probe": None, "last_top": None, "measured": []}
 
     def _due(self, ctx: Context) -> bool:
         last = self._state["last_probe"]
@@ -224,10 +232,13 @@ class CriticalBatchProbe(StatefulPolicy):
 
     def _probe(self, ctx: Context) -> Probe | None:
         if self.sizes is not None:
-            return Probe(self.sizes, steps=self.steps, lr_rule=self.lr_rule)
+            return self._make(self.sizes)
         unit = ctx.devices * ctx.microbatches
         measured = self._state["measured"]
-        centre = max(ctx.batch_size, measured[-1][1] if measured else 0.0)
+        last = measured[-1][1] if measured else 0.0
+        if last == math.inf:  # the drops never fell: look above the last probe's sizes
+            last = 2.0 * (self._state.get("last_top") or ctx.batch_size)
+        centre = max(ctx.batch_size, last)
         top = self.max_batch_size or math.inf
         sizes = set()
         for k in range(-2, 3):
@@ -236,12 +247,19 @@ class CriticalBatchProbe(StatefulPolicy):
                 sizes.add(int(m))
         if len(sizes) < 3:
             return None  # max_batch_size leaves no room for three branches
-        return Probe(tuple(sorted(sizes)), steps=self.steps, lr_rule=self.lr_rule)
+        return self._make(tuple(sorted(sizes)))
+
+    def _make(self, sizes: tuple[int, ...]) -> Probe:
+        return Probe(sizes, steps=self.steps, lr_rule=self.lr_rule,
+                     lr_multipliers=self.lr_multipliers)
 
     def _remember(self, metrics: Mapping[str, float], ctx: Context) -> None:
         """Keeps a new ``critical_batch`` reading (a value held from an earlier probe is not new:
-        ``critical_batch_step``, where given, names the step it was measured at)."""
+        ``critical_batch_step``, where given, names the step it was measured at). ``inf`` (the
+        drops grew with the batch over every size probed) is kept: the next probe looks higher."""
         value = read_metric(metrics, "critical_batch")
+        if value is None and metrics and metrics.get("critical_batch") == math.inf:
+            value = math.inf
         if value is None:
             return
         at = read_metric(metrics, "critical_batch_step")
@@ -261,6 +279,7 @@ class CriticalBatchProbe(StatefulPolicy):
         if probe is None:
             return []
         self._state["last_probe"] = ctx.step
+        self._state["last_top"] = probe.batch_sizes[-1]
         why = f"CriticalBatchProbe: every {self.every} steps (last: {measured[-1][1]:.4g})" \
             if measured else f"CriticalBatchProbe: every {self.every} steps (first probe)"
         return [dataclasses.replace(probe, reason=why)]

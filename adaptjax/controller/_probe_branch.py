@@ -20,8 +20,10 @@ the state the run is in (its dispatched steps recorded), every branch
   in the copy only);
 
 and is then evaluated on the E samples that follow the T (E = T, at least
-:data:`MIN_EVAL_SAMPLES`), as is the state the branches started from. The
-drops L0 - L_B are fitted by :func:`adaptjax.policies.fit_critical_batch`.
+:data:`MIN_EVAL_SAMPLES`), as is the state the branches started from. With
+``lr_multipliers`` a batch trains once per factor on its rate and its lowest
+loss counts. The drops L0 - L_B are fitted by
+:func:`adaptjax.policies.fit_critical_batch`.
 Nothing of the main run changes: its state, data cursor, metrics and step
 count are those of a run that never probed.
 
@@ -93,6 +95,7 @@ class Branch:
     steps: int
     learning_rate: float | None  # None: the rule is "none" and the state's rate stays
     nu_scale: float | None = None  # the factor on Adam's ν; None: ν stays
+    lr_multiplier: float = 1.0  # the probe's factor on the rule's rate (in learning_rate)
 
 
 def branch_lr_factor(rule: str, scale: float, metrics: Mapping[str, float],
@@ -147,6 +150,30 @@ def scale_second_moment(opt_state, factor: float):
     return jax.tree.map(scale, opt_state, is_leaf=is_moment)
 
 
+def best_per_batch(branches: list[Branch], losses: list[float]) -> tuple[list[Branch], list[float]]:
+    """Per batch size (in order), the branch of lowest loss and that loss (NaN counts as worst).
+
+    Example:
+      >>> from adaptjax.controller._probe_branch import Branch, best_per_batch
+      >>> from adaptjax.controller._run_config import RunConfig
+      >>> c8, c16 = RunConfig(devices=1, batch_size=8), RunConfig(devices=1, batch_size=16)
+      >>> branches = [Branch(c8, 4, 0.1, None, 1.0), Branch(c8, 4, 0.2, None, 2.0),
+      ...             Branch(c16, 2, 0.1, None, 1.0), Branch(c16, 2, 0.2, None, 2.0)]
+      >>> best, losses = best_per_batch(branches, [2.0, 1.5, 1.8, float("nan")])
+      >>> [(b.config.batch_size, b.lr_multiplier) for b in best], losses
+      ([(8, 2.0), (16, 1.0)], [1.5, 1.8])
+    """
+    def rank(loss: float) -> tuple[bool, float]:
+        return math.isnan(loss), loss
+
+    chosen: dict[int, tuple[Branch, float]] = {}
+    for branch, loss in zip(branches, losses, strict=True):
+        b = branch.config.batch_size
+        if b not in chosen or rank(loss) < rank(chosen[b][1]):
+            chosen[b] = (branch, loss)
+    return [c[0] for c in chosen.values()], [c[1] for c in chosen.values()]
+
+
 def _finite(x: object) -> TypeGuard[float]:
     return isinstance(x, int | float) and math.isfinite(x)
 
@@ -158,7 +185,8 @@ def plan_branches(probe: ajp.Probe, config: RunConfig, plan: Callable[[list], Ru
 
     Each size goes through ``plan`` (the controller's transition planning:
     rounded to a multiple of replicas x micro-batches); sizes that round alike
-    are one branch.
+    are one batch. Each batch has one branch per ``probe.lr_multipliers``
+    factor, in the order of the factors.
     """
     configs = sorted({plan([ajp.SetBatchSize(b)]) for b in probe.batch_sizes},
                      key=lambda c: c.batch_size)
@@ -167,9 +195,12 @@ def plan_branches(probe: ajp.Probe, config: RunConfig, plan: Callable[[list], Ru
                 f"{[c.batch_size for c in configs]} on {config.devices} replicas x "
                 f"{config.microbatches} micro-batches: fewer than 3 branches")
     lr = hyperparams.get(LR_KEY)
-    if probe.lr_rule != "none" and lr is None:
-        return (f"lr_rule={probe.lr_rule!r} scales the hyperparameter {LR_KEY!r}, which this "
-                f"optimizer does not have ({sorted(hyperparams)}); use lr_rule='none'")
+    sweep = probe.lr_multipliers != (1.0,)
+    if (probe.lr_rule != "none" or sweep) and lr is None:
+        what = (f"lr_multipliers={probe.lr_multipliers}" if probe.lr_rule == "none"
+                else f"lr_rule={probe.lr_rule!r}")
+        return (f"{what} scales the hyperparameter {LR_KEY!r}, which this optimizer does not "
+                f"have ({sorted(hyperparams)}); use lr_rule='none' and lr_multipliers=(1.0,)")
     total = probe.steps * configs[-1].batch_size
     branches = []
     for c in configs:
@@ -179,10 +210,12 @@ def plan_branches(probe: ajp.Probe, config: RunConfig, plan: Callable[[list], Ru
             return ("lr_rule='adascale' needs grad_variance and grad_sqnorm (or a valid "
                     "noise_scale) in the recorded metrics; monitor the noise scale or use "
                     "lr_rule='sqrt'")
-        rate = None if probe.lr_rule == "none" or lr is None else lr * factor
         # "adascale" for Adam: lr x sqrt(r) and nu / r, i.e. nu at batch B (module docstring)
         nu = 1.0 / factor**2 if probe.lr_rule == "adascale" and not sgd else None
-        branches.append(Branch(c, total // c.batch_size, rate, nu))
+        for m in probe.lr_multipliers:
+            rate = None if lr is None or (probe.lr_rule == "none" and not sweep) \
+                else lr * factor * m
+            branches.append(Branch(c, total // c.batch_size, rate, nu, m))
     return branches, total
 
 
@@ -232,22 +265,28 @@ class ProbeRunner:
         evaluate, eval_samples = self._evaluator(config, state, cursor + total,
                                                  max(total, MIN_EVAL_SAMPLES), chunk)
         start = evaluate(state)
-        events, losses = [], []
+        events, all_losses = [], []
         for branch in branches:
             end, compiled = self._train(branch, state, cursor)
-            losses.append(evaluate(end))
+            all_losses.append(evaluate(end))
             if compiled is not None:
                 events.append(compiled)
+        best, losses = best_per_batch(branches, all_losses)
         drops = [start - loss for loss in losses]
-        sizes = [b.config.batch_size for b in branches]
+        sizes = [b.config.batch_size for b in best]
         event: dict[str, Any] = {
-            "kind": "probe", "batch_sizes": sizes, "branch_steps": [b.steps for b in branches],
-            "learning_rates": [b.learning_rate for b in branches], "lr_rule": probe.lr_rule,
+            "kind": "probe", "batch_sizes": sizes, "branch_steps": [b.steps for b in best],
+            "learning_rates": [b.learning_rate for b in best], "lr_rule": probe.lr_rule,
             "samples": total, "eval_samples": eval_samples, "loss_start": start,
             "losses": losses, "drops": drops, "noise_scale": metrics.get("noise_scale"),
         }
+        if probe.lr_multipliers != (1.0,):  # the sweep: every branch's loss, by batch
+            event["lr_multipliers"] = [b.lr_multiplier for b in best]
+            event["sweep"] = {str(b.config.batch_size): [] for b in best}
+            for b, loss in zip(branches, all_losses, strict=True):
+                event["sweep"][str(b.config.batch_size)].append([b.lr_multiplier, loss])
         try:
-            fit = ajp.fit_critical_batch(sizes, drops, steps=[b.steps for b in branches])
+            fit = ajp.fit_critical_batch(sizes, drops, steps=[b.steps for b in best])
         except ValueError as error:  # e.g. a branch that diverged: nothing to fit
             fit = ajp.CriticalBatchFit(math.nan, math.nan, math.nan)
             event["error"] = str(error)

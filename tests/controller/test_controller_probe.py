@@ -114,7 +114,10 @@ def test_a_probe_leaves_the_main_run_bit_exact(tmp_path):
     assert f"| {event['step']} | 8, 16, 32 | " in text
 
 
-def test_the_probe_finds_the_analytic_critical_batch_of_linear_regression(tmp_path):
+@pytest.mark.parametrize("multipliers", [(1.0,), (0.5, 1.0, 2.0)], ids=["rule", "sweep"])
+def test_the_probe_finds_the_analytic_critical_batch_of_linear_regression(tmp_path, multipliers):
+    # a sweep: at c x the best rate, c << 1, a step's drop (2c - c²) ΔL_max / (1 + B_simple / B)
+    # grows with c, so every batch's best factor is the largest, and B_crit stays B_simple
     delta = np.full(D, 0.125, np.float32)  # |δ|² = 0.25
     g2 = float(delta @ delta)
     b_simple = ((D + 1) * g2 + D * SIGMA**2) / g2  # 81
@@ -124,7 +127,7 @@ def test_the_probe_finds_the_analytic_critical_batch_of_linear_regression(tmp_pa
     n = 32768
     x = rng.normal(size=(n, D)).astype(np.float32)
     y = (SIGMA * rng.normal(size=n)).astype(np.float32)  # w* = 0
-    probe = ajp.Probe((4, 8, 16, 32, 64), steps=1, lr_rule="adascale")
+    probe = ajp.Probe((4, 8, 16, 32, 64), steps=1, lr_rule="adascale", lr_multipliers=multipliers)
     ctrl = adaptjax.Controller(
         model={"w": jnp.asarray(delta)},
         loss_fn=lambda p, b: 0.5 * jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
@@ -140,9 +143,19 @@ def test_the_probe_finds_the_analytic_critical_batch_of_linear_regression(tmp_pa
     assert event["batch_sizes"] == [4, 8, 16, 32, 64]
     assert event["branch_steps"] == [16, 8, 4, 2, 1]
     assert event["critical_batch"] == pytest.approx(b_simple, rel=0.15)
-    # each branch at c x its own best rate (the monitor's σ², μ² within their error)
-    best = [c / (1 + b_simple / b) for b in event["batch_sizes"]]
+    # each batch's chosen branch at c x m x its own best rate (the monitor's σ², μ² within
+    # their error), m the largest factor; its loss the lowest of the batch's branches
+    top = max(multipliers)
+    best = [top * c / (1 + b_simple / b) for b in event["batch_sizes"]]
     assert event["learning_rates"] == pytest.approx(best, rel=0.15)
+    if multipliers == (1.0,):
+        assert "sweep" not in event and "lr_multipliers" not in event
+        return
+    assert event["lr_multipliers"] == [top] * 5
+    for b, loss in zip(event["batch_sizes"], event["losses"], strict=True):
+        sweep = event["sweep"][str(b)]
+        assert [m for m, _ in sweep] == list(multipliers)
+        assert loss == min(x for _, x in sweep)
 
 
 def test_a_dataset_without_batch_at_skips_the_probe_and_says_why(tmp_path):
@@ -211,3 +224,28 @@ def test_a_second_moment_divided_by_r_enters_adams_next_update():
     mu = b1 * (1 - b1) * g + (1 - b1) * g
     expected = -lr * (mu / (1 - b1**2)) / np.sqrt(nu / (1 - b2**2))
     np.testing.assert_allclose(update["w"], expected, rtol=1e-4)  # float32
+
+
+def test_a_sweep_branches_every_batch_once_per_factor_on_its_rules_rate():
+    from adaptjax.controller._probe_branch import plan_branches
+    from adaptjax.controller._run_config import RunConfig
+
+    config = RunConfig(devices=2, batch_size=16)
+    plan = lambda actions: config.replace(batch_size=actions[0].batch_size)  # noqa: E731
+    sweep = ajp.Probe((8, 16, 64), steps=2, lr_rule="sqrt", lr_multipliers=(0.5, 2.0))
+    branches, total = plan_branches(sweep, config, plan, {"learning_rate": 0.1}, {}, sgd=False)
+    assert total == 128
+    assert [(b.config.batch_size, b.steps, b.lr_multiplier) for b in branches] == [
+        (8, 16, 0.5), (8, 16, 2.0), (16, 8, 0.5), (16, 8, 2.0), (64, 2, 0.5), (64, 2, 2.0)]
+    rule = [(8 / 16) ** 0.5] * 2 + [1.0] * 2 + [2.0] * 2
+    assert [b.learning_rate for b in branches] == pytest.approx(
+        [0.1 * r * m for r, m in zip(rule, [0.5, 2.0] * 3, strict=True)])
+    # lr_rule="none": the run's rate times each factor
+    none = ajp.Probe((8, 16, 64), steps=2, lr_rule="none", lr_multipliers=(0.5, 2.0))
+    branches, _ = plan_branches(none, config, plan, {"learning_rate": 0.1}, {}, sgd=False)
+    assert [b.learning_rate for b in branches] == pytest.approx([0.05, 0.2] * 3)
+    # an optimizer without a learning rate: a reason, not a crash
+    why = plan_branches(none, config, plan, {"momentum": 0.9}, {}, sgd=False)
+    assert why == ("lr_multipliers=(0.5, 2.0) scales the hyperparameter 'learning_rate', which "
+                   "this optimizer does not have (['momentum']); use lr_rule='none' and "
+                   "lr_multipliers=(1.0,)")

@@ -117,6 +117,14 @@ def test_probe_action_is_normalised_and_checked():
         ({"batch_sizes": "8,16,32"}, "Probe: batch_sizes must be a tuple of ints"),
         ({"batch_sizes": (8, 16, 32), "steps": 0}, "Probe: steps must be"),
         ({"batch_sizes": (8, 16, 32), "lr_rule": "cube"}, "Probe: unknown lr_rule 'cube'"),
+        ({"batch_sizes": (8, 16, 32), "lr_multipliers": ()},
+         "Probe: lr_multipliers needs at least one factor, got ()"),
+        ({"batch_sizes": (8, 16, 32), "lr_multipliers": (1.0, 0.0)},
+         "Probe: every lr multiplier must be in (0, inf), got 0"),
+        ({"batch_sizes": (8, 16, 32), "lr_multipliers": (float("inf"),)},
+         "Probe: every lr multiplier must be finite, got inf"),
+        ({"batch_sizes": (8, 16, 32), "lr_multipliers": 2.0},
+         "Probe: lr_multipliers must be a tuple of numbers, got 2.0"),
     ]:
         with pytest.raises(ValueError) as error:
             ajp.Probe(**kwargs)
@@ -127,6 +135,17 @@ def test_probe_action_is_normalised_and_checked():
 def ctx(step, batch=64, devices=8, microbatches=1):
     return ajp.Context(step=step, batch_size=batch, microbatches=microbatches, devices=devices,
                        max_devices=8, hyperparams={})
+
+
+def test_probe_lr_multipliers_are_sorted_distinct_floats_and_reach_the_action():
+    probe = ajp.Probe((8, 16, 32), lr_multipliers=[2, np.float32(0.5), 1, 2])
+    assert probe.lr_multipliers == (0.5, 1.0, 2.0)
+    assert probe != ajp.Probe((8, 16, 32)) and ajp.Probe((8, 16, 32)).lr_multipliers == (1.0,)
+    policy = ajp.CriticalBatchProbe(every=10, lr_multipliers=(1, 0.25))
+    assert policy.lr_multipliers == (0.25, 1.0)
+    [asked] = policy.decide({}, ctx(0))
+    assert asked.lr_multipliers == (0.25, 1.0)
+    assert ajp.upcoming(policy, ctx(5))[0].lr_multipliers == (0.25, 1.0)
 
 
 def test_probe_policy_asks_every_n_steps_from_start():
@@ -151,6 +170,22 @@ def test_probe_sizes_follow_the_batch_and_the_last_measurement():
     assert tight.decide({}, ctx(0, batch=64)) == []  # 16 and 32 alone: too few branches
 
 
+def test_an_infinite_critical_batch_moves_the_next_probe_above_the_last_sizes():
+    policy = ajp.CriticalBatchProbe(every=100)
+    [first] = policy.decide({}, ctx(0, batch=64))
+    assert first.batch_sizes == (16, 32, 64, 128, 256)
+    # the drops grew with the batch up to 256: B_crit is above it, centre on 2 x 256
+    held = {"critical_batch": float("inf"), "critical_batch_step": 5}
+    assert policy.decide(held, ctx(50)) == []
+    [second] = policy.decide(held, ctx(100))
+    assert second.batch_sizes == (128, 256, 512, 1024, 2048)
+    assert policy.state_dict()["measured"] == [[5, float("inf")]]
+    resumed = ajp.CriticalBatchProbe(every=100)
+    resumed.load_state_dict(json.loads(json.dumps(policy.state_dict())))
+    [third] = resumed.decide(held, ctx(200))  # still infinite: centred on 2 x 2048
+    assert third.batch_sizes == (1024, 2048, 4096, 8192, 16384)
+
+
 def test_probe_policy_resumes_where_it_stopped():
     policy = ajp.CriticalBatchProbe(every=100, sizes=(8, 16, 32))
     assert policy.decide({}, ctx(0))
@@ -165,6 +200,8 @@ def test_probe_policy_bad_arguments():
         ({"every": 10, "steps": 0}, "CriticalBatchProbe: steps must be"),
         ({"every": 10, "sizes": (8, 16)}, "Probe: batch_sizes needs 3 or more distinct sizes"),
         ({"every": 10, "lr_rule": "x"}, "CriticalBatchProbe: unknown lr_rule 'x'"),
+        ({"every": 10, "lr_multipliers": (-1.0,)},
+         "Probe: every lr multiplier must be in (0, inf), got -1"),
     ]:
         with pytest.raises(ValueError) as error:
             ajp.CriticalBatchProbe(**kwargs)
