@@ -182,6 +182,11 @@ class CriticalBatchProbe(StatefulPolicy):
       max_batch_size: the largest branch batch ``sizes=None`` may choose (``None``: no limit).
       lr_multipliers: factors on each branch's learning rate, the best loss of
         each batch counting (see :class:`Probe`); ``(1.0,)``: the rule's rate alone.
+        On the byte-level LM of ``benchmarks/adaptive_batch.py --quick`` the
+        rule's rate alone read an infinite critical batch (the drops rose with
+        the batch); ``(0.125, 0.25, 0.5, 1.0)`` read 196, 264 and 323 at a
+        quarter, half and three quarters of the run (best factors 0.125-0.5),
+        at four times the probe's cost.
 
     Example:
       >>> from adaptjax.policies import Context, CriticalBatchProbe
