@@ -74,10 +74,10 @@ class RunLog:
         with self._writing(self._metrics):
             self._metrics.write(json.dumps(row) + "\n")
         if self._writer is not None:
-            self._scalars({k: v for k, v in row.items()
-                           if k != "step" and isinstance(v, float | int)}, int(step))
+            self._scalars(self._writer, {k: v for k, v in row.items()
+                                         if k != "step" and isinstance(v, float | int)}, int(step))
 
-    def _scalars(self, values: Mapping[str, float], step: int) -> None:
+    def _scalars(self, writer, values: Mapping[str, float], step: int) -> None:
         """Writes ``values`` as one TensorBoard event (a ``Summary`` with a value per key).
 
         ``SummaryWriter.add_scalar`` writes an event per scalar and converts each
@@ -86,7 +86,9 @@ class RunLog:
         ``benchmarks/controller_overhead.py``; one event of 30 values costs 0.02 ms
         to build. Tags are cleaned as ``add_scalar`` cleans them, once per key.
         """
-        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.proto.summary_pb2 import (  # generated: no stubs
+            Summary,  # pyright: ignore[reportAttributeAccessIssue]
+        )
         from tensorboardX.summary import scalar
 
         tags = self._tags
@@ -95,7 +97,7 @@ class RunLog:
                 tags[key] = scalar(key, 0.0).value[0].tag
         summary = Summary(value=[Summary.Value(tag=tags[k], simple_value=float(x))
                                  for k, x in values.items()])
-        self._writer._get_file_writer().add_summary(summary, step)
+        writer._get_file_writer().add_summary(summary, step)
 
     def event(self, kind: str, *, step: int, **fields: Any) -> None:
         """Records one event (``kind`` is e.g. ``"rescale"``), timestamped."""
