@@ -219,7 +219,8 @@ class CriticalBatchProbe(StatefulPolicy):
         object.__setattr__(self, "max_batch_size", check_optional_int(
             self.max_batch_size, owner=owner, name="max_batch_size", minimum=1))
         # sizes and multipliers are checked as the action checks them
-        probe = Probe(self.sizes or (1, 2, 3), steps=self.steps, lr_rule=self.lr_rule,
+        sizes = (1, 2, 3) if self.sizes is None else self.sizes
+        probe = Probe(sizes, steps=self.steps, lr_rule=self.lr_rule,
                       lr_multipliers=self.lr_multipliers)
         object.__setattr__(self, "lr_multipliers", probe.lr_multipliers)
         if self.sizes is not None:

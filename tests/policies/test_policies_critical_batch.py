@@ -199,6 +199,7 @@ def test_probe_policy_bad_arguments():
         ({"every": 0}, "CriticalBatchProbe: every must be"),
         ({"every": 10, "steps": 0}, "CriticalBatchProbe: steps must be"),
         ({"every": 10, "sizes": (8, 16)}, "Probe: batch_sizes needs 3 or more distinct sizes"),
+        ({"every": 10, "sizes": ()}, "Probe: batch_sizes needs 3 or more distinct sizes"),
         ({"every": 10, "lr_rule": "x"}, "CriticalBatchProbe: unknown lr_rule 'x'"),
         ({"every": 10, "lr_multipliers": (-1.0,)},
          "Probe: every lr multiplier must be in (0, inf), got -1"),
