@@ -34,12 +34,18 @@ printed per variant as well: process CPU time per step (all threads) and the
 main thread's CPU time per step, whose difference between the loops is the
 controller's own host work (reading metrics, logs, policy, progress bar).
 
+Minor page faults per step are printed for both loops, and ``--steady-malloc``
+restarts with glibc's malloc kept in one untrimmed arena, as in
+``monitor_overhead.py`` (whose docstring says why).
+
 Usage:
   python benchmarks/controller_overhead.py [--blocks 30] [--block-steps 5]
-      [--variants user,quiet] [--per-device-batch 32]
+      [--variants user,quiet] [--per-device-batch 32] [--steady-malloc]
 
-The last line is ``controller_overhead_ratio=<x>`` for the first variant
-(default ``user``: progress bar and TensorBoard on). Target: <= 1.02.
+The last line is ``controller_overhead_ratio=<x> iqr=<q25>-<q75>
+malloc=<default or steady>`` for the first variant (default ``user``: progress
+bar and TensorBoard on); the interquartile range of the paired block ratios is
+its spread. Target: <= 1.02.
 """
 
 import os
@@ -55,7 +61,14 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 # The ~2.1M-parameter MLP of monitor_overhead.py (this folder is sys.path[0] when run).
-from monitor_overhead import init_params, loss_fn, make_arrays  # noqa: E402
+from monitor_overhead import (  # noqa: E402
+    init_params,
+    loss_fn,
+    make_arrays,
+    malloc_setting,
+    minor_faults,
+    restart_with_steady_malloc,
+)
 
 import adaptjax  # noqa: E402
 from adaptjax import policies as ajp  # noqa: E402
@@ -78,6 +91,7 @@ class Alternate:
         self.ctrl_times, self.bare_times = [], []
         self.ctrl_cpu, self.bare_cpu = [], []
         self.ctrl_host, self.bare_host = [], []
+        self.ctrl_faults, self.bare_faults = [], []
 
     def __call__(self, ctrl):
         if ctrl.step % self.block_steps:
@@ -88,12 +102,14 @@ class Alternate:
             self.ctrl_times.append(now - self.t_start)
             self.ctrl_cpu.append(cpu - self.t_cpu)
             self.ctrl_host.append(host - self.t_host)
+            self.ctrl_faults.append(minor_faults() - self.t_faults)
         if self.step_fn is None:
             # The controller's own compiled step for its configuration, and a
             # private copy of its (donated) state for the bare loop.
             self.step_fn = ctrl.steps.step(ctrl.config)
             self.batch_size = ctrl.config.batch_size
             self.state = jax.tree.map(lambda x: jax.device_put(np.array(x), x.sharding), ctrl.state)
+        f0 = minor_faults()
         t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
         state = self.state
         for _ in range(self.block_steps):
@@ -102,7 +118,9 @@ class Alternate:
         self.bare_times.append(time.perf_counter() - t0)
         self.bare_cpu.append(time.process_time() - c0)
         self.bare_host.append(time.thread_time() - h0)
+        self.bare_faults.append(minor_faults() - f0)
         self.state = state
+        self.t_faults = minor_faults()
         self.t_start, self.t_cpu = time.perf_counter(), time.process_time()
         self.t_host = time.thread_time()
 
@@ -133,6 +151,9 @@ def measure(variant, args, arrays):
         ctrl.close()
     w = args.warmup_blocks
     out = {"compilations": compilations}
+    steps = args.blocks * args.block_steps
+    out["faults"] = {"ctrl": sum(hook.ctrl_faults[w:]) / steps,
+                     "bare": sum(hook.bare_faults[w:]) / steps}
     for kind, ctrl_x, bare_x in (
         ("wall", hook.ctrl_times, hook.bare_times),
         ("cpu", hook.ctrl_cpu, hook.bare_cpu),
@@ -168,7 +189,12 @@ def main():
         help="comma list of user (progress bar + TensorBoard, the defaults) and quiet (both off); "
         "the last line reports the first",
     )
+    parser.add_argument("--steady-malloc", action="store_true",
+                        help="restart with glibc's malloc kept in one untrimmed arena "
+                        "(see monitor_overhead.py)")
     args = parser.parse_args()
+    if args.steady_malloc:
+        restart_with_steady_malloc()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
@@ -181,7 +207,8 @@ def main():
     print(
         f"params={n_params} devices={DEVICES} per_device_batch={args.per_device_batch} "
         f"block_steps={args.block_steps} blocks={args.blocks} warmup_blocks={args.warmup_blocks} "
-        f"policy=ReduceLROnPlateau(never acts) every 10 steps, checkpoints off, eval off"
+        f"policy=ReduceLROnPlateau(never acts) every 10 steps, checkpoints off, eval off, "
+        f"malloc {malloc_setting()}"
     )
     results = {}
     for variant in variants:
@@ -204,13 +231,17 @@ def main():
                 f"{m['ratio_of_medians']:.4f}",
                 flush=True,
             )
+        print(f"  page faults/step: bare {r['faults']['bare']:.0f}, "
+              f"controller {r['faults']['ctrl']:.0f}", flush=True)
         extra = r["host"]["ctrl_ms"] - r["host"]["bare_ms"]
         print(
             f"  controller host work: {extra:+.2f} ms/step on the main thread = "
             f"{extra / r['wall']['bare_ms']:+.2%} of a bare step if none of it overlapped",
             flush=True,
         )
-    print(f"controller_overhead_ratio={results[variants[0]]['wall']['ratio']:.4f}")
+    first = results[variants[0]]["wall"]
+    print(f"controller_overhead_ratio={first['ratio']:.4f} iqr={first['q25']:.4f}-"
+          f"{first['q75']:.4f} malloc={malloc_setting()}")
 
 
 if __name__ == "__main__":

@@ -18,19 +18,34 @@ every variant sees the same gradients at every step: the spread of the chunked
 noise scale around the exact one (``norm_chunks=1``) at the same step is the
 variance that chunking adds to the estimate.
 
+Each variant's minor page faults per step are printed beside its time. On
+XLA:CPU a step's temporary buffers (16 MB per device here) are malloc'ed and
+freed every step; with glibc's default per-thread arenas a freed heap can go
+back to the OS and be faulted in and zeroed again on the next step. Which
+program that happens to depends on the process (0 to about 4,000 faults per
+step here, for the plain and the monitored step alike), and it moved the
+monitored/plain ratio between 1.02 and 1.16 from run to run. ``--steady-malloc``
+restarts the benchmark with :data:`STEADY_MALLOC` in its environment (one
+arena, no trimming), which keeps those buffers mapped: the remaining ratio is
+what the monitors cost.
+
 Usage:
   python benchmarks/monitor_overhead.py [--steps 250] [--norm-chunks 1 16]
+      [--steady-malloc]
 
 The last line is ``monitor_overhead_ratio=<monitored median / plain median>
 monitor_overhead_vs_sync=<monitored median / sync median>`` for the last
 ``--norm-chunks`` value (the library's default unless given); ``sync`` is
 ``adaptjax.sync_gradients`` without monitors, so the second ratio is what the
-monitors alone cost.
+monitors alone cost. It ends with ``noise_floor=<identical copy / plain>
+malloc=<default or steady>``.
 """
 
 import argparse
 import inspect
 import os
+import resource
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -43,6 +58,33 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import adaptjax  # noqa: E402
+
+#: glibc malloc settings that keep freed memory mapped in one arena (read at process start).
+STEADY_MALLOC = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_TRIM_THRESHOLD_": str(4 << 30),
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+}
+
+
+def restart_with_steady_malloc():
+    """Re-executes this script with :data:`STEADY_MALLOC` set, unless it already is."""
+    if all(os.environ.get(k) == v for k, v in STEADY_MALLOC.items()):
+        return
+    os.environ.update(STEADY_MALLOC)
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+def malloc_setting():
+    """``"steady"`` when :data:`STEADY_MALLOC` is in force, else ``"default"``."""
+    steady = all(os.environ.get(k) == v for k, v in STEADY_MALLOC.items())
+    return "steady" if steady else "default"
+
+
+def minor_faults():
+    """This process's minor page faults so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
 
 SIZES = (784, 1024, 1024, 256, 10)  # 784*1024 + 1024*1024 + 1024*256 + 256*10 ≈ 2.1M
 
@@ -110,7 +152,12 @@ def main():
         help="rotating-chunk sampling of the norm passes (1 = exact); several settings "
         "are measured side by side",
     )
+    parser.add_argument("--steady-malloc", action="store_true",
+                        help="restart with glibc's malloc kept in one untrimmed arena "
+                        "(see the docstring)")
     args = parser.parse_args()
+    if args.steady_malloc:
+        restart_with_steady_malloc()
 
     mesh = adaptjax.make_mesh(8)
     per_device = 32
@@ -153,6 +200,7 @@ def main():
             jax.block_until_ready(states[key])
     keys = list(states)
     times = {key: [] for key in keys}
+    faults = {name: 0 for name in variants}
     noise = {name: [] for name in variants if name.startswith("chunks=")}
     order = np.random.default_rng(0)
     for t in range(args.steps):
@@ -160,10 +208,12 @@ def main():
         # A fresh order each round: load that drifts within a round biases no variant.
         for k in order.permutation(len(keys)):
             key = keys[k]
+            f0 = minor_faults()
             t0 = time.perf_counter()
             states[key] = steps[key[0]](*states[key], batch)
             jax.block_until_ready(states[key])
             times[key].append(time.perf_counter() - t0)
+            faults[key[0]] += minor_faults() - f0
         for name in noise:  # read after timing: not part of the step
             noise[name].append(adaptjax.read_metrics(states[name, 0][1])["noise_scale"])
     # a round's time for a variant: the mean over its instances
@@ -174,10 +224,12 @@ def main():
         f"params={n_params} devices=8 per_device_batch={per_device} steps={args.steps} "
         f"monitor_every={args.monitor_every} norm_chunks={args.norm_chunks} "
         f"(library default {default_chunks}), {args.instances} instances of each "
-        f"(load average {os.getloadavg()[0]:.1f})"
+        f"(load average {os.getloadavg()[0]:.1f}), malloc {malloc_setting()}"
     )
+    per_step = args.steps * args.instances
     for name in variants:
-        print(f"{name:>12}: median {med[name] * 1e3:8.2f} ms  ratio {med[name] / med['plain']:.4f}")
+        print(f"{name:>12}: median {med[name] * 1e3:8.2f} ms  ratio {med[name] / med['plain']:.4f}"
+              f"  page faults/step {faults[name] / per_step:7.0f}")
     print(f"noise floor (identical steps): {med['plain_again'] / med['plain']:.4f}")
     exact = np.asarray(noise.get("chunks=1", []))
     for name, values in noise.items():
@@ -192,7 +244,8 @@ def main():
         )
     last = f"chunks={args.norm_chunks[-1]}"
     print(f"monitor_overhead_ratio={med[last] / med['plain']:.4f} "
-          f"monitor_overhead_vs_sync={med[last] / med['sync']:.4f}")
+          f"monitor_overhead_vs_sync={med[last] / med['sync']:.4f} "
+          f"noise_floor={med['plain_again'] / med['plain']:.4f} malloc={malloc_setting()}")
 
 
 if __name__ == "__main__":
