@@ -233,7 +233,7 @@ def main():
     print(f"noise floor (identical steps): {med['plain_again'] / med['plain']:.4f}")
     exact = np.asarray(noise.get("chunks=1", []))
     for name, values in noise.items():
-        if name == "chunks=1":
+        if name == "chunks=1" or not exact.size:  # nothing exact to compare with
             continue
         rel = np.asarray(values)[20:] / exact[20:] - 1.0  # after the EMA's first steps
         own = np.std(exact[20:]) / np.mean(exact[20:])
