@@ -151,9 +151,10 @@ def measure(variant, args, arrays):
         ctrl.close()
     w = args.warmup_blocks
     out = {"compilations": compilations}
-    steps = args.blocks * args.block_steps
-    out["faults"] = {"ctrl": sum(hook.ctrl_faults[w:]) / steps,
-                     "bare": sum(hook.bare_faults[w:]) / steps}
+    out["faults"] = {  # per step, over the measured blocks
+        kind: float(np.mean(x[w:])) / args.block_steps
+        for kind, x in (("ctrl", hook.ctrl_faults), ("bare", hook.bare_faults))
+    }
     for kind, ctrl_x, bare_x in (
         ("wall", hook.ctrl_times, hook.bare_times),
         ("cpu", hook.ctrl_cpu, hook.bare_cpu),

@@ -69,7 +69,7 @@ STEADY_MALLOC = {
 
 def restart_with_steady_malloc():
     """Re-executes this script with :data:`STEADY_MALLOC` set, unless it already is."""
-    if all(os.environ.get(k) == v for k, v in STEADY_MALLOC.items()):
+    if malloc_setting() == "steady":
         return
     os.environ.update(STEADY_MALLOC)
     os.execv(sys.executable, [sys.executable, *sys.argv])
