@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from adaptjax._metric_vector import Metrics
 from adaptjax.controller._run_config import RunConfig
 
 
@@ -74,13 +76,7 @@ class MetricsReader:
     def _snapshot(self, step: int, config: RunConfig, device_metrics) -> Snapshot:
         values = jax.device_get(device_metrics)
         now = time.perf_counter()
-        flat: dict[str, float] = {}
-        for key, value in values.items():
-            if key == "aux":
-                for path, leaf in jax.tree_util.tree_leaves_with_path(value):
-                    flat["aux" + jax.tree_util.keystr(path)] = float(np.asarray(leaf))
-            else:
-                flat[key] = float(np.asarray(value))
+        flat = _floats(values)
         skipped = flat.get("nonfinite", 0.0) > 0
         self.nonfinite_count += int(skipped)
         self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
@@ -93,7 +89,7 @@ class MetricsReader:
         self._last_ready = now
         times = self._times.get(config)
         if times:
-            step_time = float(np.median(times))
+            step_time = statistics.median(times)
             flat["step_time"] = step_time
             flat["throughput"] = config.batch_size / step_time
             comm = self._comm_time(config) if self._comm_time is not None else None
@@ -103,6 +99,22 @@ class MetricsReader:
         flat["batch_size"] = float(config.batch_size)
         flat["devices"] = float(config.devices)
         return Snapshot(step, config, flat)
+
+
+def _floats(values: Mapping[str, Any]) -> dict[str, float]:
+    """A step's fetched metrics as Python floats; ``aux`` leaves keyed ``aux<path>``."""
+    if isinstance(values, Metrics):  # one vector: a single conversion, not one per name
+        flat = dict(zip(values.names, np.asarray(values.values).tolist(), strict=True))
+        rest: Mapping[str, Any] = values.extras
+    else:
+        flat, rest = {}, values
+    for key, value in rest.items():
+        if key == "aux":
+            for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+                flat["aux" + jax.tree_util.keystr(path)] = float(np.asarray(leaf))
+        else:
+            flat[key] = float(np.asarray(value))
+    return flat
 
 
 def add_host_metrics(metrics: dict[str, float], hyperparams: Mapping[str, float],

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Mapping
 from typing import Any
-
-import numpy as np
 
 
 class RunClock:
@@ -92,7 +91,7 @@ class RunClock:
         after a probe ``probe_seconds``, ``critical_batch`` and ``critical_batch_step``."""
         out = {}
         if self.compile_waits and self.first_step is not None:
-            out["compile_seconds"] = float(np.median(self.compile_waits))
+            out["compile_seconds"] = float(statistics.median(self.compile_waits))
             out["train_seconds"] = self.train_seconds()
         if self.probe_seconds:
             out["probe_seconds"] = self.probe_seconds

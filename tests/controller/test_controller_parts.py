@@ -145,6 +145,19 @@ def test_metrics_reader_reads_one_behind_and_counts_nonfinite_streaks():
     assert last.metrics["throughput"] == pytest.approx(4 / last.metrics["step_time"])
 
 
+def test_metrics_reader_reads_a_packed_vector_and_aux_leaves_as_floats():
+    import jax.numpy as jnp
+
+    reader = MetricsReader()
+    packed = adaptjax.Metrics.pack({"loss": jnp.float32(0.25), "nonfinite": 0},
+                                   {"aux": {"acc": jnp.float32(0.5), "top": [jnp.int32(3)]}})
+    reader.push(1, adaptjax.RunConfig(2, 4), packed)
+    (snap,) = reader.read(lag=0)
+    values = {k: v for k, v in snap.metrics.items() if k in ("loss", "nonfinite") or "aux" in k}
+    assert values == {"loss": 0.25, "nonfinite": 0.0, "aux['acc']": 0.5, "aux['top'][0]": 3.0}
+    assert all(type(v) is float for v in snap.metrics.values())
+
+
 def test_truncation_keeps_rows_up_to_the_step_and_drops_a_torn_line(tmp_path):
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for s in range(1, 8):
