@@ -36,8 +36,12 @@ the controller branches from the live state, trains each size on the same
 samples and fits the critical batch, leaving the run itself bit-exact. Its
 critical batch is printed beside the noise scale measured at the same step,
 with the probes' share of the run's time (``--probe-steps 0``: no probes).
-The defaults, 16 steps and ``"adascale"`` (which for Adam also gives each
-branch its batch's second moment), are the shortest that made every branch's
+The steps and the rate factors default to
+:class:`adaptjax.policies.CriticalBatchProbe`'s (16 steps; with
+``--probe-lr-rule sqrt``, that policy's rule, ``--quick`` read 188, 252 and
+301, against 196, 264 and 323 with ``"adascale"``). 16 steps and
+``"adascale"`` (which for Adam also gives each
+branch its batch's second moment) are the shortest that made every branch's
 drop positive on this LM, from batch-16 and batch-32 states, on any of
 several sample offsets (issue 35). With 4 steps and ``"sqrt"`` branches at
 batches other than the run's lost loss: a batch-8 branch at a ν fitted to
@@ -380,12 +384,14 @@ def build_parser():
     parser.add_argument("--gpu-profile", default=None, help="a stored profile to price with")
     parser.add_argument("--probe-sizes", type=int, nargs="+", default=None,
                         help="the probes' branch batches (default: --sizes)")
-    parser.add_argument("--probe-steps", type=int, default=16,
+    # The policy's defaults: the benchmark measures what CriticalBatchProbe asks for.
+    probe_defaults = {f.name: f.default for f in dataclasses.fields(ajp.CriticalBatchProbe)}
+    parser.add_argument("--probe-steps", type=int, default=probe_defaults["steps"],
                         help="optimizer steps of the largest probe branch (0: no probes)")
     parser.add_argument("--probe-lr-rule", default="adascale", choices=LR_RULES,
                         help="the probe branches' learning-rate rule from the run's batch")
     parser.add_argument("--probe-lr-multipliers", type=float, nargs="+",
-                        default=[0.125, 0.25, 0.5, 1.0],
+                        default=list(probe_defaults["lr_multipliers"]),
                         help="factors on each branch's rate; each batch's best loss counts")
     return parser
 

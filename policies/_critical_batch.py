@@ -175,37 +175,42 @@ class CriticalBatchProbe(StatefulPolicy):
       every: steps between probes, >= 1.
       sizes: the branches' batch sizes (3 or more distinct), or ``None`` (see above).
       steps: optimizer steps of the largest branch, >= 1 (every branch trains
-        on as many samples).
+        on as many samples). The default, 16, is the shortest that gave every
+        branch a positive drop on the byte-level LM of
+        ``benchmarks/adaptive_batch.py``.
       start: the first step a probe may be asked at, >= 0.
       lr_rule: how a branch's learning rate follows its batch from the current
         one (``"sqrt"``, the rule for Adam; see :func:`lr_scale`).
       max_batch_size: the largest branch batch ``sizes=None`` may choose (``None``: no limit).
       lr_multipliers: factors on each branch's learning rate, the best loss of
-        each batch counting (see :class:`Probe`); ``(1.0,)``: the rule's rate alone.
-        On the byte-level LM of ``benchmarks/adaptive_batch.py --quick`` the
-        rule's rate alone read an infinite critical batch (the drops rose with
-        the batch); ``(0.125, 0.25, 0.5, 1.0)`` read 196, 264 and 323 at a
-        quarter, half and three quarters of the run (best factors 0.125-0.5),
-        at four times the probe's cost.
+        each batch counting (see :class:`Probe`); ``(1.0,)``: the rule's rate
+        alone, a quarter of the default's cost. The default sweep is
+        ``(0.125, 0.25, 0.5, 1.0)``: on that LM (``--quick``, ``"sqrt"``, 16
+        steps) the rule's rate alone read an infinite critical batch (the
+        drops rose with the batch), the sweep read 188, 252 and 301 at a
+        quarter, half and three quarters of the run (best factors 0.125-0.5;
+        196, 264 and 323 with ``"adascale"``).
 
     Example:
       >>> from adaptjax.policies import Context, CriticalBatchProbe
       >>> policy = CriticalBatchProbe(every=500, sizes=(32, 64, 128, 256), steps=20)
       >>> ctx = Context(step=0, batch_size=64, microbatches=1, devices=8, max_devices=8,
       ...               hyperparams={})
-      >>> policy.decide({}, ctx)
-      [Probe(batch_sizes=(32, 64, 128, 256), steps=20, lr_rule='sqrt', lr_multipliers=(1.0,))]
+      >>> [probe] = policy.decide({}, ctx)
+      >>> probe.batch_sizes, probe.steps, probe.lr_multipliers
+      ((32, 64, 128, 256), 20, (0.125, 0.25, 0.5, 1.0))
       >>> policy.decide({"critical_batch": 180.0}, ctx)  # not due until step 500
       []
     """
 
     every: int
     sizes: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
-    steps: int = dataclasses.field(default=10, kw_only=True)
+    steps: int = dataclasses.field(default=16, kw_only=True)
     start: int = dataclasses.field(default=0, kw_only=True)
     lr_rule: str = dataclasses.field(default="sqrt", kw_only=True)
     max_batch_size: int | None = dataclasses.field(default=None, kw_only=True)
-    lr_multipliers: tuple[float, ...] = dataclasses.field(default=(1.0,), kw_only=True)
+    lr_multipliers: tuple[float, ...] = dataclasses.field(
+        default=(0.125, 0.25, 0.5, 1.0), kw_only=True)
 
     def __post_init__(self) -> None:
         owner = "CriticalBatchProbe"

@@ -152,7 +152,14 @@ def test_probe_policy_asks_every_n_steps_from_start():
     policy = ajp.CriticalBatchProbe(every=100, start=50, sizes=(32, 64, 128), steps=5)
     asked = [s for s in range(0, 400, 10) if policy.decide({}, ctx(s))]
     assert asked == [50, 150, 250, 350]
-    assert ajp.upcoming(policy, ctx(360)) == [ajp.Probe((32, 64, 128), steps=5)]
+    assert ajp.upcoming(policy, ctx(360)) == [
+        ajp.Probe((32, 64, 128), steps=5, lr_multipliers=(0.125, 0.25, 0.5, 1.0))]
+
+
+def test_probe_policy_defaults_sweep_the_rate_over_16_steps():
+    [asked] = ajp.CriticalBatchProbe(every=100).decide({}, ctx(0))
+    assert (asked.steps, asked.lr_rule, asked.lr_multipliers) == (
+        16, "sqrt", (0.125, 0.25, 0.5, 1.0))
 
 
 def test_probe_sizes_follow_the_batch_and_the_last_measurement():
