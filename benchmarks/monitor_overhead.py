@@ -37,7 +37,9 @@ The last line is ``monitor_overhead_ratio=<monitored median / plain median>
 monitor_overhead_vs_sync=<monitored median / sync median>`` for the last
 ``--norm-chunks`` value (the library's default unless given); ``sync`` is
 ``adaptjax.sync_gradients`` without monitors, so the second ratio is what the
-monitors alone cost. It ends with ``noise_floor=<identical copy / plain>
+monitors alone cost. ``se=`` after the first ratio is its bootstrap standard
+error over the rounds (how far it moves between runs from the sampling of
+rounds alone). It ends with ``noise_floor=<identical copy / plain>
 malloc=<default or steady>``.
 """
 
@@ -84,6 +86,14 @@ def malloc_setting():
 def minor_faults():
     """This process's minor page faults so far."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def ratio_standard_error(a, b, resamples=2000, seed=0):
+    """The bootstrap standard error of ``median(a) / median(b)`` over paired rounds:
+    how far the reported ratio moves between runs from the sampling of rounds alone."""
+    a, b = np.asarray(a), np.asarray(b)
+    picks = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
+    return float(np.std(np.median(a[picks], axis=1) / np.median(b[picks], axis=1)))
 
 
 SIZES = (784, 1024, 1024, 256, 10)  # 784*1024 + 1024*1024 + 1024*256 + 256*10 ≈ 2.1M
@@ -243,7 +253,8 @@ def main():
             f"estimate's own step-to-step relative std {own:.4f}"
         )
     last = f"chunks={args.norm_chunks[-1]}"
-    print(f"monitor_overhead_ratio={med[last] / med['plain']:.4f} "
+    se = ratio_standard_error(rounds[last], rounds["plain"])
+    print(f"monitor_overhead_ratio={med[last] / med['plain']:.4f} se={se:.4f} "
           f"monitor_overhead_vs_sync={med[last] / med['sync']:.4f} "
           f"noise_floor={med['plain_again'] / med['plain']:.4f} malloc={malloc_setting()}")
 
