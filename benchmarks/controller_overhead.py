@@ -64,6 +64,7 @@ import optax  # noqa: E402
 
 # The ~2.1M-parameter MLP of monitor_overhead.py (this folder is sys.path[0] when run).
 from monitor_overhead import (  # noqa: E402
+    bootstrap_standard_error,
     init_params,
     loss_fn,
     make_arrays,
@@ -127,14 +128,6 @@ class Alternate:
         self.t_host = time.thread_time()
 
 
-def median_standard_error(x, resamples=2000, seed=0):
-    """The bootstrap standard error of ``x``'s median: how far the reported ratio moves
-    between runs of the benchmark from the sampling of its blocks alone."""
-    x = np.asarray(x)
-    picks = np.random.default_rng(seed).integers(0, len(x), size=(resamples, len(x)))
-    return float(np.std(np.median(x[picks], axis=1)))
-
-
 def measure(variant, args, arrays):
     per_device = args.per_device_batch
     show = VARIANTS[variant]
@@ -178,7 +171,7 @@ def measure(variant, args, arrays):
             "ratio": float(np.median(ratios)),
             "q25": float(np.percentile(ratios, 25)),
             "q75": float(np.percentile(ratios, 75)),
-            "se": median_standard_error(ratios),
+            "se": bootstrap_standard_error(np.median, ratios),
             "ratio_of_medians": float(np.median(ctrl_t) / np.median(bare_t)),
             "ctrl_ms": float(np.median(ctrl_t)) / args.block_steps * 1e3,
             "bare_ms": float(np.median(bare_t)) / args.block_steps * 1e3,

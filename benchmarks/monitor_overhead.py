@@ -88,12 +88,18 @@ def minor_faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def ratio_standard_error(a, b, resamples=2000, seed=0):
-    """The bootstrap standard error of ``median(a) / median(b)`` over paired rounds:
-    how far the reported ratio moves between runs from the sampling of rounds alone."""
-    a, b = np.asarray(a), np.asarray(b)
-    picks = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
-    return float(np.std(np.median(a[picks], axis=1) / np.median(b[picks], axis=1)))
+def bootstrap_standard_error(statistic, *samples, resamples=2000, seed=0):
+    """The bootstrap standard error of ``statistic(*samples)``, the samples resampled as
+    pairs: how far a reported figure moves between runs from the sampling of its rounds
+    (or blocks) alone."""
+    samples = [np.asarray(x) for x in samples]
+    picks = np.random.default_rng(seed).integers(0, len(samples[0]),
+                                                 size=(resamples, len(samples[0])))
+    return float(np.std([statistic(*(x[p] for x in samples)) for p in picks]))
+
+
+def ratio_of_medians(a, b):
+    return np.median(a) / np.median(b)
 
 
 SIZES = (784, 1024, 1024, 256, 10)  # 784*1024 + 1024*1024 + 1024*256 + 256*10 ≈ 2.1M
@@ -253,7 +259,7 @@ def main():
             f"estimate's own step-to-step relative std {own:.4f}"
         )
     last = f"chunks={args.norm_chunks[-1]}"
-    se = ratio_standard_error(rounds[last], rounds["plain"])
+    se = bootstrap_standard_error(ratio_of_medians, rounds[last], rounds["plain"])
     print(f"monitor_overhead_ratio={med[last] / med['plain']:.4f} se={se:.4f} "
           f"monitor_overhead_vs_sync={med[last] / med['sync']:.4f} "
           f"noise_floor={med['plain_again'] / med['plain']:.4f} malloc={malloc_setting()}")

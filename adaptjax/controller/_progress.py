@@ -24,7 +24,6 @@ class ProgressBar:
     """
 
     def __init__(self, *, total: int, initial: int, show: bool):
-        self.show = show
         # Drawn at most twice a second: each draw costs ~0.35 ms of the main thread
         # (tqdm measures the line's display width), at tqdm's default 10 a second
         # 0.19 ms of every 54 ms step of benchmarks/controller_overhead.py.
