@@ -23,11 +23,15 @@ class Candidate(NamedTuple):
       codec: the codec object (opaque), or ``None`` for a dense sync.
       mesh_shape: a sharded mesh's axes, ``{"data": devices, "fsdp": f, ...}``,
         or ``None`` for the 1-D mesh of ``devices``.
+      sync: the synchronisation strategy (opaque), or ``None`` for S-SGD.
+      precision: the compute precision (its key or an opaque precision), or
+        ``None`` for float32. A step's time depends on both, so a planner
+        keeps the times measured under each apart.
 
     Example:
       >>> from adaptjax.policies import Candidate
-      >>> Candidate(8, 64)._replace(devices=4)
-      Candidate(devices=4, batch_size=64, microbatches=1, codec=None, mesh_shape=None)
+      >>> Candidate(8, 64)._replace(devices=4)[:3]
+      (4, 64, 1)
     """
 
     devices: int
@@ -35,6 +39,8 @@ class Candidate(NamedTuple):
     microbatches: int = 1
     codec: object = None
     mesh_shape: object = None
+    sync: object = None
+    precision: object = None
 
 
 @runtime_checkable
@@ -62,7 +68,8 @@ class Predictor(Protocol):
 
 def current(ctx: Context) -> Candidate:
     """The :class:`Candidate` a context is in."""
-    return Candidate(ctx.devices, ctx.batch_size, ctx.microbatches, ctx.codec, ctx.mesh_shape)
+    return Candidate(ctx.devices, ctx.batch_size, ctx.microbatches, ctx.codec, ctx.mesh_shape,
+                     ctx.sync, ctx.precision)
 
 
 def predict(planner, candidate: Candidate) -> float | None:

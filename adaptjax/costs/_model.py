@@ -20,6 +20,10 @@ another mesh shape); branches of a ``lax.cond`` are averaged as in
 (``-start``/``-done``) may hide behind computation: ``overlap`` (fitted, 0 when
 the program has none) is the fraction of compute they can hide behind.
 
+A precision other than float32 (``RunConfig.precision``) scales ``compute``
+by a factor fitted on the dense steps measured in it; ``compute`` itself is
+fitted on the float32 steps alone.
+
 A configuration the model has no measurement for is never guessed:
 :meth:`StepTimeModel.predict` raises :class:`CannotPredict` with a one-line
 reason (a codec never measured, communication never timed, no step times).
@@ -61,6 +65,12 @@ def config_key(config: Any) -> tuple[int, int, int, str | None, str | None]:
     sync = getattr(config, "sync", None)
     return (int(config.devices), int(config.batch_size), int(getattr(config, "microbatches", 1)),
             config.codec, None if sync is None else str(sync))
+
+
+def precision_of(config: Any) -> str | None:
+    """The precision key of a RunConfig-like object, ``None`` for float32."""
+    precision = getattr(config, "precision", None)
+    return None if precision in (None, "float32") else str(precision)
 
 
 def compute_devices(config: Any) -> int:
@@ -258,6 +268,9 @@ class StepTimeModel:
         ``(None, None)`` (dense, synchronous) costs nothing extra.
       overlap: fraction of compute that asynchronous collectives hide behind.
       observations: the measurements the model was fitted on.
+      precisions: ``{precision key: factor}``: a precision other than float32
+        scales the compute of float32 by its factor, fitted on the dense steps
+        measured in it (``compute`` is fitted on the float32 ones alone).
 
     Example:
       >>> from adaptjax import Collective, RunConfig
@@ -282,6 +295,7 @@ class StepTimeModel:
     )
     overlap: float = 0.0
     observations: tuple[Observation, ...] = ()
+    precisions: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     # ---- prediction --------------------------------------------------------------------
     def link(self, kind: str, axes: Sequence[str] | str = ()) -> LinkModel:
@@ -333,6 +347,18 @@ class StepTimeModel:
             )
         return cost.time(devices)
 
+    def precision_factor(self, config: Any) -> float:
+        """How much ``config``'s precision scales float32's compute (1 for float32)."""
+        precision = precision_of(config)
+        if precision is None:
+            return 1.0
+        if precision not in self.precisions:
+            raise CannotPredict(
+                f"cannot predict precision {precision!r}: no dense step in it was measured; run "
+                "a few steps in it and refit"
+            )
+        return self.precisions[precision]
+
     def predict(self, config: Any, wire: WireReport | Sequence[Collective]) -> Prediction:
         """The predicted step of ``config`` whose compiled step has collectives ``wire``.
 
@@ -349,6 +375,7 @@ class StepTimeModel:
         report = as_report(wire)
         every = compute_devices(config)
         compute = self.compute.time(devices=every, batch_size=batch, microbatches=micro)
+        compute *= self.precision_factor(config)
         codec = self.codec_time(config)
         comm, comm_async = self.comm_time(report) if every > 1 else (0.0, 0.0)
         hidden = min(comm_async, self.overlap * compute)
@@ -377,7 +404,8 @@ class StepTimeModel:
         """
         obs = tuple(observations)
         base = cls(dict(links), compute, {}, 0.0, obs)
-        dense = [o for o in obs if config_key(o.config)[3:] == (None, None)]
+        dense = [o for o in obs if config_key(o.config)[3:] == (None, None)
+                 and precision_of(o.config) is None]
         has_async = any(c.is_async for o in dense for c in o.wire.collectives)
         best = None
         for overlap in ((0.0, 0.25, 0.5, 0.75, 1.0) if has_async else (0.0,)):
@@ -391,10 +419,12 @@ class StepTimeModel:
         model = best[1]
         if model.compute is None:
             return model
+        model = model._fit_precisions(obs)
         groups: dict[tuple, list[Observation]] = {}
         for o in obs:
             key = config_key(o.config)[3:]
-            if key != (None, None):
+            known = precision_of(o.config) is None or precision_of(o.config) in model.precisions
+            if key != (None, None) and known:
                 groups.setdefault(key, []).append(o)
         codecs = {}
         for key, rows in groups.items():
@@ -414,6 +444,24 @@ class StepTimeModel:
     def refit(self, more: Iterable[Observation]) -> StepTimeModel:
         """This model refitted with ``more`` observations added (pinned links kept)."""
         return StepTimeModel.fit(self.links, (*self.observations, *more))
+
+    def _fit_precisions(self, obs: tuple[Observation, ...]) -> StepTimeModel:
+        """The factor of each other precision's compute on float32's (relative least squares)."""
+        rows: dict[str, list[tuple[float, float, float]]] = {}
+        for o in obs:
+            precision = precision_of(o.config)
+            if precision is None or config_key(o.config)[3:] != (None, None):
+                continue
+            fp32 = self.predict(_Float32(o.config), o.wire)
+            # float32's compute c and what this step left for compute, t - comm + hidden
+            y = o.step_time - fp32.comm + fp32.hidden
+            rows.setdefault(precision, []).append((fp32.compute, y, 1.0 / o.step_time))
+        factors = {}
+        for precision, xs in rows.items():
+            num = math.fsum(w * w * c * y for c, y, w in xs)
+            den = math.fsum(w * w * c * c for c, y, w in xs)
+            factors[precision] = max(num / den, _MIN_COMPUTE) if den > 0 else 1.0
+        return dataclasses.replace(self, precisions=factors)
 
     def _fit_compute(self, dense: list[Observation]) -> StepTimeModel:
         rows = []
@@ -476,8 +524,23 @@ class _Dense:
     def device_count(self):
         return compute_devices(self.inner)
 
+    @property
+    def precision(self):
+        return precision_of(self.inner)
+
     codec = None
     sync = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Float32:
+    """A configuration seen in float32 (same replicas, batch, codec and sync)."""
+
+    inner: Any
+    precision = None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def _mean(xs: list[float]) -> float:

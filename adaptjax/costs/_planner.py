@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from adaptjax._wire import Collective, WireReport, wire_bytes
-from adaptjax.controller._run_config import RunConfig, codec_key
+from adaptjax.controller._run_config import RunConfig, codec_key, precision_key
 from adaptjax.costs._calibrate import DEFAULT_KINDS, calibrate_axis_links, calibrate_links
 from adaptjax.costs._links import LinkModel
 from adaptjax.costs._meshes import mesh_shapes, state_bytes_per_device
@@ -62,6 +62,7 @@ from adaptjax.costs._model import (
 )
 from adaptjax.costs._schedule import OWNER_COMPUTE, buckets, choose_bucket_bytes, choose_dense_lane
 from adaptjax.costs._simulate import wire_for
+from adaptjax.sync._registry import sync_key
 
 if TYPE_CHECKING:
     from adaptjax.controller._controller import Controller
@@ -281,11 +282,14 @@ class Planner:
 
     @staticmethod
     def config_of(candidate: Candidate | RunConfig) -> RunConfig:
-        """The :class:`adaptjax.RunConfig` of a policy's candidate."""
-        codec = candidate.codec
+        """The :class:`adaptjax.RunConfig` of a policy's candidate (its sync and precision kept:
+        a step's time depends on both)."""
+        codec, sync = candidate.codec, getattr(candidate, "sync", None)
         return RunConfig(int(candidate.devices), int(candidate.batch_size),
                          int(candidate.microbatches),
                          codec if isinstance(codec, str) or codec is None else codec_key(codec),
+                         sync if isinstance(sync, str) or sync is None else sync_key(sync),
+                         precision_key(getattr(candidate, "precision", None)),
                          mesh_shape=getattr(candidate, "mesh_shape", None))
 
     def _wire(self, config: RunConfig) -> WireReport:

@@ -184,6 +184,15 @@ def test_unknown_codec_says_so_in_one_line():
     assert "\n" not in str(e.value)
 
 
+def test_a_precision_never_measured_says_so_in_one_line():
+    model = _model()
+    assert model.precision_factor(RunConfig(4, 64)) == 1.0
+    with pytest.raises(CannotPredict) as e:
+        model.predict(RunConfig(4, 64, precision="bf16"), [_allreduce(4, 1e3)])
+    assert str(e.value) == ("cannot predict precision 'bfloat16': no dense step in it was "
+                            "measured; run a few steps in it and refit")
+
+
 def test_one_device_calibration_cannot_predict_communication():
     model = StepTimeModel({}, ComputeModel(fixed=0.01))
     assert model.predict(RunConfig(1, 8), []).step_time == pytest.approx(0.01)

@@ -40,6 +40,40 @@ def test_planner_refits_online_and_predicts_held_out_configurations():
         assert planner.step_time(c) == pytest.approx(_truth(c), rel=1e-6)
 
 
+def test_bfloat16_steps_fit_a_factor_on_float32_compute_and_leave_float32_alone():
+    # bfloat16 computes in 0.6x float32's time; the collectives cost the same
+    def truth(c, factor):
+        config = Planner.config_of(c)
+        comm = LINK.time("all-reduce", c.devices, _wire(config)[0].bytes)
+        return factor * COMPUTE.time(devices=c.devices, batch_size=c.batch_size) + comm
+
+    fp32 = (Candidate(2, 16), Candidate(2, 64), Candidate(8, 64))
+    alone = _planner()
+    for c in fp32:
+        alone.observe(c, truth(c, 1.0))
+    mixed = _planner()
+    for c in fp32:
+        mixed.observe(c, truth(c, 1.0))
+    assert mixed.step_time(Candidate(4, 32, precision="bfloat16")) is None  # never measured
+    # the same configuration in bfloat16 (the controller's context says "float32" for float32)
+    mixed.observe(Candidate(2, 64, precision="bfloat16"), truth(Candidate(2, 64), 0.6))
+    mixed.observe(Candidate(2, 64, precision="float32"), truth(Candidate(2, 64), 1.0))
+    assert len(mixed._times) == 4  # kept apart, not overwritten
+    assert mixed.model.precisions == {"bfloat16": pytest.approx(0.6, rel=1e-9)}
+    for c in (Candidate(4, 32), Candidate(6, 96)):
+        assert mixed.step_time(c) == pytest.approx(alone.step_time(c), rel=1e-12)
+        bf16 = c._replace(precision="bfloat16")
+        assert mixed.step_time(bf16) == pytest.approx(truth(c, 0.6), rel=1e-6)
+
+
+def test_a_candidate_keeps_its_sync_strategy():
+    import adaptjax
+
+    config = Planner.config_of(Candidate(4, 64, sync=adaptjax.LocalSGD(H=8), precision="bf16"))
+    assert (config.sync, config.precision) == ("LocalSGD(H=8)", "bfloat16")
+    assert Planner.config_of(Candidate(4, 64, sync=adaptjax.SSGD())).sync is None
+
+
 def test_planner_says_unknown_for_a_codec_never_measured():
     planner = _planner()
     for c in (Candidate(2, 16), Candidate(2, 64)):
