@@ -20,9 +20,9 @@ another mesh shape); branches of a ``lax.cond`` are averaged as in
 (``-start``/``-done``) may hide behind computation: ``overlap`` (fitted, 0 when
 the program has none) is the fraction of compute they can hide behind.
 
-A precision other than float32 (``RunConfig.precision``) scales ``compute``
-by a factor fitted on the dense steps measured in it; ``compute`` itself is
-fitted on the float32 steps alone.
+``compute`` is fitted on the dense steps of one precision (``RunConfig.
+precision``; the one measured most, float32 on a tie), and each other
+precision measured scales it by a factor fitted on its own dense steps.
 
 A configuration the model has no measurement for is never guessed:
 :meth:`StepTimeModel.predict` raises :class:`CannotPredict` with a one-line
@@ -31,6 +31,7 @@ reason (a codec never measured, communication never timed, no step times).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -67,10 +68,16 @@ def config_key(config: Any) -> tuple[int, int, int, str | None, str | None]:
             config.codec, None if sync is None else str(sync))
 
 
-def precision_of(config: Any) -> str | None:
-    """The precision key of a RunConfig-like object, ``None`` for float32."""
+def precision_of(config: Any) -> str:
+    """The precision key of a RunConfig-like object (``"float32"`` where it names none)."""
     precision = getattr(config, "precision", None)
-    return None if precision in (None, "float32") else str(precision)
+    return "float32" if precision is None else str(precision)
+
+
+def _base_precision(dense: Sequence[Observation]) -> str:
+    """The precision compute is fitted in: the one of most dense steps, float32 on a tie."""
+    counts = collections.Counter(precision_of(o.config) for o in dense)
+    return max(counts, key=lambda p: (counts[p], p == "float32")) if counts else "float32"
 
 
 def compute_devices(config: Any) -> int:
@@ -268,9 +275,10 @@ class StepTimeModel:
         ``(None, None)`` (dense, synchronous) costs nothing extra.
       overlap: fraction of compute that asynchronous collectives hide behind.
       observations: the measurements the model was fitted on.
-      precisions: ``{precision key: factor}``: a precision other than float32
-        scales the compute of float32 by its factor, fitted on the dense steps
-        measured in it (``compute`` is fitted on the float32 ones alone).
+      precisions: ``{precision key: factor}``: each measured precision's
+        compute as a multiple of ``compute``, which is fitted on the dense steps
+        of the precision measured most (float32 on a tie; its factor is 1).
+        Empty: ``compute`` holds for every precision.
 
     Example:
       >>> from adaptjax import Collective, RunConfig
@@ -348,9 +356,9 @@ class StepTimeModel:
         return cost.time(devices)
 
     def precision_factor(self, config: Any) -> float:
-        """How much ``config``'s precision scales float32's compute (1 for float32)."""
+        """How much ``config``'s precision scales ``compute`` (see ``precisions``)."""
         precision = precision_of(config)
-        if precision is None:
+        if not self.precisions:
             return 1.0
         if precision not in self.precisions:
             raise CannotPredict(
@@ -404,8 +412,9 @@ class StepTimeModel:
         """
         obs = tuple(observations)
         base = cls(dict(links), compute, {}, 0.0, obs)
-        dense = [o for o in obs if config_key(o.config)[3:] == (None, None)
-                 and precision_of(o.config) is None]
+        every_dense = [o for o in obs if config_key(o.config)[3:] == (None, None)]
+        in_base = _base_precision(every_dense)
+        dense = [o for o in every_dense if precision_of(o.config) == in_base]
         has_async = any(c.is_async for o in dense for c in o.wire.collectives)
         best = None
         for overlap in ((0.0, 0.25, 0.5, 0.75, 1.0) if has_async else (0.0,)):
@@ -419,12 +428,11 @@ class StepTimeModel:
         model = best[1]
         if model.compute is None:
             return model
-        model = model._fit_precisions(obs)
+        model = model._fit_precisions(every_dense, in_base)
         groups: dict[tuple, list[Observation]] = {}
         for o in obs:
             key = config_key(o.config)[3:]
-            known = precision_of(o.config) is None or precision_of(o.config) in model.precisions
-            if key != (None, None) and known:
+            if key != (None, None) and precision_of(o.config) in model.precisions:
                 groups.setdefault(key, []).append(o)
         codecs = {}
         for key, rows in groups.items():
@@ -445,18 +453,18 @@ class StepTimeModel:
         """This model refitted with ``more`` observations added (pinned links kept)."""
         return StepTimeModel.fit(self.links, (*self.observations, *more))
 
-    def _fit_precisions(self, obs: tuple[Observation, ...]) -> StepTimeModel:
-        """The factor of each other precision's compute on float32's (relative least squares)."""
+    def _fit_precisions(self, dense: list[Observation], in_base: str) -> StepTimeModel:
+        """Each other precision's compute as a multiple of ``in_base``'s (relative fit)."""
         rows: dict[str, list[tuple[float, float, float]]] = {}
-        for o in obs:
+        for o in dense:
             precision = precision_of(o.config)
-            if precision is None or config_key(o.config)[3:] != (None, None):
+            if precision == in_base:
                 continue
-            fp32 = self.predict(_Float32(o.config), o.wire)
-            # float32's compute c and what this step left for compute, t - comm + hidden
-            y = o.step_time - fp32.comm + fp32.hidden
-            rows.setdefault(precision, []).append((fp32.compute, y, 1.0 / o.step_time))
-        factors = {}
+            base = self.predict(_InPrecision(o.config, in_base), o.wire)
+            # the base's compute c, and what this step left for compute: t - comm + hidden
+            y = o.step_time - base.comm + base.hidden
+            rows.setdefault(precision, []).append((base.compute, y, 1.0 / o.step_time))
+        factors = {in_base: 1.0}
         for precision, xs in rows.items():
             num = math.fsum(w * w * c * y for c, y, w in xs)
             den = math.fsum(w * w * c * c for c, y, w in xs)
@@ -533,11 +541,11 @@ class _Dense:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Float32:
-    """A configuration seen in float32 (same replicas, batch, codec and sync)."""
+class _InPrecision:
+    """A configuration seen in another precision (same replicas, batch, codec and sync)."""
 
     inner: Any
-    precision = None
+    precision: str
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

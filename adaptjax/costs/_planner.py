@@ -374,7 +374,7 @@ class Planner:
         return pick
 
     def _dense_wire(self, config: RunConfig) -> WireReport:
-        return wire_for(self.model, config.replace(codec=None))
+        return wire_for(self.model, config.replace(codec=None, sync=None))
 
     def _relative_error(self) -> float:
         errs = []

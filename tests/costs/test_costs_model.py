@@ -185,7 +185,9 @@ def test_unknown_codec_says_so_in_one_line():
 
 
 def test_a_precision_never_measured_says_so_in_one_line():
-    model = _model()
+    # a model given no precisions holds for every one; a fitted one knows those it measured
+    assert _model().precision_factor(RunConfig(4, 64, precision="bf16")) == 1.0
+    model = dataclasses.replace(_model(), precisions={"float32": 1.0})
     assert model.precision_factor(RunConfig(4, 64)) == 1.0
     with pytest.raises(CannotPredict) as e:
         model.predict(RunConfig(4, 64, precision="bf16"), [_allreduce(4, 1e3)])

@@ -59,11 +59,22 @@ def test_bfloat16_steps_fit_a_factor_on_float32_compute_and_leave_float32_alone(
     mixed.observe(Candidate(2, 64, precision="bfloat16"), truth(Candidate(2, 64), 0.6))
     mixed.observe(Candidate(2, 64, precision="float32"), truth(Candidate(2, 64), 1.0))
     assert len(mixed._times) == 4  # kept apart, not overwritten
-    assert mixed.model.precisions == {"bfloat16": pytest.approx(0.6, rel=1e-9)}
+    assert mixed.model.precisions == {"float32": 1.0, "bfloat16": pytest.approx(0.6, rel=1e-9)}
     for c in (Candidate(4, 32), Candidate(6, 96)):
         assert mixed.step_time(c) == pytest.approx(alone.step_time(c), rel=1e-12)
         bf16 = c._replace(precision="bfloat16")
         assert mixed.step_time(bf16) == pytest.approx(truth(c, 0.6), rel=1e-6)
+
+
+def test_a_run_in_bfloat16_from_its_start_fits_compute_in_bfloat16():
+    planner = _planner()
+    for b in (16, 64):
+        c = Candidate(2, b, precision="bfloat16")
+        planner.observe(c, _truth(c))
+    assert planner.model.precisions == {"bfloat16": 1.0}
+    for c in (Candidate(4, 32, precision="bfloat16"), Candidate(8, 128, precision="bfloat16")):
+        assert planner.step_time(c) == pytest.approx(_truth(c), rel=1e-6)
+    assert planner.step_time(Candidate(4, 32)) is None  # float32 was never measured
 
 
 def test_a_candidate_keeps_its_sync_strategy():
