@@ -8,6 +8,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +30,7 @@ from adaptjax._state import (
     train_state_shardings,
     train_state_specs,
 )
-from adaptjax._tree import ShardLayout, pmean_replicas, tree_sq_norm
+from adaptjax._tree import ShardLayout, all_gather_replicas, pmean_replicas, tree_sq_norm
 from adaptjax._wire import GUARD_SCOPE
 from adaptjax._xla_options import step_compiler_options
 from adaptjax.sync._registry import resolve_sync
@@ -229,8 +230,10 @@ def data_parallel_step(
     batch), ``nonfinite`` (1.0 when this step was skipped), with ``loss_scale``
     the scale the next step uses (``loss_scale``), every monitor value
     (see :func:`adaptjax.read_metrics`) and, with ``has_aux``, the aux outputs
-    averaged over replicas under ``aux``. Read them with one
-    ``jax.device_get(metrics)``.
+    under ``aux``: scalars averaged over replicas, per-example arrays (leading
+    axis the replica's rows, e.g. logits) gathered over the replicas in global
+    batch order, so they line up with the batch the step was given; any other
+    shape is a one-line error. Read them with one ``jax.device_get(metrics)``.
 
     Args:
       loss_fn: ``loss_fn(params_or_model, batch) -> loss`` (or ``(loss, aux)``
@@ -503,9 +506,22 @@ def _loss_and_model_state(config: _StepConfig, model_state, graphdef, batch, sca
     The first item is what is differentiated (the loss itself without a ``scale``).
     """
     model = merge_model(graphdef, params, fold_replica_into_keys(model_state, config.axis_name))
-    loss, aux = _loss_and_aux(config.has_aux, config.loss_fn(model, batch))
+    loss, aux = _loss_and_aux(config.has_aux, _call_loss(config.loss_fn, model, batch))
+    _check_aux(aux, jax.tree.leaves(batch)[0].shape[0])
     scaled = loss if scale is None else loss.astype(jnp.float32) * scale
     return scaled, (loss, aux, model_state_after(model, model_state))
+
+
+def _call_loss(loss_fn, model, batch):
+    """``loss_fn(model, batch)``; an NNX object from outside the step is a one-line error."""
+    try:
+        return loss_fn(model, batch)
+    except flax.errors.TraceContextError as e:
+        raise ValueError(
+            f"loss_fn changes an NNX object made outside the step ({str(e).split(' (')[0]}): "
+            "the step carries only the model's own state; give each nnx.Dropout its stream "
+            "(nnx.Dropout(rate, rngs=rngs)) and call the model without rngs"
+        ) from e
 
 
 def _loss_and_aux(has_aux: bool, out: Any) -> tuple[Any, Any]:
@@ -530,6 +546,25 @@ def _loss_and_aux(has_aux: bool, out: Any) -> tuple[Any, Any]:
             "(e.g. jnp.mean)"
         )
     return loss, aux
+
+
+def _check_aux(aux, rows: int) -> None:
+    """One-line error for an aux leaf that is neither a scalar nor per-example (``rows``)."""
+    for path, x in jax.tree_util.tree_leaves_with_path(aux):
+        shape = jnp.shape(x)
+        if shape != () and shape[0] != rows:
+            raise ValueError(
+                f"aux{jax.tree_util.keystr(path)} has shape {tuple(shape)}, but a replica's "
+                f"batch has {rows} rows: aux may hold scalars (averaged over replicas) and "
+                "per-example arrays with the batch's leading axis (gathered in batch order)"
+            )
+
+
+def _gather_aux(aux, axis_name):
+    """Scalars averaged over replicas; per-example arrays gathered over them in batch order."""
+    return jax.tree.map(
+        lambda x: pmean_replicas(x, axis_name) if x.ndim == 0
+        else all_gather_replicas(x, axis_name), aux)
 
 
 def _described(out) -> str:
@@ -562,34 +597,33 @@ def _replica_grads(config: _StepConfig, layout, state: TrainState, params, batch
         # each micro-batch over the fsdp axis, as the whole batch was
         micro = jax.lax.with_sharding_constraint(micro, P(None, config.rows_axis(b)))
     zeros = jax.tree.map(jnp.zeros_like, params)
-    aux_shape = jax.eval_shape(
-        lambda mb: _grad_of(config, params, state.model_state, state.graphdef, mb)[1],
-        jax.tree.map(lambda x: x[0], micro),
-    )
-    aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
     # On a sharded mesh each device sums its shards' squares; one all-reduce after the scan.
     sq0 = jnp.zeros(() if layout is None else (layout.devices,), jnp.float32)
-    init = (zeros, jnp.zeros((), jnp.float32), sq0, aux0, state.model_state)
+    init = (zeros, jnp.zeros((), jnp.float32), sq0, state.model_state)
     body = functools.partial(
         _accumulate_microbatch, config, layout, params, state.graphdef, scale
     )
-    (g_sum, l_sum, micro_sq, a_sum, model_state), _ = jax.lax.scan(body, init, micro)
+    (g_sum, l_sum, micro_sq, model_state), auxes = jax.lax.scan(body, init, micro)
     if layout is not None:
         micro_sq = layout.total(micro_sq)
     grads = jax.tree.map(lambda g: g / k, g_sum)
     loss = l_sum / k
-    aux = jax.tree.map(lambda a: a / k, a_sum)
+    # scalars: their mean; per-example outputs: the micro-batches' rows in batch order
+    aux = jax.tree.map(lambda a: a.mean(0) if a.ndim == 1 else a.reshape(-1, *a.shape[2:]),
+                       auxes)
     return loss, aux, grads, model_state, micro_sq
 
 
 def _accumulate_microbatch(config: _StepConfig, layout, params, graphdef, scale, carry, mb):
-    """The ``lax.scan`` body of :func:`_replica_grads`: adds one micro-batch's gradient."""
-    g_acc, l_acc, sq_acc, a_acc, ms = carry
+    """The ``lax.scan`` body of :func:`_replica_grads`: adds one micro-batch's gradient.
+
+    Returns the carry and the micro-batch's aux, which the scan stacks.
+    """
+    g_acc, l_acc, sq_acc, ms = carry
     loss, aux, g, ms = _grad_of(config, params, ms, graphdef, mb, scale)
     g_acc = jax.tree.map(jnp.add, g_acc, g)
-    a_acc = jax.tree.map(jnp.add, a_acc, aux)
     sq = tree_sq_norm(g) if layout is None else layout.sq_partials(g)
-    return (g_acc, l_acc + loss, sq_acc + sq, a_acc, ms), None
+    return (g_acc, l_acc + loss, sq_acc + sq, ms), aux
 
 
 def _sync_with_guard(config: _StepConfig, state, grads, guard, global_params, extra) -> _Synced:
@@ -673,7 +707,7 @@ def _step_outputs(config: _StepConfig, state, synced: _Synced, updated, aux, in_
         tx = config.tx
         assert isinstance(tx, SyncChain)
         opt_state = tx.join_state(sync_state, rest_state)
-    aux = pmean_replicas(aux, config.axis_name)
+    aux = _gather_aux(aux, config.axis_name)
     scalars = {"loss": synced.loss, "nonfinite": (~synced.ok).astype(jnp.float32)}
     if config.loss_scale is not None:  # skipped: shrink; `period` finite in a row: grow
         opt_state = adjust_in(opt_state, config.loss_scale, synced.ok)

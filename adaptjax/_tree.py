@@ -114,6 +114,11 @@ def pmean_replicas(tree, axis_name):
     return tree if _trivial_over(axis_name) else jax.lax.pmean(tree, axis_name)
 
 
+def all_gather_replicas(x, axis_name):
+    """The replicas' ``x`` along its leading axis in replica order (see :func:`psum_replicas`)."""
+    return x if _trivial_over(axis_name) else jax.lax.all_gather(x, axis_name, tiled=True)
+
+
 def tree_sq_norm_sampled(
     tree: Any, index: jax.Array, chunks: int, *, min_size: int = 4096
 ) -> jax.Array:

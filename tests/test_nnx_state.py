@@ -192,3 +192,29 @@ def test_replica_keys_are_distinct_and_the_stored_key_is_unchanged():
     out = jax.shard_map(per_replica, mesh=mesh, in_specs=P(), out_specs=P("data"))(stored)
     rows = {tuple(r) for r in np.asarray(out).tolist()}
     assert len(rows) == 8 and tuple(np.asarray(stored["k"].data)) not in rows
+
+
+class _CallTimeRngs(nnx.Module):
+    """The flax MNIST tutorial's pattern: Dropout without a stream, rngs at call time."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 3, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs=None):
+        return self.dropout(self.linear(x), rngs=rngs)
+
+
+def test_rngs_passed_at_call_time_is_one_line_naming_the_fix():
+    rngs = nnx.Rngs(0)  # made outside the step, as the tutorial's train loop does
+    model = _CallTimeRngs(nnx.Rngs(1))
+    model.train()
+    mesh = adaptjax.make_mesh(8)
+    tx = adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-3))
+    step = adaptjax.data_parallel_step(lambda m, b: jnp.mean(m(b, rngs) ** 2), tx, mesh)
+    with pytest.raises(ValueError) as e:
+        step(adaptjax.init_state(model, tx, mesh), np.ones((16, 4), np.float32))
+    assert str(e.value) == (
+        "loss_fn changes an NNX object made outside the step (Cannot mutate RngCount from a "
+        "different trace level): the step carries only the model's own state; give each "
+        "nnx.Dropout its stream (nnx.Dropout(rate, rngs=rngs)) and call the model without rngs")

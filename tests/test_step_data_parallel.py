@@ -464,3 +464,42 @@ def test_compiler_options_keep_the_passes_xla_flags_disable(monkeypatch):
     assert _xla_options._disabled_passes_in_env() == []
     # one process: XLA's defaults, whatever the flags
     assert _xla_options.step_compiler_options(adaptjax.make_mesh(8)) is None
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_per_example_aux_is_gathered_in_batch_order(microbatches):
+    """Logits come back as the unsharded forward pass computes them, row for row."""
+
+    def loss_aux(p, b):
+        logits = b["x"] @ p["w1"]
+        return _loss(p, b), {"logits": logits, "mean_x": jnp.mean(b["x"])}
+
+    mesh = adaptjax.make_mesh(8)
+    tx = _adam()
+    step = adaptjax.data_parallel_step(loss_aux, tx, mesh, has_aux=True,
+                                       microbatches=microbatches)
+    state = adaptjax.init_state(_mlp_params(), tx, mesh)
+    b = _batches(1, 32)[0]
+    want = np.asarray(b["x"]) @ np.asarray(state.params["w1"])
+    _, m = step(state, b)
+    got = np.asarray(m["aux"]["logits"])
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert float(m["aux"]["mean_x"]) == pytest.approx(float(b["x"].mean()), rel=1e-5)
+
+
+def test_aux_neither_scalar_nor_per_example_is_one_line():
+    def loss_aux(p, b):
+        return _loss(p, b), {"w": p["w1"]}
+
+    mesh = adaptjax.make_mesh(8)
+    tx = _adam()
+    step = adaptjax.data_parallel_step(loss_aux, tx, mesh, has_aux=True)
+    state = adaptjax.init_state(_mlp_params(), tx, mesh)
+    with pytest.raises(ValueError) as e:
+        step(state, _batches(1, 32)[0])
+    shape = tuple(_mlp_params()["w1"].shape)
+    assert str(e.value) == (
+        f"aux['w'] has shape {shape}, but a replica's batch has 4 rows: aux may hold scalars "
+        "(averaged over replicas) and per-example arrays with the batch's leading axis "
+        "(gathered in batch order)")
