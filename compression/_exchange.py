@@ -139,7 +139,11 @@ def reduce_blocks(fmt, leaves, ctx, *, stages: tuple[int, int], transport: str |
     lays = [every[i.leaf.index] for i in leaves]
     xs = [i.x for i in leaves]
     views, packing = bucket_views(xs, lays, n, block)
-    seeds = [[ctx.seed_for(s, leaf=i.leaf.index) for i in leaves] for s in stages]
+    # the replicas' encodings draw per replica; an owner's re-encoding draws the
+    # same whichever replica owns the block, so the lane layout (which decides
+    # the owner of a packed block) never changes a result
+    seeds = [[ctx.seed_for(s, shared=k > 0, leaf=i.leaf.index) for i in leaves]
+             for k, s in enumerate(stages)]
     if fast_axis is not None:
         outs, res = _two_level(fmt, views, seeds, ctx, fast_axis)
     else:
@@ -165,8 +169,9 @@ def _materialised(fn, index):
     return jax.lax.cond(index >= 0, fn, lambda: fn() * 0.0)
 
 
-def _concat(rows, axis=1):
-    return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=axis)
+def _concat(rows):
+    """The views' rows side by side, along their last (word) axis."""
+    return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=-1)
 
 
 def _owner(fmt, views, seeds, names, n, residual, xs=None, row0=0, fold_scale=None):
@@ -270,7 +275,7 @@ def _two_level(fmt, views, seeds, ctx, fast_axis: str):
     outs_s, res_s = _owner(fmt, views, seeds, slow, s_n, ctx.residual, xs=ys,
                            row0=f_idx * s_n, fold_scale=s_n)
     back = [_bf16_bits(o) for o in outs_s]
-    gathered = gather(_concat([b.reshape(-1) for b, _ in back], axis=0), fast, f_n)
+    gathered = gather(_concat([b.reshape(-1) for b, _ in back]), fast, f_n)
     outs, res, off = [], [], 0
     for j, v in enumerate(views):
         w = v.x[0].size * s_n
