@@ -64,6 +64,8 @@ _NAMES = {
     "pack_bits": "adaptjax.compression._bits",
     "unpack_bits": "adaptjax.compression._bits",
     "Blocks": "adaptjax.compression._blocks",
+    "OnebitAdamState": "adaptjax.compression._onebit_adam",
+    "onebit_adam": "adaptjax.compression._onebit_adam",
     "Plan": "adaptjax.compression._plan",
     "PlanRow": "adaptjax.compression._plan",
     "plan": "adaptjax.compression._plan",
@@ -85,6 +87,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax.compression._base import Codec, CompressionState, SumToAll, factory
     from adaptjax.compression._bits import pack_bits, unpack_bits
     from adaptjax.compression._blocks import Blocks
+    from adaptjax.compression._onebit_adam import OnebitAdamState, onebit_adam
     from adaptjax.compression._plan import Plan, PlanRow, plan
     from adaptjax.compression._powersgd import powersgd
     from adaptjax.compression._quantizers import (
@@ -104,6 +107,7 @@ __all__ = [
     "Blocks",
     "Codec",
     "CompressionState",
+    "OnebitAdamState",
     "Plan",
     "PlanRow",
     "SumToAll",
@@ -114,6 +118,7 @@ __all__ = [
     "native_topk_available",
     "natural",
     "onebit",
+    "onebit_adam",
     "pack_bits",
     "plan",
     "powersgd",
