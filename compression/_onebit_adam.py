@@ -110,7 +110,8 @@ def onebit_adam(
       b2: decay of the second moment (during the warm-up).
       eps: added to ``√ν̂`` in the denominator.
       weight_decay: decoupled weight decay (AdamW); needs ``params``.
-      freeze_step: dense Adam steps before the variance freezes (>= 1).
+      freeze_step: dense Adam steps before the variance freezes (>= 1); a
+        hyperparameter of ``optax.inject_hyperparams`` too (an int32 in its state).
       axis_name: the data-parallel axis (or tuple of axes) bound by ``shard_map``.
       codec: the momentum's codec; default ``adaptjax.compression.onebit()``
         (1 bit and one float32 scale per 512 elements, EF14; leaves under
@@ -123,8 +124,8 @@ def onebit_adam(
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, adaptjax
       >>> from adaptjax import compression as ajc
-      >>> tx = optax.inject_hyperparams(ajc.onebit_adam, static_args=("freeze_step",),
-      ...                               hyperparam_dtype=jnp.float32)(1e-3, freeze_step=100)
+      >>> tx = optax.inject_hyperparams(ajc.onebit_adam, hyperparam_dtype=jnp.float32)(
+      ...     1e-3, freeze_step=100)
       >>> mesh = adaptjax.make_mesh(8)
       >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
       >>> state = adaptjax.init_state({"w": jnp.zeros((4096, 2))}, tx, mesh)
