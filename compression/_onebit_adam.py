@@ -42,6 +42,8 @@ from adaptjax.compression._base import Codec, CompressionState
 from adaptjax.compression._collectives import axis_arg, axis_tuple, bound_size
 from adaptjax.compression._quantizers import onebit
 
+from adaptjax._sync import codec_sync
+
 
 class OnebitAdamState(NamedTuple):
     """State of :func:`onebit_adam` (the local view, as ``update`` sees it).
@@ -103,6 +105,10 @@ def onebit_adam(
     (:class:`adaptjax.PerReplica`), so :func:`adaptjax.init_state` shards
     them and a rescale keeps their mean (the debt owed to the momentum).
 
+    On a sharded mesh (``adaptjax.make_mesh({"data": 2, "fsdp": 4})``) the
+    step passes its ``shard_layout`` and the codec compresses each device's
+    shard of the momentum over the data axis, as ``sync_gradients`` runs a codec.
+
     Args:
       learning_rate: a step size or a schedule of the step count
         (``optax.inject_hyperparams`` can set it).
@@ -159,7 +165,7 @@ def onebit_adam(
             feedback=codec.init(params),
         )
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, shard_layout=None, **extra):
         del extra
         if decay and params is None:
             raise ValueError("onebit_adam with weight_decay needs params: call "
@@ -175,7 +181,8 @@ def onebit_adam(
 
         def compressed():
             local = optax.tree.update_moment(updates, state.mu, b1, 1)
-            mu, feedback = codec.sync(local, state.feedback, axis_name=names, step=state.count)
+            mu, feedback = codec_sync(codec, local, state.feedback, axis_name=axis_name,
+                                      step=state.count, layout=shard_layout)
             count_inc = optax.safe_increment(state.count)
             mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
             nu_hat = optax.tree.bias_correction(state.nu, b2, jnp.minimum(count_inc, freeze_step))

@@ -188,6 +188,39 @@ def test_after_the_freeze_only_the_one_bit_momentum_crosses_the_wire():
     assert dense / one_bit > 25  # 32 bits against 1 + 32/512 on the large leaf
 
 
+def test_on_a_sharded_mesh_each_shard_of_the_momentum_is_compressed():
+    """A (2, 4) mesh with FSDP: the warm-up is still optax.adam's, bit for bit.
+
+    The compressed phase sends the 1-bit codes of each device's shard over
+    "data" and nothing over "fsdp" (no leaf is gathered whole to be compressed).
+    """
+    mesh = adaptjax.make_mesh({"data": 2, "fsdp": 4})
+    rule = adaptjax.FSDP(min_size=64)
+    codec = ajc.onebit(min_size=256)  # w's shards (640 elements) are compressed, b is not
+    tx = ajc.onebit_adam(0.01, freeze_step=2, codec=codec)
+    ref = adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(0.01))
+    s = adaptjax.init_state(_params(), tx, mesh, sharding=rule)
+    r = adaptjax.init_state(_params(), ref, mesh, sharding=rule)
+    step = adaptjax.data_parallel_step(_loss, tx, mesh, sharding=rule, donate=False)
+    ref_step = adaptjax.data_parallel_step(_loss, ref, mesh, sharding=rule, donate=False)
+    for i in range(2):
+        s, _ = step(s, _batch(i))
+        r, _ = ref_step(r, _batch(i))
+        for k in SHAPES:
+            np.testing.assert_array_equal(s.params[k], r.params[k])
+    shard = s.params["w"].addressable_shards[0].data.shape
+    assert np.prod(shard) == np.prod(SHAPES["w"]) // 4
+    ef = s.opt_state.feedback.worker.value["ef"]["w"]
+    assert ef.addressable_shards[0].data.shape == (1, *shard)  # per replica, per shard
+    report = adaptjax.wire_bytes(step, s, _batch(2))
+    in_branch = [c for c in report.collectives if c.branch]
+    compressed = [c for c in in_branch if c.branch[-1][1] == 0]  # lax.cond: false first
+    assert {c.axes for c in compressed} == {("data",)}
+    b_psum = 2 * (2 - 1) / 2 * 4 * SHAPES["b"][0]  # b is replicated and small: a float32 psum
+    assert sum(c.bytes for c in compressed) == pytest.approx(
+        codec.leaf_bytes(shard, 2) + b_psum, rel=1e-9)
+
+
 def test_converges_close_to_dense_adam():
     """Noisy least squares, minibatches of 64 rows over 8 replicas, 1/4 of the run dense.
 
