@@ -39,6 +39,10 @@ its buffers in the optax state as :class:`adaptjax.PerReplica` (merge rule
 ``"mean"``), so they are checkpointed and a rescale keeps the debt owed to the
 averaged gradient.
 
+:func:`onebit_adam` is 1-bit Adam (Tang et al. 2021): a dense ``optax.adam``
+warm-up, then a frozen second moment and the replicas' momenta averaged
+through :func:`onebit`; it takes per-replica gradients and syncs them itself.
+
 With monitors, :func:`adaptjax.sync_gradients` runs the codec on every step
 and lets each replica send its exact gradient at 1% of shared random
 coordinates (``codec_sample``) in the monitors' small all-reduce, so the
