@@ -115,7 +115,8 @@ def onebit_adam(
       b1: decay of the momentum.
       b2: decay of the second moment (during the warm-up).
       eps: added to ``√ν̂`` in the denominator.
-      weight_decay: decoupled weight decay (AdamW); needs ``params``.
+      weight_decay: decoupled weight decay (AdamW); needs ``params`` unless it
+        is the number 0 (``optax.inject_hyperparams`` makes it an array).
       freeze_step: dense Adam steps before the variance freezes (>= 1); a
         hyperparameter of ``optax.inject_hyperparams`` too (an int32 in its state).
       axis_name: the data-parallel axis (or tuple of axes) bound by ``shard_map``.
@@ -168,8 +169,10 @@ def onebit_adam(
     def update_fn(updates, state, params=None, *, shard_layout=None, **extra):
         del extra
         if decay and params is None:
-            raise ValueError("onebit_adam with weight_decay needs params: call "
-                             "update(grads, state, params)")
+            raise ValueError(
+                "onebit_adam with weight_decay needs params: call update(grads, state, params) "
+                "(under optax.inject_hyperparams a weight_decay of 0 is a hyperparameter too: "
+                "pass static_args=('weight_decay',) to leave it out)")
         names = axis_tuple(axis_name)
         n = bound_size(names)
 

@@ -310,6 +310,10 @@ def test_bad_arguments_are_one_line_errors():
         ajc.onebit_adam(0.01, freeze_step=2.5)
     with pytest.raises(ValueError, match=r"^codec must be an adaptjax.compression codec, got"):
         ajc.onebit_adam(0.01, codec="onebit")
-    tx = ajc.onebit_adam(0.01, weight_decay=0.1)
-    with pytest.raises(ValueError, match=r"^onebit_adam with weight_decay needs params"):
-        tx.update({"w": jnp.zeros(3)}, tx.init({"w": jnp.zeros(3)}))
+    for tx in (ajc.onebit_adam(0.01, weight_decay=0.1), _injected(ajc.onebit_adam)):
+        with pytest.raises(ValueError, match=r"^onebit_adam with weight_decay needs params: "
+                                             r".*static_args=\('weight_decay',\)"):
+            tx.update({"w": jnp.zeros(3)}, tx.init({"w": jnp.zeros(3)}))
+    tx = optax.inject_hyperparams(ajc.onebit_adam, static_args=("weight_decay",))(0.01)
+    state = adaptjax.stack_replicas(tx.init(_params()), N)
+    _shard_update(tx, adaptjax.make_mesh(N), state)(_grads(np.random.default_rng(0)), state)
