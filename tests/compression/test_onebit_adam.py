@@ -90,17 +90,19 @@ def test_warm_up_is_optax_adam_bit_for_bit_through_data_parallel_step(weight_dec
     assert not np.array_equal(s.params["w"], r.params["w"])
 
 
-def test_warm_up_is_optax_adam_bit_for_bit_in_a_user_shard_map():
+@pytest.mark.parametrize("lr", [0.01, optax.linear_schedule(0.01, 0.001, 3)],
+                         ids=["constant", "schedule"])
+def test_warm_up_is_optax_adam_bit_for_bit_in_a_user_shard_map(lr):
     """Against the user's own step: a psum mean, then ``optax.adam``, in ``shard_map`` too.
 
     (A reference jitted outside ``shard_map`` differs in the last bit of ``nu``
     from the second step on: XLA fuses ``b2·nu + (1 − b2)·g²`` differently there.)
     """
     mesh = adaptjax.make_mesh(N)
-    tx = ajc.onebit_adam(0.01, freeze_step=3)
+    tx = ajc.onebit_adam(lr, freeze_step=3)
     state = adaptjax.stack_replicas(tx.init(_params()), N)
     update = _shard_update(tx, mesh, state)
-    adam = optax.adam(0.01)
+    adam = optax.adam(lr)
     ref_state = adam.init(_params())
 
     def ref_fn(g, s):
