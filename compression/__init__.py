@@ -39,6 +39,10 @@ its buffers in the optax state as :class:`adaptjax.PerReplica` (merge rule
 ``"mean"``), so they are checkpointed and a rescale keeps the debt owed to the
 averaged gradient.
 
+:func:`onebit_adam` is 1-bit Adam (Tang et al. 2021): a dense ``optax.adam``
+warm-up, then a frozen second moment and the replicas' momenta averaged
+through :func:`onebit`; it takes per-replica gradients and syncs them itself.
+
 With monitors, :func:`adaptjax.sync_gradients` runs the codec on every step
 and lets each replica send its exact gradient at 1% of shared random
 coordinates (``codec_sample``) in the monitors' small all-reduce, so the
@@ -64,6 +68,8 @@ _NAMES = {
     "pack_bits": "adaptjax.compression._bits",
     "unpack_bits": "adaptjax.compression._bits",
     "Blocks": "adaptjax.compression._blocks",
+    "OnebitAdamState": "adaptjax.compression._onebit_adam",
+    "onebit_adam": "adaptjax.compression._onebit_adam",
     "Plan": "adaptjax.compression._plan",
     "PlanRow": "adaptjax.compression._plan",
     "plan": "adaptjax.compression._plan",
@@ -85,6 +91,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax.compression._base import Codec, CompressionState, SumToAll, factory
     from adaptjax.compression._bits import pack_bits, unpack_bits
     from adaptjax.compression._blocks import Blocks
+    from adaptjax.compression._onebit_adam import OnebitAdamState, onebit_adam
     from adaptjax.compression._plan import Plan, PlanRow, plan
     from adaptjax.compression._powersgd import powersgd
     from adaptjax.compression._quantizers import (
@@ -104,6 +111,7 @@ __all__ = [
     "Blocks",
     "Codec",
     "CompressionState",
+    "OnebitAdamState",
     "Plan",
     "PlanRow",
     "SumToAll",
@@ -114,6 +122,7 @@ __all__ = [
     "native_topk_available",
     "natural",
     "onebit",
+    "onebit_adam",
     "pack_bits",
     "plan",
     "powersgd",
