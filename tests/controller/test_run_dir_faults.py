@@ -12,6 +12,7 @@ ordinary user); a log that cannot be written is its file descriptor pointed at
 ``/dev/full`` (every write fails with ``ENOSPC``, as on a full disk).
 """
 
+import errno
 import json
 import os
 import shutil
@@ -281,6 +282,7 @@ def test_a_full_disk_stops_the_run_at_the_save_that_cannot_fit_in_one_line(full_
     msg = _one_line(e)
     assert msg.startswith(f"cannot write {run_dir / 'checkpoints' / '20'}: no space left on device")
     assert "KiB free" in msg and "resume" in msg
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(run_dir / "checkpoints" / "20"))
     assert ctrl.step == 20, "raised at the save that failed"
     ctrl.close()  # no second raise
     err = capfd.readouterr().err
@@ -309,6 +311,7 @@ def test_a_save_that_fails_after_it_started_is_named_and_discarded(full_disk, in
     msg = _one_line(e)
     assert msg.startswith(f"cannot write {run_dir / 'checkpoints' / '20'}: no space left on device")
     assert "no inode free" in msg
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(run_dir / "checkpoints" / "20"))
     assert 20 <= ctrl.step <= 30, "raised once the save is known to have failed"
     ctrl.close()  # no second raise, and the incomplete save is discarded
     assert _left_in(run_dir) == []
@@ -331,6 +334,8 @@ def test_a_log_that_cannot_be_written_is_named_and_close_does_not_raise_again(tm
         ctrl.run(20)
     msg = _one_line(e)
     assert msg.startswith(f"cannot write {tmp_path / 'run' / 'metrics.jsonl'}: no space left")
+    metrics = str(tmp_path / "run" / "metrics.jsonl")
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, metrics)
     ctrl.close()  # no second raise
     RunLock(tmp_path / "run").release()  # the run directory was released
     assert adaptjax.RunCheckpoints(tmp_path / "run" / "checkpoints").all_steps() == [10]
@@ -359,6 +364,7 @@ def test_a_read_only_checkpoint_directory_mid_run_is_named_at_the_save(tmp_path,
     msg = _one_line(e)
     assert msg.startswith(f"cannot write {ckpts / '20'}: ")
     assert "read-only file system" in msg or "permission denied" in msg
+    assert e.value.errno in (errno.EROFS, errno.EACCES) and e.value.filename == str(ckpts / "20")
     assert ctrl.step == 20
     ctrl.close()
     RunLock(tmp_path / "run").release()
@@ -368,8 +374,48 @@ def test_an_unwritable_checkpoint_directory_is_found_at_construction(run_dir, mo
                                                                      request):
     _read_only(run_dir / "checkpoints", mounts, request)
     events = (run_dir / "events.jsonl").read_bytes()
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(RunDirectoryError) as e:
         adaptjax.Controller.resume(run_dir, **_kwargs())
     msg = _one_line(e)
-    assert f"{run_dir / 'checkpoints'} is not writable" in msg
+    why = "read-only file system" if os.geteuid() == 0 else "permission denied"
+    assert msg == (f"{run_dir / 'checkpoints'} is not writable ({why}); make it writable or "
+                   "choose another run_dir")
+    assert e.value.errno == (errno.EROFS if os.geteuid() == 0 else errno.EACCES)
+    assert e.value.filename == str(run_dir / "checkpoints")
     assert (run_dir / "events.jsonl").read_bytes() == events  # nothing written
+
+
+def test_a_read_only_run_directory_is_a_run_directory_error_at_construction(tmp_path, mounts,
+                                                                           request):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _read_only(run_dir, mounts, request)
+    with pytest.raises(RunDirectoryError) as e:
+        adaptjax.Controller(run_dir=run_dir, **_kwargs())
+    assert _one_line(e) == (f"run_dir {run_dir} is not writable ({run_dir} is not a writable "
+                            "directory); choose a run_dir you can write to")
+    assert e.value.errno == (errno.EROFS if os.geteuid() == 0 else errno.EACCES)
+    assert e.value.filename == str(run_dir)
+    assert os.listdir(run_dir) == []
+
+
+def test_a_run_directory_under_a_file_is_a_run_directory_error(tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("keep me")
+    with pytest.raises(RunDirectoryError) as e:
+        adaptjax.Controller(run_dir=blocker / "run", **_kwargs())
+    assert _one_line(e) == (f"run_dir {blocker / 'run'} is not writable ({blocker} is not a "
+                            "writable directory); choose a run_dir you can write to")
+    assert (e.value.errno, e.value.filename) == (errno.ENOTDIR, str(blocker))
+    assert blocker.read_text() == "keep me"
+
+
+def test_a_file_where_the_run_writes_a_directory_is_named(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "quarantine").write_text("not a directory")
+    with pytest.raises(RunDirectoryError) as e:
+        adaptjax.Controller(run_dir=tmp_path / "run", **_kwargs())
+    where = tmp_path / "run" / "quarantine"
+    assert _one_line(e) == (f"{where} is not writable (a file, not a directory); make it "
+                            "writable or choose another run_dir")
+    assert (e.value.errno, e.value.filename) == (errno.ENOTDIR, str(where))
