@@ -416,24 +416,24 @@ def _nbytes(tree) -> int:
 
 
 def _warn_repair(repair, step: int) -> None:
-    """One warning per log file with damaged lines, one for metrics rows missing up to ``step``."""
+    """One warning per damaged log file; metrics rows missing up to ``step`` are said in the
+    metrics file's warning, or in one of their own."""
+    missing, n = repair.missing_steps, len(repair.missing_steps)
+    lacks = (
+        f"the rows of {n} step{'s' if n > 1 else ''} up to the checkpoint's step {step} "
+        f"({step_ranges(missing)}): they were lost before this resume and are not recomputed"
+    )
+    said = []
     for path, count in repair.damaged.items():
-        warnings.warn(
-            f"resume: dropped {count} damaged line{'s' if count > 1 else ''} of {path} "
-            "(not UTF-8 JSON rows)",
-            UserWarning,
-            stacklevel=user_stacklevel(),
-        )
-    missing = repair.missing_steps
-    if missing:
-        n = len(missing)
-        warnings.warn(
-            f"resume: metrics.jsonl lacks the rows of {n} step{'s' if n > 1 else ''} up to the "
-            f"checkpoint's step {step} ({step_ranges(missing)}); they were lost before this "
-            "resume and are not recomputed",
-            UserWarning,
-            stacklevel=user_stacklevel(),
-        )
+        text = (f"resume: dropped {count} damaged line{'s' if count > 1 else ''} of {path} "
+                "(not whole UTF-8 JSON rows)")
+        if missing and os.path.basename(path) == "metrics.jsonl":
+            text += f"; it lacks {lacks}"
+            said.append(path)
+        warnings.warn(text, UserWarning, stacklevel=user_stacklevel())
+    if missing and not said:
+        warnings.warn(f"resume: metrics.jsonl lacks {lacks}", UserWarning,
+                      stacklevel=user_stacklevel())
 
 
 def user_stacklevel() -> int:

@@ -116,12 +116,15 @@ def _file_named_like_a_step(run_dir):
 
 @pytest.mark.parametrize("damage", [_no_state, _no_meta, _junk_ahead, _file_named_like_a_step])
 def test_a_step_directory_that_is_not_a_checkpoint_is_quarantined_so_its_step_is_written(
-    run_dir, damage
+    run_dir, damage, caplog
 ):
     bad, resumed_at, why = damage(run_dir)
     with pytest.warns(UserWarning, match=f"skipped checkpoint {bad}: .*{why}") as record:
         ctrl = adaptjax.Controller.resume(run_dir, **_kwargs())
     assert sum(f"checkpoint {bad}" in str(w.message) for w in record) == 1
+    assert len(record) == 1, [str(w.message) for w in record]
+    # Orbax's "Metadata file does not exist" for the junk: said once, by the warning above
+    assert [r.getMessage() for r in caplog.records if r.levelno >= 30] == []
     assert ctrl.step == resumed_at
     assert os.path.exists(run_dir / "quarantine" / str(bad))  # kept, never deleted
     assert not os.path.exists(run_dir / "checkpoints" / str(bad))
@@ -158,9 +161,11 @@ def test_a_damaged_row_in_the_middle_is_reported_with_the_step_it_leaves_missing
     with pytest.warns(UserWarning) as record:
         ctrl = adaptjax.Controller.resume(run_dir, **_kwargs())
     messages = [str(w.message) for w in record]
-    assert len(messages) == 2, messages
-    assert "dropped 1 damaged line of" in messages[0]
-    assert "lacks the rows of 1 step up to the checkpoint's step 30 (5)" in messages[1]
+    assert messages == [  # one damaged thing, one warning
+        f"resume: dropped 1 damaged line of {path} (not whole UTF-8 JSON rows); it lacks the "
+        "rows of 1 step up to the checkpoint's step 30 (5): they were lost before this resume "
+        "and are not recomputed"
+    ]
     ctrl.close()
     assert [r["step"] for r in _rows(path)] == [s for s in range(1, 31) if s != 5]
 
@@ -183,6 +188,25 @@ def test_metrics_rows_missing_before_the_checkpoint_are_reported_in_one_warning(
     ctrl.run(32)
     ctrl.close()
     assert [r["step"] for r in _rows(path)] == list(range(1, first)) + [31, 32]
+
+
+@pytest.mark.parametrize("cut", [2, 30, "all but the brace"])  # 2: "}\n"
+def test_a_truncated_last_event_is_dropped_with_one_warning(run_dir, cut):
+    """A last line cut short whose step is the checkpoint's, or cannot be read: an event of
+    the run lost (a resume recomputes only the steps after the checkpoint)."""
+    path = run_dir / "events.jsonl"
+    data = path.read_bytes()
+    last = data[data.rindex(b"\n", 0, -1) + 1:]
+    assert json.loads(last)["step"] == 30
+    keep = 1 if cut == "all but the brace" else len(last) - cut
+    path.write_bytes(data[: len(data) - len(last) + keep])
+    with pytest.warns(UserWarning) as record:
+        ctrl = adaptjax.Controller.resume(run_dir, **_kwargs())
+    assert [str(w.message) for w in record] == [
+        f"resume: dropped 1 damaged line of {path} (not whole UTF-8 JSON rows)"
+    ]
+    ctrl.close()
+    assert path.read_bytes().startswith(data[: len(data) - len(last)])
 
 
 def test_a_torn_last_line_is_dropped_without_a_warning(run_dir):
