@@ -347,6 +347,13 @@ def _handler_registry():
     return registry
 
 
+def unfinished_saves(directory: str | os.PathLike) -> list[str]:
+    """The temporary directories of saves in ``directory`` that never completed (Orbax's
+    ``<step>.orbax-checkpoint-tmp*``): no restore reads them."""
+    pattern = os.path.join(glob.escape(os.fspath(directory)), "*.orbax-checkpoint-tmp*")
+    return sorted(glob.glob(pattern))
+
+
 @contextlib.contextmanager
 def _quiet_listing() -> Iterator[None]:
     """Orbax's absl warnings muted while it lists the checkpoints (in its threads too).
@@ -786,8 +793,7 @@ class RunCheckpoints:
         that none writes into the directory after it is removed.
         """
         _join_orphan_writers(timeout=60.0)
-        pattern = os.path.join(glob.escape(self._directory), "*.orbax-checkpoint-tmp*")
-        gone = sorted(glob.glob(pattern))
+        gone = unfinished_saves(self._directory)
         for path in gone:
             shutil.rmtree(path, ignore_errors=True)
         return gone

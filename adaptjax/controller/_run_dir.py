@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -16,9 +17,11 @@ from adaptjax.controller._checkpoint import (
     CorruptCheckpointError,
     RunCheckpoints,
     deferred_interrupts,
+    unfinished_saves,
 )
 from adaptjax.controller._run_lock import (
     RunDirectoryError,
+    RunDirectoryLocked,
     RunLock,
     as_run_dir_error,
     free_space,
@@ -94,6 +97,47 @@ def _not_writable(path: str, code: int, message: str) -> RunDirectoryError:
     error = RunDirectoryError(message)
     error.errno, error.filename = code, path
     return error
+
+
+def check_resumable(run_dir: str) -> None:
+    """One-line ``ValueError`` unless ``run_dir/checkpoints`` holds a step to resume from.
+
+    A resume it refuses leaves nothing behind: process 0 first removes the
+    temporary directories of saves that never completed (a run killed before
+    its first checkpoint was committed), unless a live owner holds ``run_dir``
+    (they may be its save in flight).
+    """
+    where = os.path.join(run_dir, CHECKPOINTS)
+    if os.path.isdir(where) and any(n.isdigit() for n in os.listdir(where)):
+        return
+    gone = discard_unfinished_saves(run_dir) if is_primary() else []
+    removed = ""
+    if gone:
+        names = ", ".join(os.path.basename(p) for p in gone)
+        removed = f" (removed the unfinished save{'s' if len(gone) > 1 else ''} {names})"
+    raise ValueError(
+        f"no complete checkpoint in {where} to resume from{removed}; start a new run with "
+        "Controller(...) instead"
+    )
+
+
+def discard_unfinished_saves(run_dir: str) -> list[str]:
+    """Removes ``run_dir``'s unfinished saves (:func:`unfinished_saves`) unless a live owner
+    holds it; returns the paths removed. The lock is taken meanwhile."""
+    where = os.path.join(run_dir, CHECKPOINTS)
+    if not unfinished_saves(where):
+        return []
+    try:
+        lock = RunLock(run_dir)
+    except RunDirectoryLocked:
+        return []
+    try:
+        gone = unfinished_saves(where)
+        for path in gone:
+            shutil.rmtree(path, ignore_errors=True)
+    finally:
+        lock.release()
+    return gone
 
 
 def read_only_fs(path: str) -> bool:

@@ -217,6 +217,78 @@ def test_a_torn_last_line_is_dropped_without_a_warning(run_dir):
     assert [r["step"] for r in _rows(run_dir / "metrics.jsonl")] == list(range(1, 31))
 
 
+# --- issue 48 item 6: a refused resume leaves no unfinished save behind ---------------------
+
+
+def _unfinished(run_dir, step=10):
+    tmp = run_dir / "checkpoints" / f"{step}.orbax-checkpoint-tmp-1765000000"
+    (tmp / "state").mkdir(parents=True)
+    (tmp / "state" / "d").write_bytes(b"half a checkpoint")
+    return tmp
+
+
+def test_a_refused_resume_removes_the_unfinished_saves_it_finds(tmp_path):
+    from adaptjax.controller._run_dir import check_resumable
+
+    first, second = _unfinished(tmp_path, 10), _unfinished(tmp_path, 20)
+    with pytest.raises(ValueError) as e:
+        check_resumable(str(tmp_path))
+    assert _one_line(e) == (
+        f"no complete checkpoint in {tmp_path / 'checkpoints'} to resume from (removed the "
+        f"unfinished saves {first.name}, {second.name}); start a new run with Controller(...) "
+        "instead"
+    )
+    assert os.listdir(tmp_path / "checkpoints") == []
+    RunLock(tmp_path).release()  # released
+
+
+def test_a_refused_resume_leaves_the_saves_of_a_live_owner_alone(tmp_path):
+    from adaptjax.controller._run_dir import check_resumable
+
+    tmp = _unfinished(tmp_path)
+    owner = RunLock(tmp_path)  # its save of step 10 may be in flight
+    try:
+        with pytest.raises(ValueError) as e:
+            check_resumable(str(tmp_path))
+        assert _one_line(e) == (f"no complete checkpoint in {tmp_path / 'checkpoints'} to resume "
+                                "from; start a new run with Controller(...) instead")
+        assert tmp.is_dir()
+    finally:
+        owner.release()
+
+
+def test_nothing_to_resume_from_and_nothing_left(tmp_path):
+    from adaptjax.controller._run_dir import check_resumable
+
+    with pytest.raises(ValueError, match="no complete checkpoint in .* to resume from; start"):
+        check_resumable(str(tmp_path / "never-made"))
+    assert not (tmp_path / "never-made").exists()
+    (tmp_path / "checkpoints" / "10").mkdir(parents=True)
+    check_resumable(str(tmp_path))  # a step to resume from (or to quarantine): no refusal
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="the constructor's check_run_dir (_arguments.py, the "
+                   "lead's) must call _run_dir.check_resumable when resuming")
+def test_a_resume_after_a_kill_in_the_first_save_is_refused_with_nothing_left(tmp_path):
+    from _handshake import Gate
+
+    run_dir, gate = tmp_path / "run", Gate(tmp_path / "gate")
+    proc = subprocess.Popen(
+        [sys.executable, "-u", job.__file__, str(run_dir), "45", "--hold-in-save", "10",
+         "--gate", gate.directory], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert gate.wait_at(alive=lambda: proc.poll() is None)[0] == "save 10"
+    finally:
+        proc.kill()  # kill -9 inside the first save: its temporary directory stays
+        proc.wait()
+    assert [n for n in os.listdir(run_dir / "checkpoints") if "tmp" in n] != []
+    with pytest.raises(ValueError, match="no complete checkpoint in .* to resume from"):
+        adaptjax.Controller.resume(run_dir, **_kwargs())
+    assert os.listdir(run_dir / "checkpoints") == []
+
+
 # --- item 6: I/O errors on the run directory ------------------------------------------------
 
 
