@@ -17,6 +17,7 @@ import os
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -59,8 +60,10 @@ def test_a_second_launch_on_a_held_run_directory_exits_locked_without_a_restart(
     thread.start()
     for rank in ("0", "1"):
         gate.wait_at(rank, alive=thread.is_alive)
+    t0 = time.monotonic()
     try:
         rc, out, err = _launch([PY, JOB, str(run_dir), "6"], 2, max_restarts=3)
+        print(f"second launch refused after {time.monotonic() - t0:.1f} s")  # not asserted
     finally:
         gate.go("0")
         gate.go("1")
