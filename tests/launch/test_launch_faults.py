@@ -141,8 +141,8 @@ def test_a_stopped_process_is_reported_after_the_hang_timeout():
 @pytest.mark.slow
 def test_a_main_thread_busy_outside_python_for_longer_is_not_reported():
     """``time.sleep`` releases Python's lock as XLA's compile does: the heartbeat thread runs."""
-    code = _INIT + "time.sleep(6.0)\nprint('done')\n"
-    rc, out, err = _launch([PY, "-c", code], 1, hang_timeout=2.0,
+    code = _INIT + "time.sleep(9.0)\nprint('done')\n"
+    rc, out, err = _launch([PY, "-c", code], 1, hang_timeout=3.0,
                            max_restarts=0)
     assert rc == 0, out + err
     assert "[0] done" in out and "sign of life" not in err
