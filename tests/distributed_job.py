@@ -129,7 +129,7 @@ def main():
             if not os.path.exists(marker):
                 last = kill_step - kill_step % args.checkpoint_every
                 done = os.path.join(args.run_dir, "checkpoints", str(last))
-                while last and not os.path.isdir(done):  # bounded by --hang-timeout
+                while last and not os.path.isdir(done):  # bounded by --step-timeout
                     time.sleep(0.05)
                 open(marker, "w").close()
                 print(f"KILL {time.time():.3f}", flush=True)

@@ -46,6 +46,7 @@ import contextlib
 import glob
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -346,6 +347,30 @@ def _handler_registry():
     return registry
 
 
+def unfinished_saves(directory: str | os.PathLike) -> list[str]:
+    """The temporary directories of saves in ``directory`` that never completed (Orbax's
+    ``<step>.orbax-checkpoint-tmp*``): no restore reads them."""
+    pattern = os.path.join(glob.escape(os.fspath(directory)), "*.orbax-checkpoint-tmp*")
+    return sorted(glob.glob(pattern))
+
+
+@contextlib.contextmanager
+def _quiet_listing() -> Iterator[None]:
+    """Orbax's absl warnings muted while it lists the checkpoints (in its threads too).
+
+    Listing a step directory that is not a checkpoint (junk in ``checkpoints/40/``)
+    logs ``Metadata file does not exist`` from Orbax's threads; adaptjax says so
+    itself, once (:meth:`RunCheckpoints.all_steps`, a resume's quarantine).
+    """
+    logger = logging.getLogger("absl")
+    before = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
 def _join_orphan_writers(timeout: float) -> None:
     """Waits (up to ``timeout`` seconds in all) for Orbax's writer threads still running."""
     try:
@@ -413,9 +438,14 @@ class RunCheckpoints:
         )
         # Constructing the Orbax manager reads the directory (if it exists) and
         # writes nothing: no root metadata is passed and create=False.
-        self._manager = ocp.CheckpointManager(
-            self._directory, options=options, handler_registry=_handler_registry()
-        )
+        with _quiet_listing():
+            self._manager = ocp.CheckpointManager(
+                self._directory, options=options, handler_registry=_handler_registry()
+            )
+
+    def _reload(self) -> None:
+        with _quiet_listing():
+            self._manager.reload()
 
     @property
     def directory(self) -> str:
@@ -432,7 +462,7 @@ class RunCheckpoints:
         self.wait()
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("adaptjax-checkpoint-settle")
-        self._manager.reload()
+        self._reload()
 
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints on disk, ascending (waits for a pending save).
@@ -737,7 +767,7 @@ class RunCheckpoints:
         if jax.process_index() == 0:
             shutil.rmtree(os.path.join(self._directory, str(step)), ignore_errors=True)
         multihost_utils.sync_global_devices("adaptjax-checkpoint-delete")
-        self._manager.reload()
+        self._reload()
 
     def delete(self, step: int) -> None:
         """Deletes the checkpoint of ``step`` (waits for a pending save first)."""
@@ -763,15 +793,14 @@ class RunCheckpoints:
         that none writes into the directory after it is removed.
         """
         _join_orphan_writers(timeout=60.0)
-        pattern = os.path.join(glob.escape(self._directory), "*.orbax-checkpoint-tmp*")
-        gone = sorted(glob.glob(pattern))
+        gone = unfinished_saves(self._directory)
         for path in gone:
             shutil.rmtree(path, ignore_errors=True)
         return gone
 
     def reload(self) -> None:
         """Re-reads the list of checkpoints on disk (after another process changed it)."""
-        self._manager.reload()
+        self._reload()
 
     def quarantine(self, step: int | str, into: str | os.PathLike) -> str:
         """Moves checkpoint ``step`` out of the directory (into ``into``) and returns its new path.
@@ -788,7 +817,7 @@ class RunCheckpoints:
             n += 1
         with deferred_interrupts():
             shutil.move(os.path.join(self._directory, str(step)), target)
-        self._manager.reload()
+        self._reload()
         return target
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -16,9 +17,11 @@ from adaptjax.controller._checkpoint import (
     CorruptCheckpointError,
     RunCheckpoints,
     deferred_interrupts,
+    unfinished_saves,
 )
 from adaptjax.controller._run_lock import (
     RunDirectoryError,
+    RunDirectoryLocked,
     RunLock,
     as_run_dir_error,
     free_space,
@@ -41,7 +44,8 @@ WRITTEN_FILES = ("metrics.jsonl", "events.jsonl", ".adaptjax.lock")
 
 
 def check_writable_dir(path: str) -> None:
-    """One-line ``ValueError`` unless ``path`` is, or can be created as, a writable directory."""
+    """One-line :class:`RunDirectoryError` unless ``path`` is, or can be created as, a
+    writable directory (its ``filename``: the path that is not; ``errno``: why)."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         parent = os.path.dirname(probe)
@@ -49,14 +53,16 @@ def check_writable_dir(path: str) -> None:
             break
         probe = parent
     if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(
+        raise _not_writable(
+            probe, write_errno(probe, is_dir=True),
             f"run_dir {path} is not writable ({probe} is not a writable directory); "
-            "choose a run_dir you can write to"
+            "choose a run_dir you can write to",
         )
 
 
 def check_writable_run_dir(path: str) -> None:
-    """One-line ``ValueError`` unless the run can write everything it will write in ``path``.
+    """One-line :class:`RunDirectoryError` unless the run can write everything it will write
+    in ``path``.
 
     ``path`` itself (or the parent it is created in), and those of
     :data:`WRITTEN_DIRS` and :data:`WRITTEN_FILES` that exist already. Writes nothing.
@@ -64,18 +70,74 @@ def check_writable_run_dir(path: str) -> None:
     check_writable_dir(path)
     for name in WRITTEN_DIRS + WRITTEN_FILES:
         where = os.path.join(path, name)
+        is_dir = name in WRITTEN_DIRS
         if not os.path.lexists(where):
             continue
-        is_dir = name in WRITTEN_DIRS
-        if is_dir and not os.path.isdir(where):
-            why = "a file, not a directory"
-        elif os.access(where, os.W_OK | (os.X_OK if is_dir else 0)):
+        if (os.path.isdir(where) or not is_dir) and os.access(
+            where, os.W_OK | (os.X_OK if is_dir else 0)
+        ):
             continue
-        else:
-            why = "read-only file system" if read_only_fs(where) else "permission denied"
-        raise ValueError(
-            f"{where} is not writable ({why}); make it writable or choose another run_dir"
+        code = write_errno(where, is_dir=is_dir)
+        why = "a file, not a directory" if code == errno.ENOTDIR else os.strerror(code).lower()
+        raise _not_writable(
+            where, code, f"{where} is not writable ({why}); make it writable or choose another "
+            "run_dir",
         )
+
+
+def write_errno(path: str, *, is_dir: bool) -> int:
+    """Why ``path`` (that exists) cannot be written: ``ENOTDIR`` (a directory was needed),
+    ``EROFS`` (a read-only file system) or ``EACCES``."""
+    if is_dir and not os.path.isdir(path):
+        return errno.ENOTDIR
+    return errno.EROFS if read_only_fs(path) else errno.EACCES
+
+
+def _not_writable(path: str, code: int, message: str) -> RunDirectoryError:
+    error = RunDirectoryError(message)
+    error.errno, error.filename = code, path
+    return error
+
+
+def check_resumable(run_dir: str) -> None:
+    """One-line ``ValueError`` unless ``run_dir/checkpoints`` holds a step to resume from.
+
+    A resume it refuses leaves nothing behind: process 0 first removes the
+    temporary directories of saves that never completed (a run killed before
+    its first checkpoint was committed), unless a live owner holds ``run_dir``
+    (they may be its save in flight).
+    """
+    where = os.path.join(run_dir, CHECKPOINTS)
+    if os.path.isdir(where) and any(n.isdigit() for n in os.listdir(where)):
+        return
+    gone = discard_unfinished_saves(run_dir) if is_primary() else []
+    removed = ""
+    if gone:
+        names = ", ".join(os.path.basename(p) for p in gone)
+        removed = f" (removed the unfinished save{'s' if len(gone) > 1 else ''} {names})"
+    raise ValueError(
+        f"no complete checkpoint in {where} to resume from{removed}; start a new run with "
+        "Controller(...) instead"
+    )
+
+
+def discard_unfinished_saves(run_dir: str) -> list[str]:
+    """Removes ``run_dir``'s unfinished saves (:func:`unfinished_saves`) unless a live owner
+    holds it; returns the paths removed. The lock is taken meanwhile."""
+    where = os.path.join(run_dir, CHECKPOINTS)
+    if not unfinished_saves(where):
+        return []
+    try:
+        lock = RunLock(run_dir)
+    except RunDirectoryLocked:
+        return []
+    try:
+        gone = unfinished_saves(where)
+        for path in gone:
+            shutil.rmtree(path, ignore_errors=True)
+    finally:
+        lock.release()
+    return gone
 
 
 def read_only_fs(path: str) -> bool:
@@ -214,7 +276,7 @@ class RunDirectory:
         first), and the space of those ``max_to_keep`` deletes first is counted
         as free. Across processes process 0 decides for all.
         """
-        problem = None
+        problem = None  # [path, errno, detail] of run_dir_error
         latest = self.checkpoints.latest_step()  # (collectives across processes: every one asks)
         dropped = self.checkpoints.dropped_by_next_save()
         if self.primary:
@@ -223,20 +285,19 @@ class RunDirectory:
             while not os.path.exists(probe) and os.path.dirname(probe) != probe:
                 probe = os.path.dirname(probe)
             if not os.access(probe, os.W_OK | os.X_OK):
-                code = errno.EROFS if read_only_fs(probe) else errno.EACCES
-                problem = str(run_dir_error(where, code))
+                problem = [where, write_errno(probe, is_dir=True), ""]
             else:
                 need = max(_nbytes(state), 0 if latest is None else self._size(latest))
                 free = free_bytes(probe) + sum(self._size(s) for s in dropped)
                 if free < need:
                     detail = (f"{human_bytes(free)} free, a checkpoint takes about "
                               f"{human_bytes(need)}")
-                    problem = str(run_dir_error(where, errno.ENOSPC, detail))
+                    problem = [where, errno.ENOSPC, detail]
         if jax.process_count() > 1:
             problem = broadcast_json(problem)
         if problem is not None:
             self._told = True
-            raise RunDirectoryError(problem)
+            raise run_dir_error(*problem)
 
     def _size(self, step: int) -> int:
         if step not in self._sizes:
@@ -399,24 +460,24 @@ def _nbytes(tree) -> int:
 
 
 def _warn_repair(repair, step: int) -> None:
-    """One warning per log file with damaged lines, one for metrics rows missing up to ``step``."""
+    """One warning per damaged log file; metrics rows missing up to ``step`` are said in the
+    metrics file's warning, or in one of their own."""
+    missing, n = repair.missing_steps, len(repair.missing_steps)
+    lacks = (
+        f"the rows of {n} step{'s' if n > 1 else ''} up to the checkpoint's step {step} "
+        f"({step_ranges(missing)}): they were lost before this resume and are not recomputed"
+    )
+    said = []
     for path, count in repair.damaged.items():
-        warnings.warn(
-            f"resume: dropped {count} damaged line{'s' if count > 1 else ''} of {path} "
-            "(not UTF-8 JSON rows)",
-            UserWarning,
-            stacklevel=user_stacklevel(),
-        )
-    missing = repair.missing_steps
-    if missing:
-        n = len(missing)
-        warnings.warn(
-            f"resume: metrics.jsonl lacks the rows of {n} step{'s' if n > 1 else ''} up to the "
-            f"checkpoint's step {step} ({step_ranges(missing)}); they were lost before this "
-            "resume and are not recomputed",
-            UserWarning,
-            stacklevel=user_stacklevel(),
-        )
+        text = (f"resume: dropped {count} damaged line{'s' if count > 1 else ''} of {path} "
+                "(not whole UTF-8 JSON rows)")
+        if missing and os.path.basename(path) == "metrics.jsonl":
+            text += f"; it lacks {lacks}"
+            said.append(path)
+        warnings.warn(text, UserWarning, stacklevel=user_stacklevel())
+    if missing and not said:
+        warnings.warn(f"resume: metrics.jsonl lacks {lacks}", UserWarning,
+                      stacklevel=user_stacklevel())
 
 
 def user_stacklevel() -> int:

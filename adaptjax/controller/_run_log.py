@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -235,21 +236,21 @@ def _writing(f) -> Iterator[None]:
         raise error from e
 
 
-def scan_jsonl(path: str | os.PathLike) -> tuple[list[dict], int]:
-    """``(rows, damaged)``: the JSON object rows of a ``.jsonl`` file, read as bytes.
+def scan_jsonl(path: str | os.PathLike) -> tuple[list[dict], int, bytes | None]:
+    """``(rows, damaged, torn)``: the JSON object rows of a ``.jsonl`` file, read as bytes.
 
     A line that is not UTF-8 JSON of an object (bytes changed on disk, a hand
-    edit) is damaged: skipped and counted. A last line without its newline is
-    torn (the writer was killed mid-row): skipped unless it parses, never
-    counted. Blank lines are skipped.
+    edit) is damaged: skipped and counted. A last line without its newline that
+    does not parse is torn (the writer was killed mid-row, or the file was cut
+    short): skipped, not counted, and returned as ``torn`` (else ``None``);
+    :func:`torn_step` reads its step. Blank lines are skipped.
     """
     if not os.path.exists(path):
-        return [], 0
+        return [], 0, None
     rows: list[dict] = []
-    damaged = 0
+    damaged, torn = 0, None
     with open(path, "rb") as f:
         for line in f:
-            torn = not line.endswith(b"\n")
             if not line.strip():
                 continue
             try:
@@ -258,9 +259,23 @@ def scan_jsonl(path: str | os.PathLike) -> tuple[list[dict], int]:
                 row = None
             if isinstance(row, dict) and _step_of(row) is not None:
                 rows.append(row)
-            elif not torn:
+            elif line.endswith(b"\n"):
                 damaged += 1
-    return rows, damaged
+            else:
+                torn = line
+    return rows, damaged, torn
+
+
+def torn_step(line: bytes) -> int | None:
+    """The step a torn row (:func:`scan_jsonl`) was written for, if it got that far.
+
+    Example:
+      >>> from adaptjax.controller._run_log import torn_step
+      >>> torn_step(b'{"step": 31, "lo'), torn_step(b'{"step": 3'), torn_step(b'{"time": 1.5, ')
+      (31, None, None)
+    """
+    found = re.search(rb'"step": (\d+)[,}]', line)
+    return int(found.group(1)) if found else None
 
 
 def _step_of(row: Mapping) -> int | None:
@@ -311,9 +326,11 @@ class LogRepair:
 def truncate_run_logs(run_dir: str | os.PathLike, step: int) -> LogRepair:
     """Rewrites ``metrics.jsonl`` and ``events.jsonl`` without rows of steps after ``step``.
 
-    Damaged and torn lines are dropped too (:func:`scan_jsonl`). Each file is
-    replaced atomically (written aside, fsynced, renamed). Returns what was
-    dropped and which steps up to ``step`` have no metrics row.
+    Damaged and torn lines are dropped too (:func:`scan_jsonl`); a torn line
+    counts as damaged unless it is of a step after ``step`` (a row a kill cut
+    short, which the resume writes again). Each file is replaced atomically
+    (written aside, fsynced, renamed). Returns what was dropped and which steps
+    up to ``step`` have no metrics row.
     """
     damaged: dict[str, int] = {}
     kept_steps: set[int] = set()
@@ -321,7 +338,9 @@ def truncate_run_logs(run_dir: str | os.PathLike, step: int) -> LogRepair:
         path = os.path.join(os.fspath(run_dir), name)
         if not os.path.exists(path):
             continue
-        rows, bad = scan_jsonl(path)
+        rows, bad, torn = scan_jsonl(path)
+        if torn is not None and (torn_step(torn) or 0) <= step:
+            bad += 1
         if bad:
             damaged[path] = bad
         keep = [r for r in rows if _kept_step(r) <= step]

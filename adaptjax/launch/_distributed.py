@@ -21,9 +21,13 @@ controller loop. This module holds what that needs and nothing else:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
+import sys
+import threading
 import time
 
 import jax
@@ -34,14 +38,20 @@ from adaptjax.launch._launcher import (  # the launcher's side of the contract (
     ENV_COORDINATOR,
     ENV_COORDINATOR_BIND,
     ENV_HEARTBEAT_DIR,
+    ENV_HEARTBEAT_PERIOD,
     ENV_MAX_PROCESSES,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     ENV_RESCALE_FILE,
+    EXIT_LOCKED,
+    HEARTBEAT_S,
 )
 from adaptjax.launch._launcher import (
     EXIT_RESCALE as EXIT_RESCALE,  # re-exported as adaptjax.EXIT_RESCALE
 )
+
+#: How long a process that found its run directory locked waits for the launcher's SIGTERM.
+LOCKED_WAIT_S = 30.0
 
 _CLUSTER_VARS = (
     "SLURM_JOB_ID",
@@ -123,6 +133,14 @@ def initialize_distributed(*, initialization_timeout: int = 120) -> tuple[int, i
     ``ADAPTJAX_COORDINATOR_BIND_ADDRESS`` on if set (JAX's default binds every
     interface), and otherwise does nothing: the script runs as one process.
 
+    From then on an uncaught ``adaptjax.RunDirectoryLocked`` (another job holds
+    the run directory) prints its one line and ends the process at once with
+    exit code 73 (``EXIT_LOCKED`` of ``adaptjax launch``, which never restarts
+    it), instead of 1 after ``jax.distributed``'s shutdown waited for the other
+    processes. Under ``adaptjax launch`` a thread of this process also beats
+    (touches a file) every few seconds, so that the launcher can tell a stopped
+    process from one that compiles.
+
     Args:
       initialization_timeout: seconds to wait for every process to connect.
 
@@ -147,17 +165,82 @@ def initialize_distributed(*, initialization_timeout: int = 120) -> tuple[int, i
             initialization_timeout=initialization_timeout, coordinator_bind_address=bind
         )
     heartbeat()
+    _exit_locked_uncaught()
+    _beat_from_a_thread()
     return jax.process_index(), jax.process_count()
+
+
+def _exit_locked_uncaught() -> None:
+    """Installs (once) a ``sys.excepthook`` that ends the process with :data:`EXIT_LOCKED` on
+    an uncaught ``RunDirectoryLocked``; other exceptions go to the hook there was.
+
+    ``os._exit``: the process has nothing of the run directory to close, and
+    ``jax.distributed``'s shutdown at exit would wait for the other processes.
+    Under the launcher it first touches ``<rank>.locked`` in the heartbeat
+    directory and waits for SIGTERM (at most :data:`LOCKED_WAIT_S`): the launcher
+    ends the other processes before it, so that none sees its coordinator vanish
+    (a gloo error and traceback in each), then sends it.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_adaptjax_locked", False):
+        return
+    where, rank = os.environ.get(ENV_HEARTBEAT_DIR), jax.process_index()
+
+    def hook(kind, value, tb):
+        lock = sys.modules.get("adaptjax.controller._run_lock")  # not imported: not raised
+        if lock is None or not isinstance(value, lock.RunDirectoryLocked):
+            previous(kind, value, tb)
+            return
+        print(f"adaptjax.RunDirectoryLocked: {value}", file=sys.stderr)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        if where:
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(EXIT_LOCKED))
+            with contextlib.suppress(OSError):
+                _touch(os.path.join(where, f"{rank}.locked"))
+                time.sleep(LOCKED_WAIT_S)
+        os._exit(EXIT_LOCKED)
+
+    hook._adaptjax_locked = True  # pyright: ignore[reportFunctionMemberAccess]
+    sys.excepthook = hook
+
+
+_beating = threading.Event()
+
+
+def _beat_from_a_thread() -> None:
+    """Under the launcher, touches ``<rank>.alive`` now and then every heartbeat period from
+    a daemon thread (once per process): a sign of life through compiles and collectives,
+    which release Python's lock, that stops only when the whole process stops."""
+    where = os.environ.get(ENV_HEARTBEAT_DIR)
+    if not where or _beating.is_set():
+        return
+    _beating.set()
+    period = float(os.environ.get(ENV_HEARTBEAT_PERIOD) or HEARTBEAT_S)
+    path = os.path.join(where, f"{jax.process_index()}.alive")
+    _touch(path)  # alive from here on, before anything else runs
+
+    def beat() -> None:
+        while True:
+            time.sleep(period)
+            with contextlib.suppress(OSError):  # the launcher's directory is gone: it ended
+                _touch(path)
+
+    threading.Thread(target=beat, name="adaptjax-heartbeat", daemon=True).start()
+
+
+def _touch(path: str) -> None:
+    with open(path, "a"):
+        pass
+    os.utime(path)
 
 
 def heartbeat() -> None:
     """Tells the launcher this process is alive and moving (a no-op outside the launcher)."""
     where = os.environ.get(ENV_HEARTBEAT_DIR)
     if where:
-        path = os.path.join(where, str(jax.process_index()))
-        with open(path, "a"):
-            pass
-        os.utime(path)
+        _touch(os.path.join(where, str(jax.process_index())))
 
 
 def is_primary() -> bool:

@@ -17,6 +17,11 @@
 * when every process exits with :data:`adaptjax.EXIT_RESCALE` (76), reads the
   process count the run asks for and starts that many (not counted as a
   restart);
+* when a process finds its run directory held by another job
+  (``RunDirectoryLocked``) it exits with :data:`EXIT_LOCKED` (73); the
+  launcher ends the others first (at once), says so in one line and exits
+  with 73: never restarted, since a restart would find the directory locked
+  again, or "resume" the other job's run once it ended;
 * on SIGTERM/SIGINT forwards SIGTERM to every process (the controller
   checkpoints and exits with ``EXIT_PREEMPTED``, 75) and exits with their code;
 * when the launcher itself dies, even by ``kill -9``, its processes die with it
@@ -24,9 +29,19 @@
   the run directory and a new launch resumes from the latest checkpoint.
 
 Timeouts, so nothing hangs silently: a process that has not reached
-``initialize_distributed`` within ``--start-timeout`` seconds, or that made no
-step for ``--hang-timeout`` seconds (stuck in a collective), ends the attempt
-and counts as a failure.
+``initialize_distributed`` within ``--start-timeout`` seconds (120), that gave
+no sign of life for ``--hang-timeout`` seconds (60: stopped, e.g. by SIGSTOP,
+or frozen), or that made no step for ``--step-timeout`` seconds (600: stuck in
+a collective) ends the attempt and counts as a failure.
+
+How a stopped process is told apart from a long compile: after
+``initialize_distributed`` each process touches ``<rank>.alive`` every
+:data:`HEARTBEAT_S` seconds (or a quarter of ``--hang-timeout``, if less) from
+a host thread of its own. XLA releases Python's lock while it compiles (and
+while a collective waits), so that thread beats on through any compile; a
+stopped process stops all its threads. A step's progress (``<rank>``, touched
+after every step) cannot tell a long compile from a hung collective, hence its
+own, longer timeout.
 """
 
 from __future__ import annotations
@@ -49,6 +64,10 @@ import time
 #: Exit code of every process after a transition checkpoint to a replica count that the
 #: current processes cannot give: relaunch with the process count the run asks for.
 EXIT_RESCALE = 76
+#: Exit code of a process whose run directory another job holds (``RunDirectoryLocked``,
+#: uncaught, after :func:`adaptjax.initialize_distributed`): never restarted (sysexits'
+#: EX_CANTCREAT). Wait for the other job to end, or choose another run directory.
+EXIT_LOCKED = 73
 
 ENV_COORDINATOR = "ADAPTJAX_COORDINATOR_ADDRESS"
 #: ``HOST:PORT`` the coordinator (process 0) listens on; default: the coordinator's address.
@@ -59,8 +78,11 @@ ENV_PROCESS_ID = "ADAPTJAX_PROCESS_ID"
 ENV_MAX_PROCESSES = "ADAPTJAX_MAX_PROCESSES"
 #: Where process 0 writes ``{"processes": P, "devices": n}`` before exiting with EXIT_RESCALE.
 ENV_RESCALE_FILE = "ADAPTJAX_RESCALE_FILE"
-#: A directory in which each process touches ``<rank>`` after initialize and after every step.
+#: A directory in which each process touches ``<rank>`` after initialize and after every step,
+#: and ``<rank>.alive`` every ``ADAPTJAX_HEARTBEAT_PERIOD`` seconds from a thread.
 ENV_HEARTBEAT_DIR = "ADAPTJAX_HEARTBEAT_DIR"
+#: Seconds between two touches of ``<rank>.alive``.
+ENV_HEARTBEAT_PERIOD = "ADAPTJAX_HEARTBEAT_PERIOD"
 #: ``1``: compare a digest of every decision across processes (a debug check).
 ENV_CHECK_DECISIONS = "ADAPTJAX_CHECK_DECISIONS"
 #: ``0`` on the first start; ``k > 0`` on the k-th restart or relaunch (the script resumes).
@@ -72,6 +94,15 @@ COORDINATOR_HOST = "127.0.0.1"
 
 #: The launcher's exit code for bad arguments (nothing was started).
 EXIT_USAGE = 2
+#: Seconds between a process's beats of life (``<rank>.alive``), at most.
+HEARTBEAT_S = 5.0
+#: Default ``--hang-timeout``: a stopped process is reported within it of its last beat, so
+#: within two minutes of being stopped with room to spare (at most ``120 - HEARTBEAT_S``).
+HANG_TIMEOUT_S = 60.0
+#: Default ``--step-timeout``: long enough for the longest compile between two steps.
+STEP_TIMEOUT_S = 600.0
+#: Default ``--start-timeout``.
+START_TIMEOUT_S = 120.0
 _EXIT_PREEMPTED = 75  # adaptjax.EXIT_PREEMPTED, without importing the controller (and jax)
 _REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
 
@@ -134,6 +165,7 @@ class _Options:
     port: int | None
     start_timeout: float
     hang_timeout: float
+    step_timeout: float
     backoff: float
     check_decisions: bool
 
@@ -154,7 +186,8 @@ def _check_options(command: list[str], o: _Options) -> None:
     ):
         if value is not None and (not isinstance(value, int) or value < low):
             raise LaunchError(f"{name} must be an integer >= {low}, got {value!r}")
-    for name, value in (("--start-timeout", o.start_timeout), ("--hang-timeout", o.hang_timeout)):
+    for name, value in (("--start-timeout", o.start_timeout), ("--hang-timeout", o.hang_timeout),
+                        ("--step-timeout", o.step_timeout)):
         if not value > 0:
             raise LaunchError(f"{name} must be > 0 seconds, got {value!r}")
     check_command(command)
@@ -263,11 +296,34 @@ class _Attempt:
         for t in self.readers:
             t.join(timeout=2)
 
-    def beats(self) -> dict[int, float]:
+    def locked(self, rank: int) -> bool:
+        """Whether process ``rank`` found its run directory locked (it waits for SIGTERM)."""
+        return os.path.exists(os.path.join(self.heartbeats, f"{rank}.locked"))
+
+    def end_locked(self, rank: int) -> int:
+        """Ends the others, then process ``rank`` (which found its run directory locked).
+
+        In that order: ``rank`` may be process 0, whose coordinator the others
+        talk to; gone first, it would leave each a gloo error and a traceback.
+        On SIGTERM it exits with :data:`EXIT_LOCKED`; returns that.
+        """
+        others = [p for r, p in enumerate(self.procs) if r != rank]
+        for p in others:
+            p.kill()
+        for p in others:
+            p.wait()
+        self.procs[rank].terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.procs[rank].wait(timeout=10)
+        self.kill_all()
+        return EXIT_LOCKED
+
+    def beats(self, suffix: str = "") -> dict[int, float]:
+        """The time of each rank's latest step (``suffix=".alive"``: latest sign of life)."""
         out = {}
         for rank in range(self.n):
             try:
-                out[rank] = os.path.getmtime(os.path.join(self.heartbeats, str(rank)))
+                out[rank] = os.path.getmtime(os.path.join(self.heartbeats, f"{rank}{suffix}"))
             except OSError:
                 pass
         return out
@@ -283,7 +339,10 @@ def _describe(rc: int) -> str:
 
 
 def _ended(codes: list[int]) -> int:
-    """The attempt's code once every process ended: 0, EXIT_RESCALE, 75 or the first failure's."""
+    """The attempt's code once every process ended: 0, EXIT_RESCALE, 75, EXIT_LOCKED or the
+    first failure's."""
+    if EXIT_LOCKED in codes:
+        return EXIT_LOCKED
     for agreed in (0, EXIT_RESCALE, _EXIT_PREEMPTED):
         if all(c == agreed for c in codes):
             return agreed
@@ -291,25 +350,42 @@ def _ended(codes: list[int]) -> int:
     return bad if bad > 0 else 128 - bad
 
 
-def _stuck(attempt: _Attempt, codes, *, start_timeout, hang_timeout) -> int | None:
-    """The attempt's code when a process failed, never started or hung (said; all killed)."""
+def _older(beats: dict[int, float], codes, timeout: float) -> list[int]:
+    """The running ranks whose beat in ``beats`` is older than ``timeout`` seconds."""
+    now = time.time()
+    return [r for r, t in beats.items() if codes[r] is None and now - t > timeout]
+
+
+def _stuck(attempt: _Attempt, codes, o: _Options) -> int | None:
+    """The attempt's code when a process failed, never started, stopped or hung (said, unless
+    it is :data:`EXIT_LOCKED`: the caller says that; all killed)."""
     failed = [(r, c) for r, c in enumerate(codes) if c is not None and c not in (0, EXIT_RESCALE)]
+    locked = [r for r in range(attempt.n) if codes[r] is None and attempt.locked(r)]
+    if locked:
+        return attempt.end_locked(locked[0])
     beats = attempt.beats()
     missing = [r for r in range(attempt.n) if r not in beats and codes[r] is None]
-    stale = [r for r, t in beats.items() if codes[r] is None and time.time() - t > hang_timeout]
+    stopped = _older(attempt.beats(".alive"), codes, o.hang_timeout)
+    stale = _older(beats, codes, o.step_timeout)
     code = 1
     if failed:
-        rank, rc = failed[0]
-        attempt.say(f"process {rank} ended ({_describe(rc)}); stopping the others")
+        rank, rc = next((f for f in failed if f[1] == EXIT_LOCKED), failed[0])
+        if rc != EXIT_LOCKED:
+            attempt.say(f"process {rank} ended ({_describe(rc)}); stopping the others")
         code = rc if rc > 0 else 128 - rc
-    elif missing and time.monotonic() - attempt.started > start_timeout:
+    elif missing and time.monotonic() - attempt.started > o.start_timeout:
         attempt.say(
             f"process(es) {missing} did not reach initialize_distributed within "
-            f"{start_timeout:.0f} s; stopping all"
+            f"{o.start_timeout:.0f} s; stopping all"
+        )
+    elif stopped:
+        attempt.say(
+            f"process {stopped[0]} gave no sign of life for {o.hang_timeout:.0f} s (stopped, "
+            "e.g. by SIGSTOP, or frozen); stopping all"
         )
     elif not missing and stale:
         attempt.say(
-            f"process {stale[0]} made no step for {hang_timeout:.0f} s (hung in a "
+            f"process {stale[0]} made no step for {o.step_timeout:.0f} s (hung in a "
             "collective?); stopping all"
         )
     else:
@@ -318,7 +394,7 @@ def _stuck(attempt: _Attempt, codes, *, start_timeout, hang_timeout) -> int | No
     return code
 
 
-def _run_attempt(attempt: _Attempt, *, start_timeout, hang_timeout, stop_event) -> int:
+def _run_attempt(attempt: _Attempt, o: _Options, *, stop_event) -> int:
     """Watches one attempt until it ends; returns 0, EXIT_RESCALE, 75 or a failure code."""
     forwarded_at = None
     while True:
@@ -332,13 +408,15 @@ def _run_attempt(attempt: _Attempt, *, start_timeout, hang_timeout, stop_event) 
         if len(ended) == len(codes):
             attempt.kill_all()  # joins the output readers
             return _ended(ended)
-        if forwarded_at is not None:
-            if time.monotonic() - forwarded_at > hang_timeout:
-                attempt.say(f"processes did not exit {hang_timeout:.0f} s after SIGTERM; killing")
+        if forwarded_at is not None:  # they checkpoint: as long as a step may take
+            if time.monotonic() - forwarded_at > o.step_timeout:
+                attempt.say(
+                    f"processes did not exit {o.step_timeout:.0f} s after SIGTERM; killing"
+                )
                 attempt.kill_all()
                 return _EXIT_PREEMPTED
         else:
-            code = _stuck(attempt, codes, start_timeout=start_timeout, hang_timeout=hang_timeout)
+            code = _stuck(attempt, codes, o)
             if code is not None:
                 return code
 
@@ -347,6 +425,7 @@ def _attempt_env(o: _Options, n: int, attempt: int) -> dict[str, str]:
     """The environment every process of the ``attempt``-th start gets (before its rank's)."""
     env = dict(os.environ)
     env[ENV_ATTEMPT] = str(attempt)
+    env[ENV_HEARTBEAT_PERIOD] = repr(min(HEARTBEAT_S, o.hang_timeout / 4))
     env[ENV_MAX_PROCESSES] = str(max(o.process_cap, n))
     if o.check_decisions:
         env[ENV_CHECK_DECISIONS] = "1"
@@ -405,15 +484,19 @@ def _supervise(command, o: _Options, *, stop, workdir, out, err) -> int:
         attempts += 1
         attempt.say(f"started {n} process(es): {shlex.join(command)}")
         try:
-            rc = _run_attempt(
-                attempt, start_timeout=o.start_timeout, hang_timeout=o.hang_timeout,
-                stop_event=stop,
-            )
+            rc = _run_attempt(attempt, o, stop_event=stop)
         finally:
             attempt.kill_all()
         if rc == 0:
             attempt.say(f"all {n} process(es) finished")
             return 0
+        if rc == EXIT_LOCKED:
+            attempt.say(
+                f"the run directory is in use by another job (a process exited with {rc}, "
+                "RunDirectoryLocked); not restarting: wait for that job to end or choose "
+                "another run directory"
+            )
+            return rc
         if stop.is_set():
             attempt.say(f"stopped by a signal (exit code {rc})")
             return rc
@@ -442,8 +525,9 @@ def launch(
     max_restarts: int = 3,
     max_processes: int | None = None,
     port: int | None = None,
-    start_timeout: float = 120.0,
-    hang_timeout: float = 600.0,
+    start_timeout: float = START_TIMEOUT_S,
+    hang_timeout: float = HANG_TIMEOUT_S,
+    step_timeout: float = STEP_TIMEOUT_S,
     backoff: float = 1.0,
     check_decisions: bool = False,
     out=None,
@@ -472,6 +556,7 @@ def launch(
         port=port,
         start_timeout=start_timeout,
         hang_timeout=hang_timeout,
+        step_timeout=step_timeout,
         backoff=backoff,
         check_decisions=check_decisions,
     )
@@ -505,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="adaptjax launch",
         description=(__doc__ or "").splitlines()[0],
         epilog="Exit codes: 0 done; 75 preempted (resume later); 76 a process-count change the "
-        "launcher could not carry out; 2 bad arguments; otherwise the failing process's code.",
+        "launcher could not carry out; 73 the run directory is in use by another job (never "
+        "restarted); 2 bad arguments; otherwise the failing process's code.",
     )
     parser.add_argument("-n", "--processes", type=int, required=True)
     parser.add_argument("--devices-per-process", type=int, default=None)
@@ -515,8 +601,15 @@ def main(argv: list[str] | None = None) -> int:
         "--port", type=int, default=None,
         help=f"the coordinator's port on {COORDINATOR_HOST} (default: a free one)",
     )
-    parser.add_argument("--start-timeout", type=float, default=120.0)
-    parser.add_argument("--hang-timeout", type=float, default=600.0)
+    parser.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S)
+    parser.add_argument(
+        "--hang-timeout", type=float, default=HANG_TIMEOUT_S,
+        help="seconds without a sign of life (a stopped process)",
+    )
+    parser.add_argument(
+        "--step-timeout", type=float, default=STEP_TIMEOUT_S,
+        help="seconds without a step (a hung collective; longer than any compile)",
+    )
     parser.add_argument("--backoff", type=float, default=1.0)
     parser.add_argument("--check-decisions", action="store_true")
     args = parser.parse_args(options)
@@ -530,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
             port=args.port,
             start_timeout=args.start_timeout,
             hang_timeout=args.hang_timeout,
+            step_timeout=args.step_timeout,
             backoff=args.backoff,
             check_decisions=args.check_decisions,
         )

@@ -373,7 +373,7 @@ def test_policy_returning_an_unknown_action(tmp_path):
 def test_checkpoint_directory_not_writable(tmp_path):
     blocker = tmp_path / "afile"
     blocker.write_text("keep me")
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(adaptjax.RunDirectoryError) as e:
         adaptjax.Controller(run_dir=blocker / "run", **job.job_kwargs())
     assert "not writable" in _one_line(e)
     assert blocker.read_text() == "keep me"

@@ -58,6 +58,7 @@ def test_command_missing_is_one_line():
         ({"processes": 2, "max_restarts": -1}, "--max-restarts must be an integer >= 0"),
         ({"processes": 2, "devices_per_process": 0}, "--devices-per-process must be"),
         ({"processes": 2, "hang_timeout": 0}, "--hang-timeout must be > 0"),
+        ({"processes": 2, "step_timeout": -1}, "--step-timeout must be > 0"),
     ],
 )
 def test_bad_numbers_are_one_line(kwargs, match):
@@ -171,7 +172,7 @@ def test_worker_hung_in_a_collective_times_out(tmp_path):
         [PY, str(script)],
         processes=2,
         devices_per_process=1,
-        hang_timeout=3.0,
+        step_timeout=3.0,
         max_restarts=0,
         out=out,
         err=err,
