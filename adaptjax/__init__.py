@@ -35,6 +35,8 @@ _NAMES = {
     "RunDirectoryError": "adaptjax.controller._run_lock",
     "RunDirectoryLocked": "adaptjax.controller._run_lock",
     "ArrayDataset": "adaptjax._data",
+    "accumulate": "adaptjax._accumulation",
+    "set_micro_steps": "adaptjax._accumulation",
     "FeatureCodec": "adaptjax._input_codec",
     "InputCodec": "adaptjax._input_codec",
     "batch_bytes": "adaptjax._input_codec",
@@ -113,6 +115,7 @@ _NAMES = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
+    from adaptjax._accumulation import accumulate, set_micro_steps
     from adaptjax._chain import SyncChain, chain, named_chain
     from adaptjax._codec import GradientCodec
     from adaptjax._data import ArrayDataset, IterableDataset
@@ -196,6 +199,8 @@ __all__ = [
     "RunLog",
     "codec_key",
     "ArrayDataset",
+    "accumulate",
+    "set_micro_steps",
     "FeatureCodec",
     "InputCodec",
     "batch_bytes",

@@ -37,7 +37,8 @@ class GradStats(NamedTuple):
         supplied, else one).
       mean_sq: ``‖mean_grads‖²``.
       n_replicas: replicas on the axis (static).
-      samples_per_replica: gradient samples per replica (``k`` micro-batches, static).
+      samples_per_replica: gradient samples per replica (``k`` micro-batches): static,
+        or an int32 when the micro-steps are set at run time (``adaptjax.accumulate``).
       local_batch_size: examples per replica per step, or ``None`` if unknown.
       summed: the psum over replicas of every scalar returned by a monitor's
         ``local_scalars``, keyed like the monitor returned them.
@@ -52,7 +53,7 @@ class GradStats(NamedTuple):
     local_sq: jax.Array
     mean_sq: jax.Array
     n_replicas: int
-    samples_per_replica: int
+    samples_per_replica: int | jax.Array
     local_batch_size: int | None
     summed: dict
     mean_sample: tuple | None = None
@@ -237,7 +238,7 @@ class _Samples(NamedTuple):
     local_g: Any  # this replica's gradient (preconditioned when asked)
     s_bar: Any  # the mean over the samples of their squared norms
     mean_sq: Any  # ‖Ḡ‖², the squared norm of their mean
-    n: int  # samples per step: replicas x micro-batches (replicas when preconditioned)
+    n: int | jax.Array  # samples per step: replicas x micro-batches (replicas when preconditioned)
     sample_b: Any  # examples per sample
     ok: Any  # bool: this step can be measured (the preconditioner has warmed up)
     nu: Any  # the preconditioner's second-moment EMA after this step (or ())
@@ -394,7 +395,7 @@ class GradientNoiseScale:
         self, stats: GradStats, state: NoiseScaleState, **_: Any
     ) -> tuple[NoiseScaleState, dict]:
         """Folds this step's unbiased estimates into the EMAs; returns ``(state, metrics)``."""
-        b = stats.local_batch_size or self.local_batch_size
+        b = self.local_batch_size if stats.local_batch_size is None else stats.local_batch_size
         if b is None:
             raise ValueError(
                 "GradientNoiseScale needs the per-replica batch size: pass "
@@ -443,6 +444,11 @@ class GradientNoiseScale:
     def _estimates(self, samples: _Samples, state: NoiseScaleState):
         """``(‖G‖² estimate, tr(Σ) estimate, measured, previous gradient to keep)``."""
         n, s_bar, mean_sq, sample_b = samples.n, samples.s_bar, samples.mean_sq, samples.sample_b
+        if not isinstance(n, int):  # samples counted at run time: valid from two on
+            m = jnp.maximum(n, 2).astype(jnp.float32)
+            g2 = (m * mean_sq - s_bar) / (m - 1)
+            var = (s_bar - mean_sq) * m * sample_b / (m - 1)
+            return g2, var, samples.ok & (n >= 2), state.prev_grads
         if n >= 2:
             g2 = (n * mean_sq - s_bar) / (n - 1)
             var = (s_bar - mean_sq) * n * sample_b / (n - 1)
@@ -579,7 +585,7 @@ class GradientSNR:
 
     def from_shared(self, metrics: dict, stats: GradStats) -> dict:
         """The SNR from this step's metrics of the :class:`GradientNoiseScale` it shares."""
-        b = stats.local_batch_size or self.local_batch_size
+        b = self.local_batch_size if stats.local_batch_size is None else stats.local_batch_size
         assert b is not None  # else the GradientNoiseScale whose metrics these are has raised
         g2, var = metrics["grad_sqnorm"], metrics["grad_variance"]
         snr = jnp.maximum(g2, 0.0) * (b * stats.n_replicas) / jnp.where(var > 0, var, 1.0)

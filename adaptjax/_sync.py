@@ -554,7 +554,7 @@ class _Inputs(NamedTuple):
     state: SyncState  # the state before this update
     params: Any
     n: int  # replicas on the axis
-    k: int  # micro-batches (``microbatches=``)
+    k: int | jax.Array  # micro-batches (``microbatches=``); traced under adaptjax.accumulate
     micro_sq: Any  # ``micro_sqnorm=``: Σ_j ‖g_j‖² over this replica's micro-batches, or None
     local_sq: Any  # ``local_sqnorm=``: this replica's exact ‖g‖², or None
     local_batch_size: Any  # ``local_batch_size=``, or None
@@ -579,7 +579,7 @@ def _update_with_sums(
     check_axes_bound(config.axis_name, f"sync_gradients({config.axis_name!r})")
     check_float_tree(updates)
     _check_per_replica(updates, config.axis_name)
-    k = int(extra.get("microbatches", 1) or 1)
+    k = _samples_per_replica(extra.get("microbatches"))
     inputs = _Inputs(
         updates, state, params, axis_size(config.axis_name), k,
         micro_sq=extra.get("micro_sqnorm"),
@@ -607,10 +607,22 @@ def _identity(x):
     return x
 
 
+def _samples_per_replica(microbatches) -> int | jax.Array:
+    """``microbatches=``: a Python int, or an int32 set at run time (``adaptjax.accumulate``)."""
+    if microbatches is None or isinstance(microbatches, int | np.integer):
+        return int(microbatches or 1)
+    return jnp.asarray(microbatches, jnp.int32)
+
+
+def _micro_samples(inputs: _Inputs) -> bool:
+    """Whether the monitors' samples are the micro-batches' gradients (``micro_sqnorm=``)."""
+    return inputs.micro_sq is not None and (not isinstance(inputs.k, int) or inputs.k > 1)
+
+
 def _local_scalars(config: _SyncConfig, inputs: _Inputs) -> dict:
     """This replica's ‖g‖² and every monitor's local scalars, keyed for the all-reduce."""
     out = {}
-    if inputs.micro_sq is not None and inputs.k > 1:
+    if _micro_samples(inputs):
         out[_LOCAL_SQ] = jnp.asarray(inputs.micro_sq, jnp.float32)
     elif inputs.local_sq is not None:
         out[_LOCAL_SQ] = jnp.asarray(inputs.local_sq, jnp.float32)
@@ -770,7 +782,7 @@ def _measure(config: _SyncConfig, inputs: _Inputs, sums: _Exchanged, monitor_sta
             else sums.sampled_mean_sq
         ),
         n_replicas=n,
-        samples_per_replica=inputs.k if (inputs.micro_sq is not None and inputs.k > 1) else 1,
+        samples_per_replica=inputs.k if _micro_samples(inputs) else 1,
         local_batch_size=inputs.local_batch_size,
         summed={},
         mean_sample=sums.mean_sample,

@@ -1,0 +1,149 @@
+"""Gradient accumulation over steps, with the number of micro-steps set at run time.
+
+``optax.MultiSteps`` accumulates gradients for ``k`` calls and applies the inner
+optimizer on the ``k``-th, with ``k`` from a schedule of the step count.
+:func:`accumulate` does the same for a chain that synchronises gradients
+(``adaptjax.chain(adaptjax.sync_gradients(...), ...)``) inside a data-parallel
+step, with two differences that matter there:
+
+* it accumulates each replica's *own* gradients (per-replica state) and runs
+  the inner chain, and with it the collective, only on the last micro-step, so
+  a batch of ``k`` micro-steps costs one exchange;
+* ``k`` is a number in the state (:func:`set_micro_steps`), so a controller can
+  grow the batch without compiling: the step's shapes never change, and the
+  memory per device stays that of one micro-batch however large the batch.
+
+The monitors see the micro-steps as gradient samples: the inner update
+receives ``microbatches=k`` (times the step's own micro-batches) and the sum of
+the micro-steps' squared gradient norms, so the noise scale measures at the
+batch the optimizer steps with.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from adaptjax._per_replica import PerReplica
+from adaptjax._tree import tree_sq_norm
+
+
+class AccumulateState(NamedTuple):
+    """State of :func:`accumulate`.
+
+    Attributes:
+      micro_step: int32, micro-steps accumulated since the last update.
+      micro_steps: int32, micro-steps per optimizer step (``k``).
+      grads: this replica's sum of the accumulated gradients (:class:`PerReplica`).
+      sqnorm: float32, this replica's sum of their squared norms (:class:`PerReplica`).
+      inner_state: the inner transformation's state.
+    """
+
+    micro_step: jax.Array
+    micro_steps: jax.Array
+    grads: PerReplica
+    sqnorm: PerReplica
+    inner_state: Any
+
+
+def accumulate(
+    inner: optax.GradientTransformation, micro_steps: int = 1
+) -> optax.GradientTransformationExtraArgs:
+    """Runs ``inner`` once every ``micro_steps`` calls, on the mean of their gradients.
+
+    Args:
+      inner: the transformation to run on the accumulated gradients, usually
+        ``adaptjax.chain(adaptjax.sync_gradients(...), optimizer)``; it receives
+        this replica's mean gradient over the micro-steps.
+      micro_steps: micro-steps per optimizer step at the start; change it in
+        the state with :func:`set_micro_steps` (no compile).
+
+    Returns:
+      A transformation whose updates are zero on the micro-steps between.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, adaptjax
+      >>> tx = adaptjax.accumulate(optax.sgd(1.0), micro_steps=2)
+      >>> state = tx.init({"w": jnp.zeros(())})
+      >>> u1, state = tx.update({"w": jnp.float32(1.0)}, state)
+      >>> u2, state = tx.update({"w": jnp.float32(3.0)}, state)
+      >>> float(u1["w"]), float(u2["w"])
+      (0.0, -2.0)
+    """
+    if int(micro_steps) < 1:
+        raise ValueError(f"micro_steps must be >= 1, got {micro_steps}")
+
+    def init(params):
+        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        return AccumulateState(
+            micro_step=jnp.zeros((), jnp.int32),
+            micro_steps=jnp.asarray(micro_steps, jnp.int32),
+            grads=PerReplica(zeros),
+            sqnorm=PerReplica(jnp.zeros((), jnp.float32)),
+            inner_state=inner.init(params),
+        )
+
+    def update(updates, state: AccumulateState, params=None, **extra):
+        k_in = int(extra.get("microbatches", 1) or 1)
+        if k_in > 1 and extra.get("micro_sqnorm") is not None:
+            sq = extra["micro_sqnorm"]
+        elif extra.get("local_sqnorm") is not None:
+            sq = extra["local_sqnorm"]
+        else:
+            sq = tree_sq_norm(updates)
+        grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), state.grads.value, updates)
+        sqnorm = state.sqnorm.value + jnp.asarray(sq, jnp.float32)
+        step = state.micro_step + 1
+
+        def last(_):
+            k = state.micro_steps
+            mean = jax.tree.map(lambda a, g: (a / k).astype(g.dtype), grads, updates)
+            inner_extra = {key: v for key, v in extra.items() if key != "local_sqnorm"}
+            inner_extra.update(microbatches=k * k_in, micro_sqnorm=sqnorm)
+            if extra.get("local_batch_size") is not None:
+                inner_extra["local_batch_size"] = extra["local_batch_size"] * k
+            out, inner_state = inner.update(mean, state.inner_state, params, **inner_extra)
+            zero = jax.tree.map(jnp.zeros_like, grads)
+            return out, AccumulateState(jnp.zeros_like(step), k, PerReplica(zero),
+                                        PerReplica(jnp.zeros_like(sqnorm)), inner_state)
+
+        def between(_):
+            zero = jax.tree.map(jnp.zeros_like, updates)
+            return zero, state._replace(micro_step=step, grads=PerReplica(grads),
+                                        sqnorm=PerReplica(sqnorm))
+
+        return jax.lax.cond(step >= state.micro_steps, last, between, None)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def set_micro_steps(opt_state: Any, micro_steps: int) -> Any:
+    """``opt_state`` with every :class:`AccumulateState`'s ``k`` set to ``micro_steps``.
+
+    Takes effect from the micro-step in progress: set it between two
+    optimizer steps (``micro_step`` 0) to change the batch there.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, adaptjax
+      >>> state = adaptjax.accumulate(optax.sgd(0.1)).init({"w": jnp.zeros(2)})
+      >>> int(adaptjax.set_micro_steps(state, 4).micro_steps)
+      4
+    """
+    if int(micro_steps) < 1:
+        raise ValueError(f"micro_steps must be >= 1, got {micro_steps}")
+    found = []
+
+    def one(x):
+        if isinstance(x, AccumulateState):
+            found.append(x)
+            return x._replace(micro_steps=jnp.full_like(x.micro_steps, micro_steps))
+        return x
+
+    out = jax.tree.map(one, opt_state, is_leaf=lambda x: isinstance(x, AccumulateState))
+    if not found:
+        raise ValueError("the optimizer state holds no adaptjax.accumulate(...) state; build "
+                         "the optimizer with adaptjax.accumulate(tx) to set micro-steps")
+    return out
