@@ -69,6 +69,7 @@ _NAMES = {
     "upcoming": "adaptjax.policies._policy",
     "validate_actions": "adaptjax.policies._policy",
     "Schedule": "adaptjax.policies._schedule",
+    "Seesaw": "adaptjax.policies._seesaw",
     "SwitchCompression": "adaptjax.policies._switch_compression",
     "SwitchSync": "adaptjax.policies._switch_sync",
 }
@@ -112,6 +113,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax.policies._policy import Policy, required_metrics, upcoming, validate_actions
     from adaptjax.policies._precision import PrecisionPolicy
     from adaptjax.policies._schedule import Schedule
+    from adaptjax.policies._seesaw import Seesaw
     from adaptjax.policies._switch_compression import SwitchCompression
     from adaptjax.policies._switch_sync import SwitchSync
     from adaptjax.policies._warmup import BatchSizeWarmup
@@ -136,6 +138,7 @@ __all__ = [
     "Rescale",
     "Rollback",
     "Schedule",
+    "Seesaw",
     "SetBatchSize",
     "SetCodec",
     "SetHyperparams",
