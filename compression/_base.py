@@ -60,6 +60,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from adaptjax.compression._bits import mix_seed
 from adaptjax.compression._collectives import axis_tuple, bound_size, replica_index
 from adaptjax.compression._feedback import NoFeedback, feedback_for
 from adaptjax.compression._lanes import Ctx, Leaf, LeafIn, LeafOut, run_lanes
@@ -547,14 +548,23 @@ class Codec:
 
     # ------------------------------------------------------------ protocol
     def encode(self, x: jax.Array, *, seed: int | jax.Array = 0) -> Any:
-        """One array to this codec's fixed-size payload pytree (pure, jittable)."""
+        """One array to this codec's fixed-size payload pytree (pure, jittable).
+
+        Random draws come from the codec's own ``seed`` and the call's
+        ``seed`` together (:meth:`draw_seed`): codecs that differ in either
+        draw differently.
+        """
         raise NotImplementedError
 
     def decode(
         self, payload: Any, shape: Sequence[int], *, seed: int | jax.Array = 0
     ) -> jax.Array:
-        """Inverse of :meth:`encode` (up to the codec's loss): a float32 array."""
+        """Inverse of :meth:`encode` (up to the codec's loss), with the ``seed`` it was given."""
         raise NotImplementedError
+
+    def draw_seed(self, seed: int | jax.Array = 0) -> jax.Array:
+        """The uint32 seed of :meth:`encode`'s draws: the codec's ``seed`` mixed with ``seed``."""
+        return mix_seed(self.seed, seed)
 
     def plan(self, grads: Any, n: int, *, show: bool = False) -> Plan:
         """The per-leaf plan at ``n`` replicas; see :func:`adaptjax.compression.plan`."""
