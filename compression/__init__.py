@@ -21,7 +21,7 @@ codec                       collective                                  bytes pe
 :func:`natural`             owner-compute, 8-bit codes                  ``≈2d(N−1)/N``
 :func:`topk`, :func:`dgc`   (value, index) pairs routed to owners       ``≈24k(N−1)/N``
 :func:`randomk`             psum of ``k`` values (shared coordinates)   ``8k(N−1)/N``
-:func:`powersgd`            psum of ``P`` or ``Q`` (alternating)        ``8r·(n or m)(N−1)/N``
+:func:`powersgd`            psum of ``P``, then of ``Q``                ``8r·(n+m)(N−1)/N``
 ==========================  ==========================================  =====================
 
 Owner-compute: an all-to-all hands replica ``j`` every replica's encoded chunk
