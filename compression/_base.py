@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from adaptjax.compression._bits import mix_seed
-from adaptjax.compression._collectives import axis_tuple, bound_size, replica_index
+from adaptjax.compression._collectives import axis_tuple, bound_size, replica_index, replicated
 from adaptjax.compression._feedback import NoFeedback, feedback_for
 from adaptjax.compression._lanes import Ctx, Leaf, LeafIn, LeafOut, run_lanes
 from adaptjax.compression._layout import bf16_bytes, prod
@@ -526,7 +526,10 @@ class Codec:
         mean = jax.tree_util.tree_unflatten(
             treedef, [out.astype(x.dtype) for (out, _), x in zip(done, leaves, strict=True)]
         )
-        return mean, _next_state(state, treedef, [buffers for _, buffers in done])
+        new = _next_state(state, treedef, [buffers for _, buffers in done])
+        if n == 1:  # nothing crossed the wire: mark the mean and the shared buffers replicated
+            mean, new = replicated(mean, names), new._replace(shared=replicated(new.shared, names))
+        return mean, new
 
     # ---------------------------------------------------------------- hooks
     def _check_axes(self, names) -> None:
