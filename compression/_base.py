@@ -65,7 +65,7 @@ from adaptjax.compression._collectives import axis_tuple, bound_size, replica_in
 from adaptjax.compression._feedback import NoFeedback, feedback_for
 from adaptjax.compression._lanes import Ctx, Leaf, LeafIn, LeafOut, run_lanes
 from adaptjax.compression._layout import bf16_bytes, prod
-from adaptjax.compression._plan import Plan, leaf_plan, plan
+from adaptjax.compression._plan import Plan, leaf_plan, plan, warn_if_nothing_compressed
 
 from adaptjax import PerReplica
 
@@ -492,7 +492,9 @@ class Codec:
     ) -> tuple[Any, CompressionState]:
         """The compressed all-reduce-mean of ``grads`` (inside ``shard_map``).
 
-        Each leaf gets its ``Leaf`` record (lane, shape, state); the
+        Each leaf gets its ``Leaf`` record (lane, shape, state), and a codec
+        whose every leaf is under ``min_size`` warns that it compresses nothing
+        (at trace time, once per compiled step); the
         feedback rule turns its gradient into what the replica sends; each lane
         averages its leaves bucket by bucket (``run_lanes``); the feedback
         rule turns each leaf's mean and residual into the output and new buffers.
@@ -514,6 +516,7 @@ class Codec:
         paths, leaves = [p for p, _ in flat], [x for _, x in flat]
         check_float_leaves(paths, leaves)
         records = leaf_plan(self, paths, [jnp.shape(x) for x in leaves], n)
+        warn_if_nothing_compressed(self, records)
         fb = self.feedback
         ctx = Ctx(names, n, step, replica_index(names, n), fb.residual, self.seed)
         held = _leaf_states(state, treedef)
