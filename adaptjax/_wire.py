@@ -108,7 +108,7 @@ class WireReport:
     ``conditional``) runs only when its branch is taken, so the branches of a
     conditional are not added up: ``total`` takes their mean (what one call
     sends on average when the branches alternate, as PowerSGD's P and Q steps
-    do), ``max_total`` the largest, and ``branch_totals`` lists each branch.
+    do with ``alternate=True``), ``max_total`` the largest, and ``branch_totals`` lists each branch.
     The non-finite guard of :func:`adaptjax.data_parallel_step` (a conditional
     whose other branch skips the update and sends nothing) is the exception:
     a step counts what its update sends.

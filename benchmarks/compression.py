@@ -7,9 +7,10 @@ For each codec of ``adaptjax.compression``, on an MLP of about 8M parameters
   compiled HLO of the codec's sync (inside ``shard_map``), and the ratio of a
   float32 psum's and a bf16 psum's bytes to it (``ratio_vs_fp32``,
   ``ratio_vs_bf16``; bf16 is counted at its program dtype, XLA widens it on CPU).
-  PowerSGD's alternating form holds its P and Q all-reduces in the two branches
-  of a ``lax.cond``; its per-step bytes are the average of the two branches,
-  and ``bytes per branch`` shows what a Q step and a P step send.
+  PowerSGD's alternating form (``alternate=True``, ``powersgd(r=4,alt)``) holds
+  its P and Q all-reduces in the two branches of a ``lax.cond``; its per-step
+  bytes are the average of the two branches, and ``bytes per branch`` shows
+  what a Q step and a P step send.
 * step time of a training step with each codec over the dense step
   (``step time/dense``) on 2 simulated CPU devices, where the wire is free
   (see :func:`step_time_rows`); printed beside the N = 8 bytes.
@@ -110,7 +111,7 @@ CODECS = {
     "randomk(1%,EF)": "ajc.randomk(0.01, error_feedback='ef14')",
     "dgc(1%)": "ajc.dgc(0.01)",
     "powersgd(r=4)": "ajc.powersgd(4)",
-    "powersgd(r=4,2AR)": "ajc.powersgd(4, alternate=False)",
+    "powersgd(r=4,alt)": "ajc.powersgd(4, alternate=True)",
 }
 ELEMENTWISE = ("bf16", "fp16", "onebit", "terngrad", "qsgd(s=7)", "qsgd(s=1)", "natural")
 
@@ -150,7 +151,7 @@ def _psum_report(mesh, dtype):
 
 def _per_step(name, codec, report, n):
     """Bytes per step: ``report.total`` averages the branches of a ``lax.cond``
-    (PowerSGD alternating sends the P or the Q all-reduce, one per step)."""
+    (PowerSGD with ``alternate=True`` sends the P or the Q all-reduce, one per step)."""
     del name, codec, n
     return report.total
 

@@ -21,7 +21,7 @@ codec                       collective                                  bytes pe
 :func:`natural`             owner-compute, 8-bit codes                  ``≈2d(N−1)/N``
 :func:`topk`, :func:`dgc`   (value, index) pairs routed to owners       ``≈24k(N−1)/N``
 :func:`randomk`             psum of ``k`` values (shared coordinates)   ``8k(N−1)/N``
-:func:`powersgd`            psum of ``P`` or ``Q`` (alternating)        ``8r·(n or m)(N−1)/N``
+:func:`powersgd`            psum of ``P``, then of ``Q``                ``8r·(n+m)(N−1)/N``
 ==========================  ==========================================  =====================
 
 Owner-compute: an all-to-all hands replica ``j`` every replica's encoded chunk
@@ -32,9 +32,10 @@ constant in ``N`` (owner-compute codecs add one
 float32 scale per ``block`` elements). With ``fast_axis`` on a 2-D mesh the fast
 axis carries bf16 and only the slow axes carry the compressed payload.
 
-Per leaf (see :func:`plan`), leaves under ``min_size`` go in one float32 psum,
-and leaves a codec cannot compress or would send more bytes for than a bf16
-psum go as bf16 (owner-compute). Error feedback (``"ef14"``, ``"ef21"``) keeps
+Per leaf (see :func:`plan`), leaves under ``min_size`` go in one float32 psum
+(when all of them do, the codec compresses nothing and warns once, when its
+first step is traced), and leaves a codec cannot compress or would send more
+bytes for than a bf16 psum go as bf16 (owner-compute). Error feedback (``"ef14"``, ``"ef21"``) keeps
 its buffers in the optax state as :class:`adaptjax.PerReplica` (merge rule
 ``"mean"``), so they are checkpointed and a rescale keeps the debt owed to the
 averaged gradient.

@@ -60,11 +60,12 @@ from typing import Any, ClassVar, NamedTuple, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from adaptjax.compression._collectives import axis_tuple, bound_size, replica_index
+from adaptjax.compression._bits import mix_seed
+from adaptjax.compression._collectives import axis_tuple, bound_size, replica_index, replicated
 from adaptjax.compression._feedback import NoFeedback, feedback_for
 from adaptjax.compression._lanes import Ctx, Leaf, LeafIn, LeafOut, run_lanes
 from adaptjax.compression._layout import bf16_bytes, prod
-from adaptjax.compression._plan import Plan, leaf_plan, plan
+from adaptjax.compression._plan import Plan, leaf_plan, plan, warn_if_nothing_compressed
 
 from adaptjax import PerReplica
 
@@ -491,7 +492,9 @@ class Codec:
     ) -> tuple[Any, CompressionState]:
         """The compressed all-reduce-mean of ``grads`` (inside ``shard_map``).
 
-        Each leaf gets its ``Leaf`` record (lane, shape, state); the
+        Each leaf gets its ``Leaf`` record (lane, shape, state), and a codec
+        whose every leaf is under ``min_size`` warns that it compresses nothing
+        (at trace time, once per compiled step); the
         feedback rule turns its gradient into what the replica sends; each lane
         averages its leaves bucket by bucket (``run_lanes``); the feedback
         rule turns each leaf's mean and residual into the output and new buffers.
@@ -513,6 +516,7 @@ class Codec:
         paths, leaves = [p for p, _ in flat], [x for _, x in flat]
         check_float_leaves(paths, leaves)
         records = leaf_plan(self, paths, [jnp.shape(x) for x in leaves], n)
+        warn_if_nothing_compressed(self, records)
         fb = self.feedback
         ctx = Ctx(names, n, step, replica_index(names, n), fb.residual, self.seed)
         held = _leaf_states(state, treedef)
@@ -525,7 +529,10 @@ class Codec:
         mean = jax.tree_util.tree_unflatten(
             treedef, [out.astype(x.dtype) for (out, _), x in zip(done, leaves, strict=True)]
         )
-        return mean, _next_state(state, treedef, [buffers for _, buffers in done])
+        new = _next_state(state, treedef, [buffers for _, buffers in done])
+        if n == 1:  # nothing crossed the wire: mark the mean and the shared buffers replicated
+            mean, new = replicated(mean, names), new._replace(shared=replicated(new.shared, names))
+        return mean, new
 
     # ---------------------------------------------------------------- hooks
     def _check_axes(self, names) -> None:
@@ -547,14 +554,23 @@ class Codec:
 
     # ------------------------------------------------------------ protocol
     def encode(self, x: jax.Array, *, seed: int | jax.Array = 0) -> Any:
-        """One array to this codec's fixed-size payload pytree (pure, jittable)."""
+        """One array to this codec's fixed-size payload pytree (pure, jittable).
+
+        Random draws come from the codec's own ``seed`` and the call's
+        ``seed`` together (:meth:`draw_seed`): codecs that differ in either
+        draw differently.
+        """
         raise NotImplementedError
 
     def decode(
         self, payload: Any, shape: Sequence[int], *, seed: int | jax.Array = 0
     ) -> jax.Array:
-        """Inverse of :meth:`encode` (up to the codec's loss): a float32 array."""
+        """Inverse of :meth:`encode` (up to the codec's loss), with the ``seed`` it was given."""
         raise NotImplementedError
+
+    def draw_seed(self, seed: int | jax.Array = 0) -> jax.Array:
+        """The uint32 seed of :meth:`encode`'s draws: the codec's ``seed`` mixed with ``seed``."""
+        return mix_seed(self.seed, seed)
 
     def plan(self, grads: Any, n: int, *, show: bool = False) -> Plan:
         """The per-leaf plan at ``n`` replicas; see :func:`adaptjax.compression.plan`."""

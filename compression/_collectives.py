@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from adaptjax.compression._layout import make_layout
 
+from adaptjax._tree import psum_replicas
+
 __all__ = [
     "a2a",
     "allgather_sparse",
@@ -31,8 +33,10 @@ __all__ = [
     "owner_sparse",
     "sparse_capacity",
     "psum_mean",
+    "replicated",
     "scatter_leaf",
     "sum_decoded",
+    "varying_axes",
 ]
 
 
@@ -57,6 +61,30 @@ def bound_size(axis_name) -> int:
                 f"mesh with a {name!r} axis, or pass axis_name= naming one of its axes"
             ) from None
     return n
+
+
+def varying_axes(x) -> tuple[str, ...]:
+    """The shard_map axes ``x`` varies over (``()`` outside shard_map or unchecked)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
+    varying = manual.varying if manual is not None else getattr(aval, "vma", ())
+    return tuple(sorted(varying))
+
+
+def replicated(tree, names: tuple[str, ...]):
+    """``tree`` marked as the same on every replica of ``names``, at one replica.
+
+    At one replica the collectives are left out (:func:`psum_mean`, :func:`gather`),
+    so what they would have made replicated still varies over ``names`` for
+    ``shard_map``'s replication check (``check_vma=True``), which then rejects
+    an ``out_specs`` of ``P()``. A psum over one replica is the identity and
+    marks it; leaves that vary over none of ``names`` (any leaf under
+    ``check_vma=False``) are left as they are.
+    """
+    def mark(x):
+        return psum_replicas(x, axis_arg(names)) if set(names) & set(varying_axes(x)) else x
+
+    return jax.tree.map(mark, tree)
 
 
 def psum_mean(x, names: tuple[str, ...], n: int):

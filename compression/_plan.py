@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -44,6 +45,25 @@ def leaf_plan(codec, paths, shapes, n: int) -> list[Leaf]:
             )
         plan.append(Leaf(i, where, shape, lane, stateful))
     return plan
+
+
+def warn_if_nothing_compressed(codec, records: list[Leaf]) -> None:
+    """One line when every leaf is under ``codec.min_size``: the codec compresses nothing.
+
+    Called where a sync is traced (Python, once per compiled step), so a
+    codec that leaves every leaf in the float32 psum says so at its first step
+    instead of only in :func:`plan`. Python shows a warning once per message.
+    """
+    if not records or any(r.lane != "f32" or r.size >= codec.min_size for r in records):
+        return
+    largest = max(r.size for r in records)
+    warnings.warn(
+        f"{codec!r} compresses nothing: all {len(records)} gradient leaves have fewer than "
+        f"min_size={codec.min_size} elements (the largest {largest:,}) and travel as float32; "
+        f"pass min_size={largest} or less to compress them",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

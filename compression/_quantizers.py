@@ -32,7 +32,6 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 from adaptjax.compression._base import Codec, F, factory
-from adaptjax.compression._bits import mix_seed
 from adaptjax.compression._blocks import (
     BlockFormat,
     Blocks,
@@ -164,7 +163,7 @@ class BlockCodec(Codec, BlockFormat):
     def _blocks_of(self, size: int, seed) -> Blocks:
         nb = max(1, -(-size // self.block))
         count = make_layout([size], self.block).block_counts().reshape(1, nb, 1)
-        return Blocks.of(mix_seed(seed), nb, self.block)._replace(count=jnp.asarray(count))
+        return Blocks.of(self.draw_seed(seed), nb, self.block)._replace(count=jnp.asarray(count))
 
     def encode(self, x: jax.Array, *, seed: int | jax.Array = 0) -> dict[str, jax.Array]:
         """Encodes one array: its payload entries flattened (``{"codes": ..., "scales": ...}``).

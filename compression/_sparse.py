@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from adaptjax.compression._base import Codec, factory, k_of, positive_ratio
-from adaptjax.compression._bits import mix_seed, random_bits, uniform
+from adaptjax.compression._bits import random_bits, uniform
 from adaptjax.compression._collectives import (
     allgather_sparse,
     owner_sparse,
@@ -424,7 +424,7 @@ class _TopK(Codec):
           [0.0, -3.0, 0.0, 0.0]
         """
         f = jnp.ravel(jnp.asarray(x))
-        idx, vals = select_topk(f, self.k(f.shape[0]), self.variant, mix_seed(seed))
+        idx, vals = select_topk(f, self.k(f.shape[0]), self.variant, self.draw_seed(seed))
         return {"values": vals, "indices": idx}
 
     def decode(self, payload, shape, *, seed=0):
@@ -516,13 +516,13 @@ class _RandomK(Codec):
         f = jnp.ravel(jnp.asarray(x)).astype(jnp.float32)
         size = f.shape[0]
         s, count = _strata(self.ratio, size)
-        idx = _randk_indices(mix_seed(seed), s, count)
+        idx = _randk_indices(self.draw_seed(seed), s, count)
         return {"values": jnp.where(idx < size, f[jnp.minimum(idx, size - 1)], 0.0)}
 
     def decode(self, payload, shape, *, seed=0):
         size = prod(shape)
         s, count = _strata(self.ratio, size)
-        idx = _randk_indices(mix_seed(seed), s, count)
+        idx = _randk_indices(self.draw_seed(seed), s, count)
         v = payload["values"] * self._scale(size)
         return jnp.zeros((size,), jnp.float32).at[idx].add(v, mode="drop").reshape(shape)
 

@@ -14,6 +14,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from adaptjax.compression._collectives import varying_axes
 
 _TARGET = "adaptjax_topk_f32"
 
@@ -67,17 +68,10 @@ def varying_like(x, *ys) -> tuple:
     """``ys`` marked as varying over the shard_map axes that ``x`` varies over
     (a loop carry or a custom call's results keep the leaf's type under
     ``check_vma=True``); unchanged outside shard_map."""
-    axes = set(_varying_axes(x))
+    axes = set(varying_axes(x))
     out = []
     for y in ys:
-        missing = tuple(sorted(axes - set(_varying_axes(y))))
+        missing = tuple(sorted(axes - set(varying_axes(y))))
         out.append(jax.lax.pcast(y, missing, to="varying") if missing else y)
     return tuple(out)
 
-
-def _varying_axes(x) -> tuple[str, ...]:
-    """The shard_map axes ``x`` varies over (``()`` outside shard_map)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
-    varying = manual.varying if manual is not None else getattr(aval, "vma", ())
-    return tuple(sorted(varying))

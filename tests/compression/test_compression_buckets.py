@@ -88,7 +88,7 @@ CODECS = {
                                marks=pytest.mark.slow),
     "randomk+ef": (ajc.randomk(0.1, min_size=100, error_feedback="ef14"), 4, None),
     "powersgd": (ajc.powersgd(3, min_size=100), 4, None),
-    "powersgd-2psum": (ajc.powersgd(3, min_size=100, alternate=False), 2, None),
+    "powersgd-alternate": (ajc.powersgd(3, min_size=100, alternate=True), 2, None),
 }
 
 

@@ -279,3 +279,42 @@ def test_factories_share_one_convention():
             assert "takes no ``error_feedback``" in " ".join(doc.split())
         else:
             assert "(default" in doc.split("error_feedback:")[1].split("\n")[0], name
+
+
+# ---------------------------------------------------------------------- the codec's own seed
+
+RANDOM_CODECS = {  # every factory with random draws in encode, by its seed
+    "qsgd": lambda seed: ajc.qsgd(7, seed=seed),
+    "terngrad": lambda seed: ajc.terngrad(seed=seed),
+    "natural": lambda seed: ajc.natural(seed=seed),
+    "randomk": lambda seed: ajc.randomk(0.1, seed=seed),
+    "topk-sampled": lambda seed: ajc.topk(0.1, variant="sampled", seed=seed),
+    "powersgd": lambda seed: ajc.powersgd(2, seed=seed),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_CODECS))
+def test_the_codecs_own_seed_reaches_encode(name):
+    """Issue 45: ``qsgd(7, seed=k).encode(x, seed=s)`` drew the same for every ``k``."""
+    x = jnp.asarray(np.random.default_rng(8).normal(size=(64, 64)).astype(np.float32))
+
+    def payload(codec_seed, call_seed=5):
+        return [np.asarray(v) for v in jax.tree.leaves(
+            jax.jit(lambda v: RANDOM_CODECS[name](codec_seed).encode(v, seed=call_seed))(x))]
+
+    def same(a, b):
+        return all(np.array_equal(u, v) for u, v in zip(a, b, strict=True))
+
+    assert same(payload(0), payload(0))  # a codec's draws are a function of its seeds
+    assert not same(payload(0), payload(1))  # another codec seed, other draws
+    assert not same(payload(0), payload(0, call_seed=6))  # and another call seed
+
+
+def test_randomk_decodes_at_the_coordinates_its_codec_seed_drew():
+    # scale 1 with error feedback: decode(encode(x)) is x on the drawn coordinates, 0 elsewhere
+    x = jnp.arange(1.0, 1001.0)
+    for codec in (ajc.randomk(0.1, error_feedback="ef14", seed=s) for s in (0, 3)):
+        y = np.asarray(_round_trip(codec, x, seed=2))
+        kept = np.flatnonzero(y)
+        assert kept.size == 100  # one per stratum of 10
+        np.testing.assert_array_equal(y[kept], np.asarray(x)[kept])

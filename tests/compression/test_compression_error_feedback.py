@@ -71,7 +71,7 @@ CODECS = {
     "topk->bf16": (ajc.topk(0.3, min_size=100), 1),  # 8k(N-1) > bf16: the bf16 path
     "randomk+ef": (ajc.randomk(0.1, min_size=100, error_feedback="ef14"), 1),
     "powersgd": (ajc.powersgd(3, min_size=100), 1),
-    "powersgd-2psum": (ajc.powersgd(3, min_size=100, alternate=False), 1),
+    "powersgd-alternate": (ajc.powersgd(3, min_size=100, alternate=True), 1),
     "onebit-2level": (ajc.onebit(min_size=100, fast_axis="fast"), 2),
     "terngrad-2level+ef": (ajc.terngrad(min_size=100, fast_axis="fast", error_feedback=True), 2),
 }

@@ -2,10 +2,12 @@
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -139,3 +141,38 @@ def test_sync_gradients_accepts_every_codec():
                   ajc.powersgd(2), ajc.qsgd(), ajc.terngrad(), ajc.natural(), ajc.fp16()):
         assert isinstance(codec, adaptjax.GradientCodec)
         adaptjax.sync_gradients("data", codec=codec)
+
+
+def _linear_loss(p, b):
+    return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+
+def _first_steps(codec, steps=2):
+    """``steps`` steps of ``data_parallel_step`` on a 10-to-3 linear model (8 replicas)."""
+    params = {"w": jnp.zeros((10, 3)), "b": jnp.zeros(3)}  # 30 and 3 elements
+    tx = optax.chain(adaptjax.sync_gradients("data", codec=codec), optax.sgd(0.1))
+    mesh = adaptjax.make_mesh(8)
+    state = adaptjax.init_state(params, tx, mesh)
+    step = adaptjax.data_parallel_step(_linear_loss, tx, mesh)
+    batch = {"x": jnp.ones((16, 10)), "y": jnp.ones((16, 3))}
+    for _ in range(steps):
+        state, _ = step(state, batch)
+
+
+def test_a_codec_that_compresses_nothing_says_so_in_one_line_at_its_first_step():
+    """Issue 45: every leaf under ``min_size`` travels in the float32 psum; only plan said so."""
+    with pytest.warns(UserWarning, match=(
+            r"^topk\(0\.1\) compresses nothing: all 2 gradient leaves have fewer than "
+            r"min_size=1024 elements \(the largest 30\) .*pass min_size=30 or less")) as record:
+        _first_steps(ajc.topk(0.1))
+    assert len(record) == 1  # traced once: the second step says nothing more
+    assert "\n" not in str(record[0].message)
+    assert ajc.plan({"w": jnp.zeros((10, 3)), "b": jnp.zeros(3)}, ajc.topk(0.1), 8,
+                    show=False).methods() == {"['b']": "f32", "['w']": "f32"}
+
+
+@pytest.mark.parametrize("codec", [ajc.topk(0.1, min_size=30), ajc.powersgd(1, min_size=30)])
+def test_a_codec_that_compresses_a_leaf_does_not_warn(codec):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _first_steps(codec, steps=1)

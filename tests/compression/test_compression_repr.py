@@ -29,7 +29,7 @@ FACTORIES = [ajc.bf16, ajc.fp16, ajc.onebit, ajc.terngrad, ajc.qsgd, ajc.natural
 OTHER = {
     "ratio": 0.02, "levels": 3, "rank": 2, "block": 256, "error_feedback": "ef21",
     "axis_name": ("data", "fast"), "min_size": 64, "fast_axis": "fast", "seed": 3,
-    "bucket_bytes": 4096, "variant": "exact", "alternate": False, "momentum": 0.5,
+    "bucket_bytes": 4096, "variant": "exact", "alternate": True, "momentum": 0.5,
     "clip_norm": 1.0, "warmup_steps": 10, "warmup_densities": (0.5,), "transport": "owner",
 }
 

@@ -301,3 +301,36 @@ def test_deferred_update_with_sums_completes_to_the_eager_result(codec):
     same, kept, count, norm = f(grads)
     assert np.all(np.asarray(same)) and np.all(np.asarray(kept))
     assert int(count) == 1 and float(norm) > 0.0  # the eager call did update
+
+
+def _one_device_step(tx, grads, check_vma):
+    """``tx.update`` in a user's ``jax.shard_map`` on a 1-device mesh: mean ``P()``, state."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    state = adaptjax.stack_replicas(tx.init(grads), 1)
+    specs = adaptjax.state_partition_specs(state)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), specs),
+                       out_specs=(P(), specs), check_vma=check_vma)
+    def f(g, s):
+        out, s = tx.update(g, adaptjax.to_local(s))
+        return out, adaptjax.to_global(s)
+
+    return f(grads, state)
+
+
+@pytest.mark.parametrize("name", [*sorted(ALL), "sync_gradients(powersgd)"])
+def test_one_device_mesh_with_check_vma(name):
+    """Issue 45: at one replica no collective runs, and shard_map's replication check
+    (``check_vma=True``, its default) could not infer that the mean is replicated."""
+    tx = adaptjax.sync_gradients("data", codec=ALL["powersgd"]) if name.startswith("sync") \
+        else ALL[name]
+    rng = np.random.default_rng(4)
+    # a rank-2 matrix (PowerSGD at rank 2 returns it) and a 1-D leaf
+    grads = {"m": jnp.asarray(rng.normal(size=(48, 2)) @ rng.normal(size=(2, 40)), jnp.float32),
+             "v": jnp.asarray(rng.normal(size=1001), jnp.float32)}
+    checked, unchecked = (_one_device_step(tx, grads, vma) for vma in (True, False))
+    for a, b in zip(jax.tree.leaves(checked), jax.tree.leaves(unchecked), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same step
+    if "powersgd" in name:
+        np.testing.assert_allclose(checked[0]["m"], grads["m"], atol=1e-4)

@@ -6,9 +6,9 @@ all-to-all of ``S`` ``(N−1)/N·S``. Hence owner-compute (all-to-all of ``N`` r
 plus all-gather of one row) is ``2(N−1)·row``, a row being ``ceil(blocks/N)``
 encoded blocks of a lane this small (one packed view); top-k per leaf
 ``8k(N−1)`` under 4 replicas, ``8(N−1)(ceil(2k/N) + ceil(k/N))`` routed to owners;
-random-k ``8k(N−1)/N``; PowerSGD ``8r(n+m)(N−1)/N`` for P and Q together, and
-alternating ``8rn(N−1)/N`` on a P step, ``8rm(N−1)/N`` on a Q step (one
-``lax.cond`` branch each).
+random-k ``8k(N−1)/N``; PowerSGD ``8r(n+m)(N−1)/N`` for P and Q together (its
+default, two all-reduces per step), and with ``alternate=True`` ``8rn(N−1)/N``
+on a P step, ``8rm(N−1)/N`` on a Q step (one ``lax.cond`` branch each).
 """
 
 import math
@@ -41,7 +41,7 @@ CODECS = {
     "dgc": "ajc.dgc(0.01)",
     "randomk": "ajc.randomk(0.01)",
     "powersgd": "ajc.powersgd(4)",
-    "powersgd2": "ajc.powersgd(4, alternate=False)",
+    "powersgd_alt": "ajc.powersgd(4, alternate=True)",
 }
 
 
@@ -112,11 +112,11 @@ def expected_bytes(name, n):
 
 
 def powersgd_branches(name, n):
-    """Bytes of a call per branch: alternating (Q step, P step), the order of
-    ``lax.cond(step % 2 == 0, p_step, q_step)``'s branches; else (P and Q,)."""
+    """Bytes of a call per branch: the default (P and Q,); alternating (Q step, P step),
+    the order of ``lax.cond(step % 2 == 0, p_step, q_step)``'s branches."""
     r, (rows, cols) = 4, SHAPES["w"]
     base = _small_psum(n) + _owner_compute(BF16, n, [math.prod(SHAPES["v"])])
-    if name == "powersgd2":
+    if name == "powersgd":
         return (base + 8 * r * (rows + cols) * (n - 1) / n,)
     return (base + 8 * r * cols * (n - 1) / n, base + 8 * r * rows * (n - 1) / n)
 
@@ -126,7 +126,7 @@ def _check(name, n, summary):
     rows = summary["rows"]
     got = summary["total"]
     assert got == pytest.approx(expected_bytes(name, n), rel=1e-9), (name, n, rows)
-    if name == "powersgd":  # issue 10 item 4: one branch per step, not both summed
+    if name == "powersgd_alt":  # issue 10 item 4: one branch per step, not both summed
         q_step, p_step = powersgd_branches(name, n)
         assert summary["branches"] == pytest.approx([q_step, p_step], rel=1e-9)
         assert summary["max"] == pytest.approx(p_step, rel=1e-9)
