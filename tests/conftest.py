@@ -147,3 +147,26 @@ def json_from_python_on_devices():
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     return run
+
+
+@pytest.fixture(scope="session")
+def load_script():
+    """``load(path)``: the module of the repository's script ``path`` (e.g.
+    ``"benchmarks/frontier.py"``), loaded once under a name of its own (never the
+    file's bare name: ``benchmarks/compression.py`` would hand that to the stdlib)."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    loaded = {}
+
+    def load(path: str):
+        if path not in loaded:
+            name = "script_" + path.replace("/", "_").removesuffix(".py")
+            spec = importlib.util.spec_from_file_location(name, os.path.join(root, path))
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            loaded[path] = module
+        return loaded[path]
+
+    return load

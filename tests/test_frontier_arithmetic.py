@@ -1,22 +1,13 @@
 """benchmarks/frontier.py's arithmetic on synthetic curves with a known answer."""
 
-import importlib.util
 import math
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
-def fr():
-    spec = importlib.util.spec_from_file_location(
-        "frontier_benchmark", os.path.join(ROOT, "benchmarks", "frontier.py"))
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def fr(load_script):
+    return load_script("benchmarks/frontier.py")
 
 
 def _curve(rate, floor, steps):

@@ -1,6 +1,5 @@
 """benchmarks/network.py's arithmetic and its rows without torch (no root, no torch, no jax run)."""
 
-import importlib.util
 import math
 import os
 
@@ -10,13 +9,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def nw():
-    spec = importlib.util.spec_from_file_location(
-        "network_benchmark", os.path.join(ROOT, "benchmarks", "network.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def nw(load_script):
+    return load_script("benchmarks/network.py")
 
 
 def test_smoothed_is_the_trailing_mean_over_at_most_five_steps(nw):

@@ -7,26 +7,16 @@ float32 psum is checked against each codec's bits per element: every leaf but
 the 10-element bias is compressed, so ``32 / bits`` within 1%.
 """
 
-import importlib.util
-import os
-
 import pytest
 
 from adaptjax import compression as ajc
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def rows():
-    # not under the name "compression": that would hand the import to the stdlib package
-    spec = importlib.util.spec_from_file_location(
-        "compression_benchmark", os.path.join(ROOT, "benchmarks", "compression.py"))
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def rows(load_script):
+    bench = load_script("benchmarks/compression.py")
     return bench, {r["codec"]: r for r in bench.wire_rows(8)}
 
 
