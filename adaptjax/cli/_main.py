@@ -19,7 +19,11 @@ import sys
 import adaptjax  # lazy: loads no jax
 from adaptjax.cli import _plan as _plan  # standard library only (the cost model when planning)
 from adaptjax.cli import _report as _report  # standard library only (matplotlib when drawing)
-from adaptjax.controller._run_log import event_latencies, read_jsonl_rows  # standard library only
+from adaptjax.controller._run_log import (  # standard library only
+    event_latencies,
+    read_events,
+    read_jsonl_rows,
+)
 from adaptjax.launch._launcher import main as launch_main  # standard library only
 
 
@@ -77,7 +81,7 @@ def summary(run_dir: str) -> str:
     """
     _check_run_dir(run_dir)
     metrics = read_jsonl_rows(os.path.join(run_dir, "metrics.jsonl"))
-    events = read_jsonl_rows(os.path.join(run_dir, "events.jsonl"))
+    events = read_events(run_dir)
     lines = [
         f"run: {os.path.abspath(run_dir)}",
         f"steps logged: {metrics[-1]['step'] if metrics else 0}",
@@ -118,7 +122,7 @@ def plot(run_dir: str, keys: list[str] | None = None) -> str:
     keys = [k for k in keys if any(k in r for r in metrics)]
     if not keys:
         raise SystemExit(f"adaptjax: no metrics to plot in {run_dir}")
-    events = read_jsonl_rows(os.path.join(run_dir, "events.jsonl"))
+    events = read_events(run_dir)
     fig, axes = plt.subplots(len(keys) + 1, 1, figsize=(8, 2.2 * len(keys) + 1.2), sharex=True)
     axes = list(axes)
     for ax, key in zip(axes, keys, strict=False):

@@ -20,7 +20,11 @@ import math
 import os
 import re
 
-from adaptjax.controller._run_log import event_latencies, read_jsonl_rows  # standard library only
+from adaptjax.controller._run_log import (  # standard library only
+    event_latencies,
+    read_events,
+    read_jsonl_rows,
+)
 
 # Events drawn as vertical markers, with their colour; the label says what happened.
 _MARKED = {
@@ -50,7 +54,7 @@ def load_run(run_dir: str) -> tuple[list[dict], list[dict]]:
         raise SystemExit(f"adaptjax: {run_dir} is not a run directory (no metrics.jsonl)")
     return (
         read_jsonl_rows(os.path.join(run_dir, "metrics.jsonl")),
-        read_jsonl_rows(os.path.join(run_dir, "events.jsonl")),
+        read_events(run_dir),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import json
@@ -104,7 +105,7 @@ class RunLog:
         """Records one event (``kind`` is e.g. ``"rescale"``), timestamped."""
         row = {"time": time.time(), "kind": kind, "step": int(step)}
         row.update({k: _jsonable(v) for k, v in fields.items()})
-        self.events.append(row)
+        add_event(self.events, row)
         with self._writing(self._events):
             self._events.write(json.dumps(row) + "\n")
         if self._writer is not None and "latency_s" in row:
@@ -127,7 +128,7 @@ class RunLog:
         self._events.close()
         self._metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a", buffering=1 << 16)
         self._events = open(os.path.join(self.run_dir, "events.jsonl"), "a", buffering=1)
-        self.events = read_jsonl_rows(os.path.join(self.run_dir, "events.jsonl"))
+        self.events = read_events(self.run_dir)
 
     def flush(self) -> None:
         """Hands buffered rows to the operating system."""
@@ -205,7 +206,7 @@ class NullRunLog:
         """Keeps the event in :attr:`events` only."""
         row = {"time": time.time(), "kind": kind, "step": int(step)}
         row.update({k: _jsonable(v) for k, v in fields.items()})
-        self.events.append(row)
+        add_event(self.events, row)
 
     def has_event(self, kind: str, step: int) -> bool:
         """True: process 0 writes recovered events, never this one."""
@@ -293,6 +294,23 @@ def _kept_step(row: Mapping) -> int:
 def read_jsonl_rows(path: str | os.PathLike) -> list[dict]:
     """The JSON rows of a ``.jsonl`` file, without damaged and torn lines (:func:`scan_jsonl`)."""
     return scan_jsonl(path)[0]
+
+
+def add_event(events: list[dict], row: dict) -> None:
+    """Inserts ``row`` into ``events`` (in step order) after every event of its step.
+
+    A rescale or transition is logged with the step it took effect at, which
+    can come after decisions logged for later steps (metrics are read a step
+    or more behind); ``events`` stays in step order, and in time order within
+    a step.
+    """
+    bisect.insort_right(events, row, key=lambda e: e["step"])
+
+
+def read_events(run_dir: str | os.PathLike) -> list[dict]:
+    """The events of ``run_dir/events.jsonl`` in step order (time order within a step)."""
+    rows = read_jsonl_rows(os.path.join(run_dir, "events.jsonl"))
+    return sorted(rows, key=lambda e: e.get("step", 0))
 
 
 def event_latencies(events: list[dict], kind: str) -> list[float]:

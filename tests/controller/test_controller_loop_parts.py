@@ -254,3 +254,18 @@ def test_a_steps_metrics_are_one_tensorboard_event_with_every_scalar(tmp_path):
         values = {v.tag: v.simple_value for v in event.summary.value}
         assert values == {k: v for k, v in row.items() if k != "codec"}, step
     assert {v.tag: v.simple_value for v in written[2].summary.value} == {"latency/rescale": 0.5}
+
+
+def test_events_are_kept_and_read_back_in_step_order(tmp_path):
+    """A transition logged with the step it took effect at lands before later decisions."""
+    from adaptjax.controller._run_log import read_events
+
+    log = adaptjax.RunLog(tmp_path, tensorboard=False)
+    for kind, step in [("decision", 441), ("decision", 300), ("rescale", 301),
+                       ("checkpoint", 441), ("decision", 301)]:
+        log.event(kind, step=step)
+    order = [(e["kind"], e["step"]) for e in log.events]
+    assert order == [("decision", 300), ("rescale", 301), ("decision", 301),
+                     ("decision", 441), ("checkpoint", 441)]
+    log.close()
+    assert [(e["kind"], e["step"]) for e in read_events(tmp_path)] == order
