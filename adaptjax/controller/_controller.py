@@ -146,7 +146,7 @@ class Controller:
     """Runs adaptive data-parallel training: step, measure, decide, act.
 
     Each step is :func:`adaptjax.data_parallel_step` of ``optax.named_chain(("sync",
-    sync_gradients(codec, monitors)), ("optimizer", inject_hyperparams(optimizer)),
+    sync_gradients(codec, monitors)), ("optimizer", optimizer with a rate factor),
     ...)``: hyperparameters live in the state and change without recompiling.
 
     **The loop.** Each turn runs, in this order and with no path back:
@@ -173,8 +173,10 @@ class Controller:
     Args:
       model: a flax NNX module or a pytree of float parameters.
       loss_fn: ``loss_fn(model_or_params, batch) -> loss`` (or ``(loss, aux)``).
-      optimizer: an optax optimizer factory such as ``optax.adamw``.
-      hyperparams: its keyword arguments, checked against its signature.
+      optimizer: any ``optax.GradientTransformation`` (``optax.adam(1e-3)``, a chain with a
+        schedule, ``optax.inject_hyperparams(...)``, whose hyperparameters policies set).
+      learning_rate: the rate (a float or optax schedule) ``optimizer`` was built with, if not
+        injected: policies set it as a factor on the updates (docs/guide/controller.md).
       data: an :class:`adaptjax.ArrayDataset` (or anything with ``next_batch``,
         ``state_dict`` and ``load_state_dict``).
       devices, batch_size: the initial replica count and global batch.
@@ -211,10 +213,9 @@ class Controller:
       >>> data = adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0)
       >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
       >>> ctrl = adaptjax.Controller(
-      ...     model={"w": jnp.zeros(4)}, loss_fn=loss, optimizer=optax.sgd,
-      ...     hyperparams={"learning_rate": 0.1}, data=data, devices=4, batch_size=32,
+      ...     model={"w": jnp.zeros(4)}, loss_fn=loss, optimizer=optax.sgd(0.1),
+      ...     data=data, devices=4, batch_size=32,
       ...     policies=[ajp.Schedule({10: ajp.Rescale(devices=2)})],
-      ...     checkpoint_options=adaptjax.CheckpointOptions(max_to_keep=2),
       ...     run_dir=tempfile.mkdtemp(), progress=False, tensorboard=False)
       >>> ctrl.run(steps=20)
       >>> ctrl.step, ctrl.config.devices, ctrl.data.cursor
@@ -224,7 +225,7 @@ class Controller:
 
     def __init__(
         self, *, model: Any, loss_fn: Callable[..., Any],
-        optimizer: Callable[..., optax.GradientTransformation], hyperparams: Mapping[str, Any],
+        optimizer: optax.GradientTransformation, learning_rate: float | Callable | None = None,
         data: Any, devices: int | None = None, batch_size: int, run_dir: str | os.PathLike,
         microbatches: int | None = None, policies: Sequence[ajp.Policy] = (),
         codec: GradientCodec | None = None, sync: SyncStrategy | str | None = None,
@@ -250,7 +251,7 @@ class Controller:
         self.checkpoint_options, self.eval_options = a.checkpoint, a.evaluation
         self.compile_options, self._plan_request = a.compile, a.plan
         self.steps = StepCache(model=model, loss_fn=loss_fn, optimizer=optimizer, has_aux=has_aux,
-                               hyperparams=a.hyperparams, monitors=a.monitors, sharding=sharding,
+                               learning_rate=learning_rate, monitors=a.monitors, sharding=sharding,
                                norm_chunks=norm_chunks, loss_scale=loss_scale)
         register_held(self.steps, codec, sync, policies)
         a = dataclasses.replace(a, config=self.steps.start(a.config, data, precision))
@@ -298,7 +299,7 @@ class Controller:
         self._to_decide = snapshots_of(r.meta, r.config)
         self.latest_metrics = dict(self._to_decide[-1].metrics) if self._to_decide else {}
         self.clock = RunClock.from_state(r.meta)
-        warn_overrides(dataclasses.asdict(a.config), r.config, a.hyperparams,
+        warn_overrides(dataclasses.asdict(a.config), r.config, self.steps.injected_values(),
                        hyperparams_of(r.state))
         self.log.event("resume", step=r.step, latency_s=elapsed(t0))
         return r.config, r.state
