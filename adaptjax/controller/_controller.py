@@ -16,7 +16,6 @@ import functools
 import os
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -94,19 +93,14 @@ def _every(n: int | None, step: int) -> bool:
     return bool(n) and step % n == 0
 
 
-# Per controller: the policies warned of a Rescale beyond max_devices; whether the loss was
-# checked on a first batch (module-level, so that the loop's class stays short).
-_beyond_reach: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_loss_checked: weakref.WeakSet = weakref.WeakSet()
-
-
 def _within_reach(ctrl: Controller, actions: list) -> list:
     """``actions`` without a ``Rescale`` beyond ``ctrl.max_devices``: no transition applies it.
 
     The policy that asked (named by its action's reason, ``"Name: ..."``) is
-    warned once per controller, in one line; the run goes on with the other actions.
+    warned once per controller (``ctrl._warned_beyond``), in one line; the run goes on
+    with the other actions.
     """
-    kept, warned = [], _beyond_reach.setdefault(ctrl, set())
+    kept, warned = [], ctrl._warned_beyond
     for a in actions:
         n = None
         if isinstance(a, ajp.Rescale):
@@ -136,8 +130,8 @@ def _first_checked(ctrl: Controller, batch, config: RunConfig):
 
     (Other datasets are checked at construction or resume, see ``check_arguments``.)
     """
-    if ctrl not in _loss_checked and not hasattr(ctrl.data, "batch_at"):
-        _loss_checked.add(ctrl)
+    if not ctrl._loss_checked:
+        ctrl._loss_checked = True
         check_loss_shapes(ctrl.steps.model, ctrl.steps.loss_fn, batch, replica_rows(config))
     return batch
 
@@ -261,16 +255,17 @@ class Controller:
             min_replicas=min_replicas, device_limit=a.device_limit,
             check_mesh=self.steps.check_mesh)
         enable_compilation_cache(a.compile.cache_dir)
-        self.data = data
         self.reader = MetricsReader(functools.partial(comm_seconds, self.steps, data,
                                                       a.link_bandwidth))
-        self.clock = RunClock()  # what policies see as compile_seconds and train_seconds
+        self.data, self.clock = data, RunClock()  # clock: compile_seconds, train_seconds
         self.compilations = self.step = self.samples_seen = 0
         self.latest_metrics: dict[str, float] = {}
         self._to_decide: list[Snapshot] = []
         self._host_hparams: dict[str, float] | None = None  # in force (None: read the state)
         self._hparams_of_step: dict[int, dict[str, float]] = {}
         self._stop_reason: str | None = None
+        self._warned_beyond: set[str] = set()  # policies warned of a Rescale beyond reach
+        self._loss_checked = hasattr(data, "batch_at")  # if so, at construction or resume
         self._preemption = Preemption()
         self._compiler = BackgroundCompiler(self.steps, enabled=a.compile_ahead)  # upcoming's
         self._hints_waiting = False  # announced after a change: asked once its step compiled
@@ -553,12 +548,8 @@ class Controller:
         """Switches the synchronisation strategy (a strategy, its name, or ``None``: S-SGD)."""
         self.apply([ajp.SetSync(strategy)])
 
-    def rescale(
-        self,
-        devices: int | None = None,
-        *,
-        mesh_shape: tuple[int, ...] | Mapping[str, int] | None = None,
-    ) -> None:
+    def rescale(self, devices: int | None = None, *,
+                mesh_shape: tuple[int, ...] | Mapping[str, int] | None = None) -> None:
         """Moves training to ``devices`` replicas (at most ``max_devices``) or to ``mesh_shape``
         (``{"data": 1, "fsdp": 4}``) through a checkpoint; the batch is rounded if needed."""
         self.apply([ajp.Rescale(devices=devices, mesh_shape=mesh_shape)])
