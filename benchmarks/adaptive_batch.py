@@ -167,8 +167,8 @@ def make_controller(data, cfg, *, devices, batch, lr, seed, policies=(), on_step
     return adaptjax.Controller(
         model=ByteLM(cfg, nnx.Rngs(params=seed, dropout=seed + 1)),
         loss_fn=loss_fn,
-        optimizer=optax.adam,
-        hyperparams={"learning_rate": lr},
+        optimizer=optax.adam(lr),
+        learning_rate=lr,
         data=adaptjax.ArrayDataset({"tokens": train_windows}, seed=seed),
         devices=devices,
         batch_size=batch,

@@ -136,8 +136,8 @@ def measure(variant, args, arrays):
         ctrl = adaptjax.Controller(
             model=init_params(),
             loss_fn=loss_fn,
-            optimizer=optax.adam,
-            hyperparams={"learning_rate": 1e-3},
+            optimizer=optax.adam(1e-3),
+            learning_rate=1e-3,
             data=adaptjax.ArrayDataset(arrays, seed=0),
             devices=DEVICES,
             batch_size=DEVICES * per_device,

@@ -131,8 +131,7 @@ def lm_adaptive(args) -> dict:
     stamps = []  # (step, precision, time after its dispatch)
     run_dir = tempfile.mkdtemp(prefix="adaptjax-precision-bench-")
     ctrl = adaptjax.Controller(
-        model=ByteLM(cfg, nnx.Rngs(0)), loss_fn=lm_loss, optimizer=optax.adam,
-        hyperparams={"learning_rate": args.lr},
+        model=ByteLM(cfg, nnx.Rngs(0)), loss_fn=lm_loss, optimizer=optax.adam(args.lr),
         data=adaptjax.ArrayDataset({"tokens": train}, seed=0), devices=args.devices,
         batch_size=batch, microbatches=1, monitors=(), policies=[policy],
         policy_every=max(args.steps // 30, 1), run_dir=run_dir, progress=False,

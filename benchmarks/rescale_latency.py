@@ -79,8 +79,7 @@ def controller_kwargs(on_step):
     return dict(
         model=init_params(),
         loss_fn=loss_fn,
-        optimizer=optax.adam,
-        hyperparams={"learning_rate": 1e-3},
+        optimizer=optax.adam(1e-3),
         data=adaptjax.ArrayDataset(make_arrays(), seed=0),
         devices=8,
         batch_size=BATCH,

@@ -116,8 +116,8 @@ def main():
     ctrl = make(
         model=MLP(nnx.Rngs(0)),
         loss_fn=loss_fn,
-        optimizer=optax.adam,
-        hyperparams={"learning_rate": 1e-3},
+        optimizer=optax.adam(1e-3),
+        learning_rate=1e-3,  # the rate AdaptiveBatchSize scales (a factor on adam's updates)
         data=adaptjax.ArrayDataset({"x": x_train, "y": y_train}, seed=0),
         devices=8,
         batch_size=64,

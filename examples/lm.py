@@ -302,8 +302,8 @@ def main(argv=None):
     ctrl = adaptjax.Controller(
         model=model,
         loss_fn=loss_fn,
-        optimizer=optax.adamw,
-        hyperparams={"learning_rate": args.lr, "weight_decay": 0.01},
+        optimizer=optax.adamw(args.lr, weight_decay=0.01),
+        learning_rate=args.lr,  # the rate AdaptiveBatchSize scales
         data=adaptjax.ArrayDataset({"tokens": train}, seed=args.seed),
         **mesh,
         batch_size=args.batch_size,

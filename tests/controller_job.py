@@ -159,8 +159,7 @@ def job_kwargs(**overrides):
     kwargs = dict(
         model=init_params(),
         loss_fn=loss_fn,
-        optimizer=optax.adam,
-        hyperparams={"learning_rate": 1e-2},
+        optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
         data=adaptjax.ArrayDataset(make_data(), seed=3),
         devices=8,
         batch_size=64,

@@ -138,8 +138,7 @@ def main():
     kwargs = dict(
         model=init_params(),
         loss_fn=loss_fn,
-        optimizer=optax.adam,
-        hyperparams={"learning_rate": 1e-2},
+        optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
         data=Recorded(make_data(), seed=3),
         **({"devices": args.devices} | mesh),
         batch_size=args.batch,

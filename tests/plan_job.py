@@ -33,8 +33,7 @@ def main():
     ctrl = adaptjax.Controller(
         model=job.init_params(),
         loss_fn=job.loss_fn,
-        optimizer=optax.sgd,
-        hyperparams={"learning_rate": 0.05},
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.05),
         data=adaptjax.ArrayDataset(job.make_data(), seed=0),
         devices=args.devices,
         batch_size=args.batch_size,

@@ -81,8 +81,9 @@ def test_controller_on_one_device_measures_the_noise_scale(tmp_path, microbatche
     x = rng.normal(size=(n, D)).astype(np.float32)
     y = (SIGMA * rng.normal(size=n)).astype(np.float32)  # w* = 0
     ctrl = adaptjax.Controller(
-        model={"w": jnp.asarray(delta)}, loss_fn=_loss, optimizer=optax.sgd,
-        hyperparams={"learning_rate": 1e-7}, data=adaptjax.ArrayDataset({"x": x, "y": y}),
+        model={"w": jnp.asarray(delta)}, loss_fn=_loss,
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=1e-7),
+        data=adaptjax.ArrayDataset({"x": x, "y": y}),
         devices=1, batch_size=64, microbatches=microbatches, run_dir=tmp_path / "run",
         progress=False, tensorboard=False, compilation_cache_dir=None,
     )

@@ -11,7 +11,6 @@ monitors. It writes nothing and compiles nothing.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 import traceback
@@ -21,6 +20,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from adaptjax import policies as ajp
 from adaptjax._data import check_count
@@ -56,7 +56,6 @@ class Checked:
     resume: bool
     config: RunConfig
     max_devices: int
-    hyperparams: dict
     policy: ajp.Policy
     monitors: tuple
     sample_needs: tuple[int, int]  # (min_samples, min_replicas): monitor_sample_needs
@@ -106,7 +105,7 @@ def check_arguments(args: Mapping[str, Any]) -> Checked:
     max_devices = check_devices(config, args["max_devices"], resume)
     loop = check_loop_options(args)
     checkpoint, evaluation, compile_ = check_option_groups(args)
-    hyperparams = check_hyperparams(args["optimizer"], args["hyperparams"])
+    check_optimizer(args["optimizer"], args["learning_rate"])
     check_float_tree(split_model(args["model"])[1], "parameters")
     check_data(args["data"])
     if hasattr(args["data"], "batch_at") and not resume:
@@ -125,7 +124,7 @@ def check_arguments(args: Mapping[str, Any]) -> Checked:
         evaluation = EvalOptions()
     return Checked(
         run_dir=run_dir, resume=resume, config=config, max_devices=max_devices,
-        hyperparams=hyperparams, policy=policy, monitors=monitors,
+        policy=policy, monitors=monitors,
         sample_needs=monitor_sample_needs(monitors), checkpoint=checkpoint,
         evaluation=evaluation, compile=compile_, progress=progress, tensorboard=tensorboard,
         plan=plan, **loop, compile_ahead=compile_.precompile_upcoming
@@ -247,39 +246,22 @@ def _from_keywords(cls, args: Mapping[str, Any]):
     )
 
 
-def check_hyperparams(optimizer, hyperparams) -> dict:
-    """Checks ``hyperparams`` against ``optimizer``'s signature and values; returns a dict."""
-    if not isinstance(hyperparams, Mapping):
+def check_optimizer(optimizer, learning_rate) -> None:
+    """``optimizer`` is an optax transformation; ``learning_rate`` a rate > 0, a schedule or
+    ``None``."""
+    if not isinstance(optimizer, optax.GradientTransformation):
+        name = getattr(optimizer, "__qualname__", type(optimizer).__name__)
         raise ValueError(
-            f"hyperparams must be a dict of the optimizer's arguments, got "
-            f"{type(hyperparams).__name__}"
-        )
-    name = getattr(optimizer, "__qualname__", repr(optimizer))
-    try:
-        params = inspect.signature(optimizer).parameters
-    except (TypeError, ValueError):
-        params = None
-    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        names = [
-            k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        ]
-        for key in hyperparams:
-            if key not in names:
-                raise ValueError(
-                    f"hyperparams has {key!r}, which {name} does not take; its arguments are "
-                    f"{', '.join(names)}"
-                )
-        for k, p in params.items():
-            if p.default is p.empty and p.kind is not p.VAR_POSITIONAL and k not in hyperparams:
-                raise ValueError(f"hyperparams needs {k!r}: {name} has no default for it")
-    for key, value in hyperparams.items():
-        if isinstance(value, bool) or not isinstance(value, int | float | np.number):
-            continue
-        if not math.isfinite(float(value)):
-            raise ValueError(f"hyperparams[{key!r}] must be finite, got {value}")
-        if key == "learning_rate" and not float(value) > 0:
-            raise ValueError(f"learning_rate must be > 0, got {value}")
-    return dict(hyperparams)
+            f"optimizer must be an optax.GradientTransformation such as optax.adam(1e-3), "
+            f"got {name}; build it with its arguments (and inject_hyperparams to expose them)")
+    if learning_rate is None or callable(learning_rate):
+        return
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, int | float | np.number):
+        raise ValueError(
+            f"learning_rate must be the optimizer's rate (a float) or its optax schedule, got "
+            f"{type(learning_rate).__name__}")
+    if not (math.isfinite(float(learning_rate)) and float(learning_rate) > 0):
+        raise ValueError(f"learning_rate must be > 0 and finite, got {learning_rate}")
 
 
 def check_data(data) -> None:

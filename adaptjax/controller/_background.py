@@ -82,9 +82,8 @@ class BackgroundCompiler:
       >>> import jax.numpy as jnp, numpy as np, optax, adaptjax
       >>> from adaptjax.controller._background import BackgroundCompiler
       >>> from adaptjax.controller._step_cache import StepCache
-      >>> steps = StepCache(model={"w": jnp.zeros(2)}, optimizer=optax.sgd,
-      ...                   loss_fn=lambda p, b: jnp.sum(b["x"] @ p["w"]),
-      ...                   hyperparams={"learning_rate": 0.1})
+      >>> steps = StepCache(model={"w": jnp.zeros(2)}, optimizer=optax.sgd(0.1),
+      ...                   loss_fn=lambda p, b: jnp.sum(b["x"] @ p["w"]))
       >>> data = adaptjax.ArrayDataset({"x": np.ones((8, 2), np.float32)})
       >>> compiler = BackgroundCompiler(steps)
       >>> compiler.submit([adaptjax.RunConfig(2, 4)], data)

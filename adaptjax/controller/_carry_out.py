@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -25,6 +24,8 @@ from adaptjax._loss_scale import split_loss_scale
 from adaptjax._per_replica import merge_replicas
 from adaptjax._state import train_state_shardings
 from adaptjax.controller._checkpoint import RunCheckpoints
+from adaptjax.controller._hyperparams import hyperparams_of as optimizer_hyperparams
+from adaptjax.controller._hyperparams import write_hyperparams as set_hyperparams
 from adaptjax.controller._persistence import config_from
 from adaptjax.controller._rebuild import rebuild_state
 from adaptjax.controller._run_config import RunConfig
@@ -116,21 +117,14 @@ def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> C
 
 
 def hyperparams_of(state) -> dict[str, float]:
-    """The optimizer's numeric hyperparameters as ``state`` holds them (under float16,
-    inside its loss scale)."""
-    inject, _ = split_loss_scale(state.opt_state[OPTIMIZER])
-    return {k: float(v) for k, v in jax.device_get(inject.hyperparams).items()}
+    """What a policy may read and set in ``state``'s optimizer (see
+    :mod:`adaptjax.controller._hyperparams`)."""
+    return optimizer_hyperparams(state.opt_state[OPTIMIZER])
 
 
 def write_hyperparams(state, values: Mapping[str, float], mesh):
-    """``state`` with ``values`` in the optimizer's injected hyperparameters."""
-    inject, scaled = split_loss_scale(state.opt_state[OPTIMIZER])
-    sharding = NamedSharding(mesh, P())
-    new = dict(inject.hyperparams)
-    for key, value in values.items():
-        new[key] = jax.device_put(np.asarray(value, dtype=new[key].dtype), sharding)
-    inject = inject._replace(hyperparams=new)
-    return _with_optimizer(state, inject if scaled is None else scaled._replace(inner_state=inject))
+    """``state`` with ``values`` set in its optimizer (injected, or the rate's factor)."""
+    return _with_optimizer(state, set_hyperparams(state.opt_state[OPTIMIZER], values, mesh))
 
 
 def _with_optimizer(state, opt):

@@ -16,7 +16,6 @@ import functools
 import os
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -94,19 +93,14 @@ def _every(n: int | None, step: int) -> bool:
     return bool(n) and step % n == 0
 
 
-# Per controller: the policies warned of a Rescale beyond max_devices; whether the loss was
-# checked on a first batch (module-level, so that the loop's class stays short).
-_beyond_reach: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_loss_checked: weakref.WeakSet = weakref.WeakSet()
-
-
 def _within_reach(ctrl: Controller, actions: list) -> list:
     """``actions`` without a ``Rescale`` beyond ``ctrl.max_devices``: no transition applies it.
 
     The policy that asked (named by its action's reason, ``"Name: ..."``) is
-    warned once per controller, in one line; the run goes on with the other actions.
+    warned once per controller (``ctrl._warned_beyond``), in one line; the run goes on
+    with the other actions.
     """
-    kept, warned = [], _beyond_reach.setdefault(ctrl, set())
+    kept, warned = [], ctrl._warned_beyond
     for a in actions:
         n = None
         if isinstance(a, ajp.Rescale):
@@ -136,8 +130,8 @@ def _first_checked(ctrl: Controller, batch, config: RunConfig):
 
     (Other datasets are checked at construction or resume, see ``check_arguments``.)
     """
-    if ctrl not in _loss_checked and not hasattr(ctrl.data, "batch_at"):
-        _loss_checked.add(ctrl)
+    if not ctrl._loss_checked:
+        ctrl._loss_checked = True
         check_loss_shapes(ctrl.steps.model, ctrl.steps.loss_fn, batch, replica_rows(config))
     return batch
 
@@ -146,7 +140,7 @@ class Controller:
     """Runs adaptive data-parallel training: step, measure, decide, act.
 
     Each step is :func:`adaptjax.data_parallel_step` of ``optax.named_chain(("sync",
-    sync_gradients(codec, monitors)), ("optimizer", inject_hyperparams(optimizer)),
+    sync_gradients(codec, monitors)), ("optimizer", optimizer with a rate factor),
     ...)``: hyperparameters live in the state and change without recompiling.
 
     **The loop.** Each turn runs, in this order and with no path back:
@@ -173,8 +167,10 @@ class Controller:
     Args:
       model: a flax NNX module or a pytree of float parameters.
       loss_fn: ``loss_fn(model_or_params, batch) -> loss`` (or ``(loss, aux)``).
-      optimizer: an optax optimizer factory such as ``optax.adamw``.
-      hyperparams: its keyword arguments, checked against its signature.
+      optimizer: any ``optax.GradientTransformation`` (``optax.adam(1e-3)``, a chain with a
+        schedule, ``optax.inject_hyperparams(...)``, whose hyperparameters policies set).
+      learning_rate: the rate (a float or optax schedule) ``optimizer`` was built with, if not
+        injected: policies set it as a factor on the updates (docs/guide/controller.md).
       data: an :class:`adaptjax.ArrayDataset` (or anything with ``next_batch``,
         ``state_dict`` and ``load_state_dict``).
       devices, batch_size: the initial replica count and global batch.
@@ -211,10 +207,9 @@ class Controller:
       >>> data = adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0)
       >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
       >>> ctrl = adaptjax.Controller(
-      ...     model={"w": jnp.zeros(4)}, loss_fn=loss, optimizer=optax.sgd,
-      ...     hyperparams={"learning_rate": 0.1}, data=data, devices=4, batch_size=32,
+      ...     model={"w": jnp.zeros(4)}, loss_fn=loss, optimizer=optax.sgd(0.1),
+      ...     data=data, devices=4, batch_size=32,
       ...     policies=[ajp.Schedule({10: ajp.Rescale(devices=2)})],
-      ...     checkpoint_options=adaptjax.CheckpointOptions(max_to_keep=2),
       ...     run_dir=tempfile.mkdtemp(), progress=False, tensorboard=False)
       >>> ctrl.run(steps=20)
       >>> ctrl.step, ctrl.config.devices, ctrl.data.cursor
@@ -224,7 +219,7 @@ class Controller:
 
     def __init__(
         self, *, model: Any, loss_fn: Callable[..., Any],
-        optimizer: Callable[..., optax.GradientTransformation], hyperparams: Mapping[str, Any],
+        optimizer: optax.GradientTransformation, learning_rate: float | Callable | None = None,
         data: Any, devices: int | None = None, batch_size: int, run_dir: str | os.PathLike,
         microbatches: int | None = None, policies: Sequence[ajp.Policy] = (),
         codec: GradientCodec | None = None, sync: SyncStrategy | str | None = None,
@@ -250,7 +245,7 @@ class Controller:
         self.checkpoint_options, self.eval_options = a.checkpoint, a.evaluation
         self.compile_options, self._plan_request = a.compile, a.plan
         self.steps = StepCache(model=model, loss_fn=loss_fn, optimizer=optimizer, has_aux=has_aux,
-                               hyperparams=a.hyperparams, monitors=a.monitors, sharding=sharding,
+                               learning_rate=learning_rate, monitors=a.monitors, sharding=sharding,
                                norm_chunks=norm_chunks, loss_scale=loss_scale)
         register_held(self.steps, codec, sync, policies)
         a = dataclasses.replace(a, config=self.steps.start(a.config, data, precision))
@@ -260,16 +255,17 @@ class Controller:
             min_replicas=min_replicas, device_limit=a.device_limit,
             check_mesh=self.steps.check_mesh)
         enable_compilation_cache(a.compile.cache_dir)
-        self.data = data
         self.reader = MetricsReader(functools.partial(comm_seconds, self.steps, data,
                                                       a.link_bandwidth))
-        self.clock = RunClock()  # what policies see as compile_seconds and train_seconds
+        self.data, self.clock = data, RunClock()  # clock: compile_seconds, train_seconds
         self.compilations = self.step = self.samples_seen = 0
         self.latest_metrics: dict[str, float] = {}
         self._to_decide: list[Snapshot] = []
         self._host_hparams: dict[str, float] | None = None  # in force (None: read the state)
         self._hparams_of_step: dict[int, dict[str, float]] = {}
         self._stop_reason: str | None = None
+        self._warned_beyond: set[str] = set()  # policies warned of a Rescale beyond reach
+        self._loss_checked = hasattr(data, "batch_at")  # if so, at construction or resume
         self._preemption = Preemption()
         self._compiler = BackgroundCompiler(self.steps, enabled=a.compile_ahead)  # upcoming's
         self._hints_waiting = False  # announced after a change: asked once its step compiled
@@ -298,7 +294,7 @@ class Controller:
         self._to_decide = snapshots_of(r.meta, r.config)
         self.latest_metrics = dict(self._to_decide[-1].metrics) if self._to_decide else {}
         self.clock = RunClock.from_state(r.meta)
-        warn_overrides(dataclasses.asdict(a.config), r.config, a.hyperparams,
+        warn_overrides(dataclasses.asdict(a.config), r.config, self.steps.injected_values(),
                        hyperparams_of(r.state))
         self.log.event("resume", step=r.step, latency_s=elapsed(t0))
         return r.config, r.state
@@ -552,12 +548,8 @@ class Controller:
         """Switches the synchronisation strategy (a strategy, its name, or ``None``: S-SGD)."""
         self.apply([ajp.SetSync(strategy)])
 
-    def rescale(
-        self,
-        devices: int | None = None,
-        *,
-        mesh_shape: tuple[int, ...] | Mapping[str, int] | None = None,
-    ) -> None:
+    def rescale(self, devices: int | None = None, *,
+                mesh_shape: tuple[int, ...] | Mapping[str, int] | None = None) -> None:
         """Moves training to ``devices`` replicas (at most ``max_devices``) or to ``mesh_shape``
         (``{"data": 1, "fsdp": 4}``) through a checkpoint; the batch is rounded if needed."""
         self.apply([ajp.Rescale(devices=devices, mesh_shape=mesh_shape)])

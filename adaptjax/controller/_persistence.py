@@ -126,7 +126,8 @@ def snapshots_of(meta: Mapping, config: RunConfig) -> list[Snapshot]:
 
 def warn_overrides(passed: Mapping[str, Any], config: RunConfig,
                    hyperparams: Mapping[str, Any], held: Mapping[str, float]) -> None:
-    """Warns, once each, of a passed value the checkpoint's overrides."""
+    """Warns, once each, of a passed value the checkpoint's overrides (``hyperparams``: the
+    passed optimizer's, :func:`injected_values`; ``held``: the checkpoint's)."""
     for key, value in passed.items():
         if key == "devices" and passed.get("mesh_shape", None) != config.mesh_shape:
             continue  # the "data" size of a mesh_shape the warning below names

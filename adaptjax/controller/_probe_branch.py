@@ -11,9 +11,10 @@ the state the run is in (its dispatched steps recorded), every branch
   background compiler prepares when the probe is announced);
 * at the learning rate lr x ``lr_scale(lr_rule, B / M)`` (M the current
   batch; for ``"adascale"`` the gain from the recorded ``grad_variance`` and
-  ``grad_sqnorm``, taken whole for ``optax.sgd`` and as its square root for
-  every other optimizer, as :func:`adaptjax.policies.lr_scale` does for Adam);
-* for ``"adascale"`` and an optimizer other than ``optax.sgd``, with the
+  ``grad_sqnorm``, taken whole for an optimizer without a second moment (no
+  ``nu`` in its state: SGD, momentum) and as its square root for every other
+  optimizer, as :func:`adaptjax.policies.lr_scale` does for Adam);
+* for ``"adascale"`` and an optimizer with a second moment, with the
   second-moment estimate ν of every Adam-like state (a ``nu`` field) divided
   by the same gain r (see below);
 * on a copy of the state (the step donates its input; random streams advance
@@ -66,7 +67,6 @@ from typing import Any, TypeGuard
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -77,7 +77,7 @@ from adaptjax.controller._carry_out import hyperparams_of, write_hyperparams
 from adaptjax.controller._metrics_reader import MetricsReader
 from adaptjax.controller._run_clock import RunClock
 from adaptjax.controller._run_config import RunConfig
-from adaptjax.controller._step_cache import StepCache
+from adaptjax.controller._step_cache import OPTIMIZER, StepCache
 from adaptjax.sync._strategy import consensus_params
 
 #: The fewest samples a probe evaluates its branches on (they share them, so their
@@ -128,6 +128,15 @@ def branch_lr_factor(rule: str, scale: float, metrics: Mapping[str, float],
     return ajp.lr_scale(rule, scale, optimizer_kind=kind, sigma_sq=sigma_sq, mu_sq=mu_sq)
 
 
+def _is_moment(x) -> bool:
+    return isinstance(x, tuple) and "nu" in getattr(x, "_fields", ())
+
+
+def has_second_moment(opt_state) -> bool:
+    """Whether a state in ``opt_state`` has a ``nu`` (Adam's ν): the optimizer is Adam-like."""
+    return any(_is_moment(x) for x in jax.tree.leaves(opt_state, is_leaf=_is_moment))
+
+
 def scale_second_moment(opt_state, factor: float):
     """``opt_state`` with the ``nu`` of every state that has one (Adam's ν) times ``factor``.
 
@@ -139,15 +148,12 @@ def scale_second_moment(opt_state, factor: float):
       >>> scale_second_moment(state, 0.5)[0].nu.tolist()
       [0.5, 0.5]
     """
-    def is_moment(x) -> bool:
-        return isinstance(x, tuple) and "nu" in getattr(x, "_fields", ())
-
     def scale(x):
-        if not is_moment(x):
+        if not _is_moment(x):
             return x
         return x._replace(nu=jax.tree.map(lambda v: v * jnp.asarray(factor, v.dtype), x.nu))
 
-    return jax.tree.map(scale, opt_state, is_leaf=is_moment)
+    return jax.tree.map(scale, opt_state, is_leaf=_is_moment)
 
 
 def best_per_batch(branches: list[Branch], losses: list[float]) -> tuple[list[Branch], list[float]]:
@@ -255,7 +261,7 @@ class ProbeRunner:
         why = _unsupported(self.data)
         planned = why or plan_branches(
             probe, config, lambda a: self.plan(a).config, hyperparams_of(state), metrics,
-            sgd=self.steps.optimizer is optax.sgd)
+            sgd=not has_second_moment(state.opt_state[OPTIMIZER]))
         if isinstance(planned, str):
             return [{"kind": "probe_skipped", "reason": f"{probe!r}: {planned}"}]
         branches, total = planned

@@ -11,6 +11,7 @@ import numpy as np
 from adaptjax._loss_scale import split_loss_scale
 from adaptjax._per_replica import PerReplica, stack_replicas
 from adaptjax._state import init_state, train_state_shardings
+from adaptjax.controller._hyperparams import RateFactorState
 from adaptjax.sync._strategy import _mark, consensus_params
 
 
@@ -66,6 +67,9 @@ def rebuild_state(state, new_tx, mesh, *, carry_sync: bool, sharding=None):
 
 def _carried_optimizer(old_opt, new_opt, n: int):
     """The optimizer's state carried from ``old_opt`` into ``new_opt``'s layout (``n`` replicas)."""
+    if isinstance(old_opt, RateFactorState):  # the controller's wrapper: replicated, kept
+        inner = _carried_optimizer(old_opt.inner_state, new_opt.inner_state, n)
+        return old_opt._replace(inner_state=inner)
     if _is_marked(old_opt) and _is_marked(new_opt):
         return old_opt  # per replica before and after: kept as it is
     replicated = jax.tree.map(

@@ -23,6 +23,7 @@ from adaptjax._step import DataParallelStep, data_parallel_step
 from adaptjax._sync import sync_gradients
 from adaptjax._walk import find_held
 from adaptjax._wire import wire_bytes
+from adaptjax.controller._hyperparams import injected_values, with_rate_factor
 from adaptjax.controller._meshes import build_mesh, check_shardings
 from adaptjax.controller._run_config import RunConfig, codec_key, controller_precision
 from adaptjax.sync._registry import register_strategies, resolve_sync, sync_key
@@ -41,11 +42,14 @@ class StepCache:
     """Builds and remembers everything a :class:`RunConfig` needs to run a step.
 
     The transformation is ``optax.named_chain(("sync", sync_gradients(...)),
-    ("optimizer", inject_hyperparams(optimizer)(**hyperparams)), ("update_norm",
-    update_norm()))``, so ``state.opt_state["optimizer"]`` is the optimizer's
-    state whatever else the chain holds. Under a synchronisation strategy with
+    ("optimizer", with_rate_factor(optimizer, learning_rate)), ("update_norm",
+    update_norm()))``, so ``state.opt_state["optimizer"]`` is a
+    :class:`~adaptjax.controller._hyperparams.RateFactorState` around the
+    optimizer's state whatever else the chain holds (a policy's learning rate
+    is its factor, or an ``inject_hyperparams`` value: see
+    :mod:`adaptjax.controller._hyperparams`). Under a synchronisation strategy with
     local models (``RunConfig.sync``, see :class:`adaptjax.SyncStrategy`) the
-    chain is ``("sync", pass-through), ("optimizer", per-replica optimizer),
+    chain is ``("sync", pass-through), ("optimizer", with_rate_factor(per-replica optimizer)),
     ("model_sync", the strategy's post step), ("update_norm", ...)``. Meshes
     are cached by shape (:attr:`RunConfig.mesh_shape`, or the device count of
     a 1-D mesh), transformations by codec and strategy key, compiled steps by
@@ -86,7 +90,7 @@ class StepCache:
       >>> from adaptjax import RunConfig
       >>> from adaptjax.controller._step_cache import StepCache
       >>> cache = StepCache(model={"w": jnp.zeros(2)}, loss_fn=lambda p, b: 0.0,
-      ...                   optimizer=optax.sgd, hyperparams={"learning_rate": 0.1})
+      ...                   optimizer=optax.sgd(0.1))
       >>> state = cache.init_state(RunConfig(devices=2, batch_size=4))
       >>> list(state.opt_state)
       ['sync', 'optimizer', 'update_norm']
@@ -96,8 +100,9 @@ class StepCache:
 
     model: Any
     loss_fn: Callable[..., Any]
-    optimizer: Callable[..., optax.GradientTransformation]
-    hyperparams: Mapping[str, Any]
+    optimizer: optax.GradientTransformation
+    # the rate (or schedule) the optimizer was built with, when no inject_hyperparams holds it
+    learning_rate: float | Callable[[Any], Any] | None = None
     monitors: Sequence[Any] = ()
     norm_chunks: int | None = None  # None: sync_gradients' default
     has_aux: bool = False
@@ -172,6 +177,10 @@ class StepCache:
             self.options_of[config] = chosen
         return self.options_of[config]
 
+    def injected_values(self) -> dict[str, float]:
+        """The numeric hyperparameters the optimizer's ``inject_hyperparams`` states start with."""
+        return injected_values(self.optimizer, split_model(self.model)[1])
+
     def param_leaves(self) -> list[tuple[tuple[int, ...], Any]]:
         """``(shape, dtype)`` of each trained parameter (= gradient) leaf, in tree order."""
         params = split_model(self.model)[1]
@@ -212,19 +221,17 @@ class StepCache:
                       if options.get(k) is not None}
             if fields and codec is not None:
                 codec = dataclasses.replace(codec, **fields)
-            opt = optax.inject_hyperparams(self.optimizer, hyperparam_dtype=np.dtype(np.float32))(
-                **self.hyperparams
-            )
+            rate = self.learning_rate
             if not strategy.local_models:
                 chunks = {} if self.norm_chunks is None else {"norm_chunks": self.norm_chunks}
                 pre = sync_gradients(
                     "data", codec=codec, monitors=self.monitors, **chunks, **lane
                 )
-                parts = [(SYNC, pre), (OPTIMIZER, opt)]
+                parts = [(SYNC, pre), (OPTIMIZER, with_rate_factor(self.optimizer, rate))]
             else:
                 parts = [
                     (SYNC, strategy.pre("data")),
-                    (OPTIMIZER, strategy.optimizer(opt)),
+                    (OPTIMIZER, with_rate_factor(strategy.optimizer(self.optimizer), rate)),
                     (MODEL_SYNC, strategy.post("data", codec=codec)),
                 ]
             scale = None

@@ -120,8 +120,9 @@ def plan_transition(
         unknown = sorted(set(hyper) - set(hyperparam_names))
         if unknown:
             raise ValueError(
-                f"unknown hyperparameter {unknown[0]!r}; this optimizer has "
-                f"{sorted(hyperparam_names)}"
+                f"the optimizer does not expose the hyperparameter {unknown[0]!r}; it exposes "
+                f"{sorted(hyperparam_names)} (build it with optax.inject_hyperparams to expose "
+                "its arguments, or pass the Controller learning_rate= for the rate)"
             )
     if "learning_rate" in hyper and not hyper["learning_rate"] > 0:
         raise ValueError(f"learning_rate must be > 0, got {hyper['learning_rate']}")

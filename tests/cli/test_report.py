@@ -128,8 +128,8 @@ def test_controller_logs_reasons_metrics_and_the_learning_rate(tmp_path):
     x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
     loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)  # noqa: E731
     ctrl = adaptjax.Controller(
-        model={"w": jnp.zeros(4)}, loss_fn=loss, optimizer=optax.sgd,
-        hyperparams={"learning_rate": 0.1},
+        model={"w": jnp.zeros(4)}, loss_fn=loss,
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
         data=adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0), devices=2, batch_size=8,
         policies=[ajp.Schedule({4: ajp.SetHyperparams({"learning_rate": 0.05})})],
         policy_every=2, run_dir=tmp_path, progress=False, tensorboard=False)

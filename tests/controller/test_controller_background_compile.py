@@ -33,7 +33,7 @@ def run(tmp_path, precompile, steps=40):
     ctrl = adaptjax.Controller(
         model={"w": jnp.zeros(4)},
         loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
-        optimizer=optax.sgd, hyperparams={"learning_rate": 0.05}, data=data,
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.05), data=data,
         devices=4, batch_size=32,
         policies=[ajp.ElasticScale({20: 2}), ajp.Schedule({30: ajp.SetBatchSize(64)})],
         # the compilation cache would hide a second compile from the count
@@ -92,7 +92,7 @@ def test_a_hint_that_cannot_compile_is_logged_and_training_goes_on(tmp_path, ste
     ctrl = adaptjax.Controller(
         model={"w": jnp.zeros(4)},
         loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
-        optimizer=optax.sgd, hyperparams={"learning_rate": 0.05},
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.05),
         data=adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0), devices=2, batch_size=32,
         policies=[AnnouncesABrokenCodec()], compilation_cache_dir=None,
         run_dir=tmp_path / "run", progress=False, tensorboard=False,
@@ -148,7 +148,7 @@ def test_a_batch_change_compiled_in_the_background_waits_for_no_compile(tmp_path
     ctrl = adaptjax.Controller(
         model={"w": jnp.zeros(4)},
         loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
-        optimizer=optax.sgd, hyperparams={"learning_rate": 0.05},
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.05),
         data=adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0), devices=4, batch_size=32,
         policies=[policy], compilation_cache_dir=None,
         run_dir=tmp_path / "run", progress=False, tensorboard=False,
@@ -174,9 +174,8 @@ def test_compiled_batch_sizes_are_those_of_the_configuration_but_its_batch():
     from adaptjax.controller._background import BackgroundCompiler
     from adaptjax.controller._step_cache import StepCache
 
-    steps = StepCache(model={"w": jnp.zeros(2)}, optimizer=optax.sgd,
-                      loss_fn=lambda p, b: jnp.sum(b["x"] @ p["w"]),
-                      hyperparams={"learning_rate": 0.1})
+    steps = StepCache(model={"w": jnp.zeros(2)}, optimizer=optax.sgd(0.1),
+                      loss_fn=lambda p, b: jnp.sum(b["x"] @ p["w"]))
     data = adaptjax.ArrayDataset({"x": np.ones((64, 2), np.float32)})
     compiler = BackgroundCompiler(steps)
     config = adaptjax.RunConfig(2, 8)

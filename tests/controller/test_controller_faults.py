@@ -18,6 +18,7 @@ import threading
 import time
 
 import numpy as np
+import optax
 import pytest
 
 import adaptjax
@@ -474,12 +475,10 @@ def test_no_intact_checkpoint_says_so_in_one_line(three_checkpoints):
     "overrides, message",
     [
         (dict(max_devices=4), "max_devices=4 is below devices=8"),
-        (dict(hyperparams={"learning_rate": float("nan")}), "must be finite"),
-        (dict(hyperparams={"learning_rate": float("inf")}), "must be finite"),
-        (dict(hyperparams={"learning_rate": 0.0}), "learning_rate must be > 0"),
-        (dict(hyperparams={"learning_rate": -1e-3}), "learning_rate must be > 0"),
-        (dict(hyperparams={"lr": 1e-3}), "hyperparams has 'lr', which adam does not take"),
-        (dict(hyperparams={}), "hyperparams needs 'learning_rate'"),
+        (dict(learning_rate=float("nan")), "learning_rate must be > 0 and finite, got nan"),
+        (dict(learning_rate=float("inf")), "learning_rate must be > 0 and finite, got inf"),
+        (dict(learning_rate=-1e-3), "learning_rate must be > 0 and finite, got -0.001"),
+        (dict(optimizer=optax.adam), "optimizer must be an optax.GradientTransformation"),
         (dict(batch_size=64.5), "batch_size must be a positive integer, got 64.5"),
         (dict(batch_size="64"), "batch_size must be a positive integer, got '64'"),
         (dict(devices=8.0), "devices must be a positive integer"),
@@ -524,7 +523,8 @@ def test_a_run_whose_every_step_is_nonfinite_stops_with_an_error(tmp_path):
 def test_resume_warns_for_every_value_the_checkpoint_overrides(tmp_path):
     ctrl = adaptjax.Controller(
         run_dir=tmp_path,
-        **job.job_kwargs(policies=[Recorder()], hyperparams={"learning_rate": 1e-2, "b1": 0.9}),
+        **job.job_kwargs(policies=[Recorder()], optimizer=optax.inject_hyperparams(optax.adam)(
+            learning_rate=1e-2, b1=0.9)),
     )
     ctrl.run(10)
     ctrl.close()
@@ -538,7 +538,7 @@ def test_resume_warns_for_every_value_the_checkpoint_overrides(tmp_path):
                 policy_every=1,
                 devices=4,
                 batch_size=32,
-                hyperparams={"learning_rate": 1e-3, "b1": 0.8},
+                optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-3, b1=0.8),
             ),
         )
     messages = [str(w.message) for w in record]

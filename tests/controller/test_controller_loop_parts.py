@@ -37,7 +37,7 @@ CONTROLLER = os.path.dirname(adaptjax.controller.__file__)
 
 def _steps():
     return StepCache(model={"w": jnp.zeros(2)}, loss_fn=lambda p, b: jnp.sum(b["x"] @ p["w"]),
-                     optimizer=optax.sgd, hyperparams={"learning_rate": 0.1})
+                     optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
 
 
 # ------------------------------------------------------------------ the shape of the loop
@@ -163,7 +163,7 @@ def test_a_controllers_rescale_is_logged_complete_with_its_checkpoint(tmp_path):
     x = np.random.default_rng(0).normal(size=(64, 2)).astype(np.float32)
     ctrl = adaptjax.Controller(
         model={"w": jnp.zeros(2)}, loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2),
-        optimizer=optax.sgd, hyperparams={"learning_rate": 0.1},
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
         data=adaptjax.ArrayDataset({"x": x}, seed=0), devices=4, batch_size=8,
         run_dir=tmp_path, progress=False, tensorboard=False, compilation_cache_dir=None,
     )

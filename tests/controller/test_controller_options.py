@@ -100,7 +100,7 @@ def _controller(run_dir, **kw):
     return adaptjax.Controller(
         model={"w": jnp.zeros(3)},
         loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
-        optimizer=optax.sgd, hyperparams={"learning_rate": 0.1},
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
         data=adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0), devices=2, batch_size=8,
         run_dir=run_dir, progress=False, tensorboard=False, compilation_cache_dir=None, **kw)
 

@@ -77,7 +77,7 @@ def test_transition_codec_change_is_by_key_and_none_means_dense():
     "actions, message",
     [
         ([ajp.Rescale(devices=9)], "max_devices is 8"),
-        ([ajp.SetHyperparams({"momentum": 0.9})], "unknown hyperparameter 'momentum'"),
+        ([ajp.SetHyperparams({"momentum": 0.9})], "does not expose the hyperparameter 'momentum'"),
         ([ajp.SetHyperparams({"learning_rate": -1.0})], "learning_rate must be > 0"),
     ],
 )

@@ -37,8 +37,8 @@ def _one_line(excinfo) -> str:
 
 
 def _steps() -> StepCache:
-    return StepCache(model=job.init_params(), loss_fn=job.loss_fn, optimizer=optax.adam,
-                     hyperparams={"learning_rate": 1e-2})
+    return StepCache(model=job.init_params(), loss_fn=job.loss_fn,
+                     optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-2))
 
 
 def _host(tree):

@@ -63,8 +63,8 @@ def _run_net(run_dir, policies, steps=24):
     model = Net(nnx.Rngs(params=0, dropout=1))
     model.train()
     ctrl = adaptjax.Controller(
-        model=model, loss_fn=_net_loss, optimizer=optax.adam,
-        hyperparams={"learning_rate": 1e-2},
+        model=model, loss_fn=_net_loss,
+        optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
         data=adaptjax.ArrayDataset({"x": x, "y": np.sin(x).sum(1)}, seed=0),
         devices=2, batch_size=16, policies=policies, policy_every=4,
         run_dir=run_dir, progress=False, tensorboard=False, compilation_cache_dir=None,
@@ -131,7 +131,7 @@ def test_the_probe_finds_the_analytic_critical_batch_of_linear_regression(tmp_pa
     ctrl = adaptjax.Controller(
         model={"w": jnp.asarray(delta)},
         loss_fn=lambda p, b: 0.5 * jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
-        optimizer=optax.sgd, hyperparams={"learning_rate": 1e-7},  # w stays at δ meanwhile
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=1e-7),  # w stays at δ meanwhile
         data=adaptjax.ArrayDataset({"x": x, "y": y}, seed=0), devices=4, batch_size=batch,
         monitors=(adaptjax.GradientNoiseScale(decay=0.99),),
         policies=[ajp.Schedule({300: [ajp.SetHyperparams({"learning_rate": rate}), probe]})],
@@ -165,7 +165,7 @@ def test_a_dataset_without_batch_at_skips_the_probe_and_says_why(tmp_path):
 
     ctrl = adaptjax.Controller(
         model={"w": jnp.zeros(4)}, loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2),
-        optimizer=optax.sgd, hyperparams={"learning_rate": 0.1},
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
         data=adaptjax.IterableDataset(examples), devices=2, batch_size=8,
         policies=[ajp.Schedule({2: ajp.Probe((4, 8, 16), steps=1)})], policy_every=1,
         run_dir=tmp_path / "run", progress=False, tensorboard=False, compilation_cache_dir=None,

@@ -114,7 +114,7 @@ def test_learning_rate_change_compiles_nothing(tmp_path):
         ctrl.run(6)
         assert ctrl.compilations == before_ctrl == 1
         assert len(compiles) == before_jax
-        inject = ctrl.state.opt_state["optimizer"]
+        inject = ctrl.state.opt_state["optimizer"].inner_state
         assert float(inject.hyperparams["learning_rate"]) == pytest.approx(1e-4)
         ctrl.close()
     finally:
@@ -220,7 +220,7 @@ def test_policy_sees_nonfinite_count_and_rolls_back(tmp_path):
     (rollback,) = [e for e in ctrl.log.events if e["kind"] == "rollback"]
     assert rollback["to_checkpoint"] == 5 and rollback["step"] in (8, 9)
     assert ctrl.step == 12 and ctrl.nonfinite_count == 1 and ctrl.samples_seen == 12 * 64
-    lr = ctrl.state.opt_state["optimizer"].hyperparams["learning_rate"]
+    lr = ctrl.state.opt_state["optimizer"].inner_state.hyperparams["learning_rate"]
     assert float(lr) == pytest.approx(1e-3)
     assert np.isfinite(ctrl.latest_metrics["loss"])
     ctrl.close()
@@ -383,7 +383,7 @@ def test_optimizer_without_the_hyperparameter(tmp_path):
     ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
     with pytest.raises(ValueError) as e:
         ctrl.set_hyperparams({"momentum": 0.9})
-    assert "unknown hyperparameter 'momentum'" in _one_line(e)
+    assert "does not expose the hyperparameter 'momentum'; it exposes ['b1'" in _one_line(e)
     ctrl.close()
 
 

@@ -28,7 +28,7 @@ W = np.arange(6, dtype=np.float32).reshape(3, 2)
 
 def _steps(**kw):
     return StepCache(model={"w": jnp.asarray(W)}, loss_fn=lambda p, b: jnp.sum(p["w"]),
-                     optimizer=optax.adam, hyperparams={"learning_rate": 0.1}, **kw)
+                     optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=0.1), **kw)
 
 
 def _plan(actions, config, steps=None):

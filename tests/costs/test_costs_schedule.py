@@ -43,7 +43,8 @@ def _controller(tmp_path, **kw):
     data = {"x": rng.normal(size=(256, 8)).astype(np.float32),
             "y": rng.normal(size=(256, 8)).astype(np.float32)}
     return adaptjax.Controller(
-        model=PARAMS, loss_fn=_loss, optimizer=optax.sgd, hyperparams={"learning_rate": 0.01},
+        model=PARAMS, loss_fn=_loss,
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.01),
         data=adaptjax.ArrayDataset(data, seed=0), devices=4, batch_size=32, run_dir=tmp_path,
         checkpoint_every=None, progress=False, tensorboard=False, monitors=(), **kw)
 
@@ -122,8 +123,8 @@ def test_owner_compute_exchange_and_one_bucket_without_overlap():
 
 
 def test_step_cache_without_a_schedule_builds_as_before():
-    cache = StepCache(model=PARAMS, loss_fn=_loss, optimizer=optax.sgd,
-                      hyperparams={"learning_rate": 0.1})
+    cache = StepCache(model=PARAMS, loss_fn=_loss,
+                      optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
     config = adaptjax.RunConfig(4, 32)
     cache.step(config)
     assert cache.options_of[config] == {}

@@ -21,8 +21,9 @@ def make(run_dir, schedule, steps, **kwargs):
         return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
 
     ctrl = adaptjax.Controller(
-        model={"w": jnp.zeros(4)}, loss_fn=loss, optimizer=optax.adam,
-        hyperparams={"learning_rate": 0.1}, data=data, devices=8, batch_size=BATCH,
+        model={"w": jnp.zeros(4)}, loss_fn=loss,
+        optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
+        data=data, devices=8, batch_size=BATCH,
         policies=[ajp.Schedule(schedule)], policy_every=1, run_dir=run_dir, progress=False,
         tensorboard=False, on_step=lambda c: seen.append(c.step), **kwargs,
     )
@@ -49,7 +50,7 @@ def test_switch_strategies_and_rescale_under_them_lose_nothing(tmp_path):
         assert ctrl.step == 24 and ctrl.config.sync == repr(diloco)
         assert ctrl.samples_seen == data.cursor == 24 * BATCH  # every sample once, none twice
         assert ctrl.hyperparams["learning_rate"] == pytest.approx(0.05)
-        inject = ctrl.state.opt_state["optimizer"]
+        inject = ctrl.state.opt_state["optimizer"].inner_state
         counts = np.asarray(jax.device_get(inject.inner_state.value[0].count))
         assert counts.tolist() == [24] * 8  # adam took every step, through every switch
         events = [e["sync"] for e in ctrl.log.events if e["kind"] == "set_sync"]
@@ -68,7 +69,7 @@ def test_switch_sync_policy_switches_once_through_the_controller(tmp_path):
     x = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
     ctrl = adaptjax.Controller(
         model={"w": jnp.zeros(4)}, loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
-        optimizer=optax.sgd, hyperparams={"learning_rate": 0.05},
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.05),
         data=adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0), devices=4, batch_size=16,
         policies=[policy], policy_every=1, run_dir=str(tmp_path), progress=False,
         tensorboard=False,
@@ -86,14 +87,16 @@ def test_controller_rejects_bad_sync_before_touching_the_disk(tmp_path):
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError, match="gossip needs at least 2 replicas"):
         adaptjax.Controller(
-            model={"w": jnp.zeros(4)}, loss_fn=lambda p, b: 0.0, optimizer=optax.sgd,
-            hyperparams={"learning_rate": 0.1}, data=adaptjax.ArrayDataset({"x": np.ones(8)}),
+            model={"w": jnp.zeros(4)}, loss_fn=lambda p, b: 0.0,
+            optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+            data=adaptjax.ArrayDataset({"x": np.ones(8)}),
             devices=1, batch_size=8, run_dir=str(run_dir), sync="gossip", progress=False,
         )
     with pytest.raises(ValueError, match="unknown sync strategy 'ring'"):
         adaptjax.Controller(
-            model={"w": jnp.zeros(4)}, loss_fn=lambda p, b: 0.0, optimizer=optax.sgd,
-            hyperparams={"learning_rate": 0.1}, data=adaptjax.ArrayDataset({"x": np.ones(8)}),
+            model={"w": jnp.zeros(4)}, loss_fn=lambda p, b: 0.0,
+            optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+            data=adaptjax.ArrayDataset({"x": np.ones(8)}),
             devices=2, batch_size=8, run_dir=str(run_dir), sync="ring", progress=False,
         )
     assert not run_dir.exists()
@@ -110,8 +113,8 @@ def test_resume_mid_diloco_continues_the_uninterrupted_run(tmp_path):
     x = np.random.default_rng(0).normal(size=(N_ROWS, 4)).astype(np.float32)
     resumed = adaptjax.Controller.resume(
         str(tmp_path / "b"), model={"w": jnp.zeros(4)},
-        loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), optimizer=optax.adam,
-        hyperparams={"learning_rate": 0.1},
+        loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
+        optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
         data=adaptjax.ArrayDataset({"x": x, "y": x.sum(1), "i": np.arange(N_ROWS)}, seed=0),
         devices=8, batch_size=BATCH, policies=[ajp.Schedule(schedule)], policy_every=1,
         progress=False, tensorboard=False, sync=adaptjax.DiLoCo(H=4),  # what the run is in
