@@ -193,7 +193,9 @@ class GrainDataset:
         """The pipeline's transformations (guards :meth:`load_state_dict`)."""
         return self._fingerprint
 
-    def positions(self, cursor: int, batch_size: int, start: int = 0, stop: int | None = None):
+    def positions(
+        self, cursor: int, batch_size: int, start: int = 0, stop: int | None = None
+    ) -> np.ndarray:
         """Stream positions of rows ``[start, stop)`` of the ``batch_size`` batch at ``cursor``.
 
         Pure. Row ``k * (b // K) + j`` is position ``cursor + k + j * K`` for

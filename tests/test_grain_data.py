@@ -157,14 +157,19 @@ def test_positions_are_elastic_iterators_shards():
     assert (ds.num_samples, ds.epoch) == (N, 0)
 
 
-def test_end_to_end_the_controller_feeds_the_same_batches_as_an_array_dataset(tmp_path):
-    # an unshuffled grain source over the job's arrays is the unshuffled ArrayDataset's stream:
-    # the same batches, so the same compiled steps give bit-identical parameters
+def controller_job():
     spec = importlib.util.spec_from_file_location(
         "controller_job", os.path.join(os.path.dirname(__file__), "controller_job.py")
     )
     job = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(job)
+    return job
+
+
+def test_end_to_end_the_controller_feeds_the_same_batches_as_an_array_dataset(tmp_path):
+    # an unshuffled grain source over the job's arrays is the unshuffled ArrayDataset's stream:
+    # the same batches, so the same compiled steps give bit-identical parameters
+    job = controller_job()
     arrays = job.make_data()
     rows = grain.MapDataset.source([{k: v[i] for k, v in arrays.items()} for i in range(640)])
     runs = {}
@@ -225,3 +230,15 @@ def test_bad_reads_and_states_are_one_line_errors():
     with pytest.raises(ValueError, match="positions 0..1 do not stack into a batch") as err:
         ragged.next_batch(2)
     assert "\n" not in str(err.value)
+
+
+def test_elements_the_loss_cannot_take_are_refused_before_anything_compiles(tmp_path):
+    # one feature too many: the controller's shape check reads the first batch (batch_at)
+    job = controller_job()
+    arrays = job.make_data()
+    wide = grain.MapDataset.source(np.arange(640)).map(
+        lambda i: {"x": np.append(arrays["x"][i], 0.0).astype(np.float32), "y": arrays["y"][i]}
+    )
+    with pytest.raises(ValueError, match="loss_fn cannot run on this data's batches") as err:
+        adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(data=adaptjax.GrainDataset(wide)))
+    assert "\n" not in str(err.value) and not (tmp_path / "checkpoints").exists()
