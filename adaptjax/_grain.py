@@ -262,7 +262,7 @@ class GrainDataset:
             process count); it may change between calls.
 
         Returns:
-          The batch: the elements' pytree with a leading batch axis.
+          The elements' pytree, stacked along a leading batch axis.
         """
         return self._take(batch_size, 0, None)
 
