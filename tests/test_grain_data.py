@@ -55,7 +55,7 @@ def run_adaptjax(make, schedule, prefetch=2):
         state = states[0]
         for ds in readers:
             ds.close()
-    return batches
+    return batches, state
 
 
 def run_elastic(make, schedule):
@@ -72,12 +72,15 @@ def run_elastic(make, schedule):
         for _ in range(steps):
             batches.append(np.concatenate([next(it)["i"] for it in its]))
         state = its[0].get_state()
-    return batches
+    return batches, state
 
 
 def test_every_element_once_per_epoch_in_elastic_iterators_order():
-    ours = run_adaptjax(shuffled, SCHEDULE)
-    theirs = run_elastic(shuffled, SCHEDULE)
+    ours, state = run_adaptjax(shuffled, SCHEDULE)
+    theirs, elastic_state = run_elastic(shuffled, SCHEDULE)
+    # the cursor is ElasticIterator's global_next_index: the samples of every step so far
+    samples = sum(b * steps for b, *_, steps in SCHEDULE)
+    assert state["cursor"] == elastic_state["global_next_index"] == samples
     assert len(ours) == len(theirs) == sum(s[3] for s in SCHEDULE)
     for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -112,8 +115,8 @@ def test_random_map_and_an_unshuffled_source_follow_the_same_order():
         source = grain.MapDataset.source(np.arange(N, dtype=np.int32))
         return source.random_map(lambda i, rng: {"i": i, "r": rng.integers(1 << 30)}, seed=3)
 
-    ours = np.concatenate(run_adaptjax(make, SCHEDULE))
-    theirs = np.concatenate(run_elastic(make, SCHEDULE))
+    ours = np.concatenate(run_adaptjax(make, SCHEDULE)[0])
+    theirs = np.concatenate(run_elastic(make, SCHEDULE)[0])
     np.testing.assert_array_equal(ours, theirs)
     # with one process a batch is positions cursor .. cursor + b - 1 in order
     ds = adaptjax.GrainDataset(make(), process_count=1)
