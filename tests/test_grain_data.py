@@ -245,3 +245,47 @@ def test_elements_the_loss_cannot_take_are_refused_before_anything_compiles(tmp_
     with pytest.raises(ValueError, match="loss_fn cannot run on this data's batches") as err:
         adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(data=adaptjax.GrainDataset(wide)))
     assert "\n" not in str(err.value) and not (tmp_path / "checkpoints").exists()
+
+
+class Recording:
+    """Passes the controller's calls to a GrainDataset and keeps every batch's indices."""
+
+    def __init__(self, ds):
+        self.ds, self.seen = ds, []
+
+    def next_batch(self, batch_size):
+        batch = self.ds.next_batch(batch_size)
+        self.seen.extend(batch["idx"].tolist())
+        return batch
+
+    def batch_at(self, cursor, batch_size):
+        return self.ds.batch_at(cursor, batch_size)
+
+    def state_dict(self):
+        return self.ds.state_dict()
+
+    def load_state_dict(self, state):
+        self.ds.load_state_dict(state)
+
+
+def test_the_controller_reads_the_grain_stream_in_order_through_batch_and_mesh_changes(tmp_path):
+    # the job's schedule (batch 64 -> 32, 8 -> 4 devices, batch 96, back to 8 devices) with a
+    # checkpoint every 10 steps: the controller consumes stream positions 0, 1, 2, ... in order
+    job = controller_job()
+    arrays = job.make_data()
+    rows = grain.MapDataset.source([{k: v[i] for k, v in arrays.items()} for i in range(640)])
+    pipeline = rows.shuffle(seed=3)
+    data = Recording(adaptjax.GrainDataset(pipeline))
+    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(data=data))
+    ctrl.run(50)
+    seen = np.asarray(data.seen)
+    assert len(seen) == ctrl.samples_seen == data.ds.cursor > 4 * 640
+    stream = pipeline.repeat()
+    assert seen.tolist() == [int(stream[p]["idx"]) for p in range(len(seen))]
+    for e in range(len(seen) // 640):
+        assert sorted(seen[e * 640 : (e + 1) * 640].tolist()) == list(range(640))
+    rescales = [e for e in ctrl.log.events if e["kind"] == "rescale"]
+    assert [(e["devices_from"], e["devices_to"]) for e in rescales] == [(8, 4), (4, 8)]
+    sizes = {e["config"]["batch_size"] for e in ctrl.log.events if e["kind"] == "compile"}
+    assert {64, 32, 96} <= sizes
+    ctrl.close()
