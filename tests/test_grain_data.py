@@ -289,3 +289,29 @@ def test_the_controller_reads_the_grain_stream_in_order_through_batch_and_mesh_c
     sizes = {e["config"]["batch_size"] for e in ctrl.log.events if e["kind"] == "compile"}
     assert {64, 32, 96} <= sizes
     ctrl.close()
+
+
+def test_a_resumed_controller_continues_the_grain_stream_where_its_checkpoint_left_it(tmp_path):
+    job = controller_job()
+    arrays = job.make_data()
+    rows = grain.MapDataset.source([{k: v[i] for k, v in arrays.items()} for i in range(640)])
+    pipeline = rows.shuffle(seed=3)
+    kwargs = dict(policies=[], checkpoint_every=5)
+    runs = {}
+    for name, stops in (("whole", [16]), ("killed", [10, 16])):
+        for i, stop in enumerate(stops):
+            data = Recording(adaptjax.GrainDataset(pipeline))
+            args = job.job_kwargs(data=data, **kwargs)
+            if i:  # stopped at step 10: a new controller and dataset resume from its checkpoint
+                ctrl = adaptjax.Controller.resume(tmp_path / name, **args)
+            else:
+                ctrl = adaptjax.Controller(run_dir=tmp_path / name, **args)
+            ctrl.run(stop)
+            ctrl.close()
+        runs[name] = (data.seen, jax.device_get(ctrl.state.params))
+    stream = pipeline.repeat()
+    assert runs["killed"][0] == [int(stream[p]["idx"]) for p in range(10 * 64, 16 * 64)]
+    assert runs["whole"][0][10 * 64 :] == runs["killed"][0]
+    for a, b in zip(jax.tree.leaves(runs["whole"][1]), jax.tree.leaves(runs["killed"][1]),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
