@@ -48,6 +48,7 @@ _NAMES = {
     "check_precision": "adaptjax._precision",
     "with_precision": "adaptjax._precision",
     "IterableDataset": "adaptjax._data",
+    "GrainDataset": "adaptjax._grain",
     "Metrics": "adaptjax._metric_vector",
     "UpdateNormState": "adaptjax._metrics",
     "collect_metrics": "adaptjax._metrics",
@@ -119,6 +120,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax._chain import SyncChain, chain, named_chain
     from adaptjax._codec import GradientCodec
     from adaptjax._data import ArrayDataset, IterableDataset
+    from adaptjax._grain import GrainDataset
     from adaptjax._input_codec import FeatureCodec, InputCodec, batch_bytes
     from adaptjax._loss_scale import (
         LossScaled,
@@ -221,6 +223,7 @@ __all__ = [
     "GradientNorm",
     "GradientSNR",
     "IterableDataset",
+    "GrainDataset",
     "NoiseScaleState",
     "PerReplica",
     "SNRState",
