@@ -238,11 +238,13 @@ def _kind(raw: Mapping[str, Any], flops_per_sample: float, gradient_bytes: float
         price = float(raw["price_per_hour"])
         counts = _counts(raw["devices"])
         link = LinkModel.from_bandwidth(float(raw["bandwidth"]), float(raw.get("latency", 0.0)))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError) as e:
         raise ValueError(
             f"catalogue kind {name!r}: needs price_per_hour, devices ([lo, hi] or a list of "
             f"counts) and bandwidth (bytes/s); {e!r}"
         ) from None
+    except ValueError as e:
+        raise ValueError(f"catalogue kind {name!r}: {e}") from None
     links = {"*": link}
     if "measured" in raw:
         obs = [Observation(_Config(int(n), int(n), int(b)), _wire(int(n), 1, gradient_bytes),
