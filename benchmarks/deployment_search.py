@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     medians = {m: statistics.median(r[m][0] for r in runs) for m in ("heterbo", "ei", "random")}
     for m, v in medians.items():
         missed = sum(not r[m][2] for r in runs)
-        print(f"{m}: median exploration ${v:.3f}; {missed} of {len(runs)} jobs found no "
+        probes = statistics.median(r[m][1] for r in runs)
+        print(f"{m}: median exploration ${v:.3f} in a median {probes:g} probes; {missed} of "
+              f"{len(runs)} jobs found no "
               f"deployment within 5% of the optimum in {args.max_probes} probes ('+')")
     print(f"({time.perf_counter() - t0:.0f} s)")
     print(f"heterbo_vs_plain_ei={medians['ei'] / medians['heterbo']:.2f} "

@@ -201,7 +201,11 @@ class Catalogue:
           >>> cat.step_time("x", {"data": 1, "fsdp": 1}, 64)  # 64 samples x 1 ms
           0.064
         """
-        index = [k.name for k in self.kinds].index(kind)
+        names = [k.name for k in self.kinds]
+        if kind not in names or set(mesh) - set(_AXES):
+            raise ValueError(f"catalogue: no deployment {kind!r} on {dict(mesh)}: kinds are "
+                             f"{', '.join(names)}, mesh axes {', '.join(_AXES)}")
+        index = names.index(kind)
         shape = {a: int(mesh.get(a, 1)) for a in _AXES}
         return self._predict(_Candidate(index, shape["data"] * shape["fsdp"], shape["fsdp"],
                                         int(batch_size)))

@@ -57,6 +57,13 @@ def test_step_times_are_the_tables():
     assert CAT.step_time("a", {"data": 1, "fsdp": 2}, 64) == pytest.approx(0.0435, rel=1e-9)
 
 
+@pytest.mark.parametrize("kind, mesh", [("c", {"data": 1}), ("a", {"model": 2})])
+def test_step_time_refuses_what_the_catalogue_does_not_offer(kind, mesh):
+    with pytest.raises(ValueError, match=f"^catalogue: no deployment '{kind}' on .*: kinds are "
+                       "a, b, mesh axes data, fsdp$"):
+        CAT.step_time(kind, mesh, 64)
+
+
 def test_the_model_alone_finds_the_cheapest_deployment_meeting_the_deadline():
     # s <= 0.02: a needs 8 devices ($0.158), b 2 ($0.076)
     _is(search_deployment(CAT, steps=3600, deadline=0.02), "b", 2, 2, 0.019)
