@@ -16,6 +16,13 @@ land there), with ``ADAPTJAX_PLAN_DIR`` set so that its :class:`adaptjax.Control
 writes only there and times a few steps at each configuration the cost model
 needs; then it prints the table of that directory and deletes it (``--keep
 DIR`` keeps it).
+
+Given a catalogue of device kinds and prices instead (``adaptjax plan
+--catalogue prices.json --deadline H --remaining-steps N``, or ``--budget
+DOLLARS``, or ``--remaining-samples``), it prints the cheapest deployment (kind,
+devices, mesh shape, batch) that finishes the job by the deadline, or the
+fastest within the budget, from the catalogue's step-time models
+(:func:`adaptjax.costs.search_deployment`).
 """
 
 from __future__ import annotations
@@ -38,18 +45,23 @@ def add_parser(sub) -> None:
         "plan",
         help="rank configurations by predicted step time and goodput (a run directory's "
         "costs.json, or a script probed for a few steps)",
-        usage="adaptjax plan [options] RUN_DIR_OR_SCRIPT [-- SCRIPT_ARGS ...]",
+        usage="adaptjax plan [options] RUN_DIR_OR_SCRIPT [-- SCRIPT_ARGS ...]\n"
+        "       adaptjax plan --catalogue FILE (--deadline H | --budget DOLLARS) "
+        "(--remaining-steps N | --remaining-samples N)",
         description="Rank configurations (replicas, batch, micro-batches, codec) by predicted\n"
         "goodput from the cost model a costs.Planner recorded in RUN_DIR/costs.json,\n"
         "or, given a script, from a short probe of it: the script runs unmodified in a\n"
         "fresh directory, where its Controller writes (never into the script's own run\n"
         "directory), times --steps steps at each configuration the cost model needs\n"
-        "and exits. Arguments after -- go to the script.",
+        "and exits. Arguments after -- go to the script. With --catalogue (device kinds,\n"
+        "prices and step-time models), print the cheapest deployment that meets\n"
+        "--deadline, or the fastest within --budget.",
         epilog="examples:\n  adaptjax plan runs/digits\n  adaptjax plan examples/digits.py "
-        "--steps 5 -- --no-progress\n  adaptjax plan runs/digits --devices 64 --bandwidth 1.25e9",
+        "--steps 5 -- --no-progress\n  adaptjax plan runs/digits --devices 64 --bandwidth 1.25e9\n"
+        "  adaptjax plan --catalogue prices.json --deadline 24 --remaining-steps 100000",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("run_dir", metavar="RUN_DIR_OR_SCRIPT",
+    p.add_argument("run_dir", metavar="RUN_DIR_OR_SCRIPT", nargs="?", default=None,
                    help="a run directory, or a training script (arguments for it after --)")
     p.add_argument("--steps", type=int, default=None, help="with a script: timed steps per "
                    f"probed configuration (default {DEFAULT_STEPS})")
@@ -61,6 +73,16 @@ def add_parser(sub) -> None:
                    "collective (default: the calibrated links)")
     p.add_argument("--latency", type=float, default=0.0, help="seconds per message step")
     p.add_argument("--top", type=int, default=20, help="rows to print (default 20)")
+    p.add_argument("--catalogue", default=None, metavar="FILE", help="device kinds with "
+                   "prices and step-time models (JSON; see adaptjax.costs.Catalogue)")
+    p.add_argument("--deadline", type=float, default=None, metavar="H", help="with "
+                   "--catalogue: hours the job may take (the cheapest deployment meeting it)")
+    p.add_argument("--budget", type=float, default=None, metavar="DOLLARS", help="with "
+                   "--catalogue: dollars the job may cost (the fastest deployment within it)")
+    p.add_argument("--remaining-steps", type=int, default=None, metavar="N",
+                   help="with --catalogue: the job's remaining steps")
+    p.add_argument("--remaining-samples", type=int, default=None, metavar="N",
+                   help="with --catalogue: the job's remaining samples (steps = N / batch)")
 
 
 def plan(run_dir: str, *, devices: int | None = None, bandwidth: float | None = None,
@@ -157,8 +179,46 @@ def probe_script(script: str, script_args: Sequence[str] = (), *, steps: int = D
     return directory
 
 
+def deploy(catalogue: str, *, deadline: float | None = None, budget: float | None = None,
+           steps: int | None = None, samples: int | None = None) -> str:
+    """What ``adaptjax plan --catalogue`` prints: the deployment the cost model picks.
+
+    Example:
+      >>> from adaptjax.cli._plan import deploy
+      >>> deploy("no_such_prices.json", deadline=1.0, steps=10)
+      Traceback (most recent call last):
+      ...
+      SystemExit: adaptjax plan: catalogue no_such_prices.json: cannot read it as JSON (...)
+    """
+    from adaptjax.costs import Catalogue, search_deployment
+
+    try:
+        best = search_deployment(Catalogue.from_json(catalogue), steps=steps, samples=samples,
+                                 deadline=deadline, budget=budget)
+    except ValueError as e:
+        raise SystemExit(f"adaptjax plan: {e}") from None
+    job = f"{steps} steps" if steps is not None else f"{samples} samples"
+    goal = (f"the cheapest deployment finishing {job} in {deadline:g} h" if deadline is not None
+            else f"the fastest deployment finishing {job} within ${budget:g}")
+    return f"{goal} (the cost model's prediction):\n  {best}"
+
+
 def run(args: argparse.Namespace, script_args: Sequence[str] = ()) -> int:
     target = args.run_dir
+    job = (args.deadline, args.budget, args.remaining_steps, args.remaining_samples)
+    if args.catalogue is not None:
+        if target is not None or script_args:
+            raise SystemExit("adaptjax plan: --catalogue plans from prices alone; drop "
+                             f"{target or 'the script arguments'} (or --catalogue)")
+        print(deploy(args.catalogue, deadline=args.deadline, budget=args.budget,
+                     steps=args.remaining_steps, samples=args.remaining_samples))
+        return 0
+    if any(v is not None for v in job):
+        raise SystemExit("adaptjax plan: --deadline, --budget and --remaining-steps/samples "
+                         "need --catalogue FILE")
+    if target is None:
+        raise SystemExit("adaptjax plan: give a RUN_DIR_OR_SCRIPT, or --catalogue FILE with "
+                         "--deadline or --budget")
     kw = dict(devices=args.devices, bandwidth=args.bandwidth, latency=args.latency, top=args.top)
     if not os.path.isfile(target) and not target.endswith(".py"):
         if args.steps is not None or args.keep is not None or script_args:

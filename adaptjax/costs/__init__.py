@@ -27,6 +27,9 @@ _NAMES = {
     "time_collectives": "adaptjax.costs._calibrate",
     "time_tuple_all_reduce": "adaptjax.costs._calibrate",
     "ComputeModel": "adaptjax.costs._compute",
+    "Catalogue": "adaptjax.costs._deploy",
+    "Deployment": "adaptjax.costs._deploy",
+    "search_deployment": "adaptjax.costs._deploy",
     "fit_compute": "adaptjax.costs._compute",
     "mesh_shapes": "adaptjax.costs._meshes",
     "state_bytes_per_device": "adaptjax.costs._meshes",
@@ -64,6 +67,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
         time_tuple_all_reduce,
     )
     from adaptjax.costs._compute import ComputeModel, fit_compute
+    from adaptjax.costs._deploy import Catalogue, Deployment, search_deployment
     from adaptjax.costs._links import LinkModel, fit_alpha_beta, fit_operand_alpha, message_steps
     from adaptjax.costs._meshes import mesh_shapes, state_bytes_per_device
     from adaptjax.costs._model import (
@@ -90,9 +94,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
 
 __all__ = [
     "CannotPredict",
+    "Catalogue",
     "Cluster",
     "CodecCost",
     "ComputeModel",
+    "Deployment",
     "LinkModel",
     "Observation",
     "Planner",
@@ -115,6 +121,7 @@ __all__ = [
     "read_run",
     "rescale_report",
     "reshape_report",
+    "search_deployment",
     "simulate",
     "state_bytes_per_device",
     "time_axis_collectives",
