@@ -465,6 +465,7 @@ def summary_markdown(run_dir: str) -> str:
         f"- steps logged: {metrics[-1]['step'] if metrics else 0}",
         "- events: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none"),
         f"- compilations: {_compile_line(events, last)}",
+        f"- {_skipped_line(metrics)}",
         "- last metrics: " + _seen({k: v for k, v in last.items() if k != "step"}, limit=12),
         "",
         "## Decisions",
@@ -505,6 +506,16 @@ def summary_markdown(run_dir: str) -> str:
             lines.append(f"| {e['step']} | " + " | ".join(
                 _fmt(e[k]) for k in evals[0] if k.startswith("eval_") and k in e) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _skipped_line(metrics: list[dict], shown: int = 10) -> str:
+    """``steps skipped as non-finite: 2 (steps 14, 15)``: the guard's skips, from the metrics."""
+    skipped = [r["step"] for r in metrics if r.get("nonfinite", 0) > 0]
+    if not skipped:
+        return "steps skipped as non-finite: none"
+    more = f", ... {len(skipped) - shown} more" if len(skipped) > shown else ""
+    listed = ", ".join(str(s) for s in skipped[:shown])
+    return f"steps skipped as non-finite: {len(skipped)} (steps {listed}{more})"
 
 
 def _compile_line(events: list[dict], last: dict) -> str:

@@ -57,6 +57,7 @@ def _run_dir(path):
             "noise_scale_valid": 1.0, "batch_size": 64.0 if s <= 10 else 128.0,
             "devices": 8.0 if s <= 20 else 4.0, "learning_rate": 1e-3,
             "step_time": 0.1, "comm_time": 0.05, "wire_bytes": 4e6 if s <= 30 else 1.3e5,
+            "nonfinite": 1.0 if s in (14, 15) else 0.0,
             **({"eval_loss": 3.2 / math.sqrt(s)} if s % 10 == 0 else {}),
         })
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -122,6 +123,7 @@ def test_report_writes_png_and_summary_naming_each_decision(tmp_path):
         assert f"**{kind}**" in text
     lines = summary(str(run)).splitlines()
     assert any("by AdaptiveBatchSize:" in line and "SetBatchSize" in line for line in lines)
+    assert "- steps skipped as non-finite: 2 (steps 14, 15)" in text.splitlines()
 
 
 def test_controller_logs_reasons_metrics_and_the_learning_rate(tmp_path):
