@@ -13,9 +13,10 @@ from adaptjax.sync._local_sgd import (
     check_period,
     freeze_histogram,
     local_sgd,
+    outer_sync_bytes,
     with_histogram,
 )
-from adaptjax.sync._strategy import SyncStrategy, all_reduce_bytes
+from adaptjax.sync._strategy import SyncStrategy
 
 if TYPE_CHECKING:
     from adaptjax._wire import WireReport
@@ -90,7 +91,8 @@ class DiLoCo(SyncStrategy):
     **Noise scale:** not estimated (gradients are never averaged; monitors
     are off, see :class:`adaptjax.SyncStrategy`).
 
-    Bytes per device per step, amortised: ``2 (N-1)/N * P / H``.
+    Bytes per device per step, amortised: ``(2 (N-1)/N * P + 12 (N-1)) / H``
+    (the deltas' all-reduce and the replicas' three measurements' all-gather).
 
     Attributes:
       H: inner steps per outer step, >= 1.
@@ -103,7 +105,7 @@ class DiLoCo(SyncStrategy):
     Example:
       >>> import adaptjax
       >>> adaptjax.DiLoCo(H=128).wire_formula(4000, 8)
-      54.6875
+      55.34375
     """
 
     H: int = 32
@@ -138,7 +140,7 @@ class DiLoCo(SyncStrategy):
         )
 
     def wire_formula(self, param_bytes: float, n_replicas: int) -> float:
-        return all_reduce_bytes(param_bytes, n_replicas) / self.H
+        return outer_sync_bytes(param_bytes, n_replicas) / self.H
 
     def amortised_bytes(self, report: WireReport) -> float:
         return amortise(report, self.H)

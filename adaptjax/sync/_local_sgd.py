@@ -219,6 +219,12 @@ def with_histogram(head: str, strategy) -> str:
     return f"{head}, label_histogram={strategy.label_histogram!r})"
 
 
+def outer_sync_bytes(param_bytes: float, n: int) -> float:
+    """Bytes each device sends per outer sync: the deltas' all-reduce and the measurements'
+    all-gather (``4 * len(MEASURED)`` bytes per replica, ``(n-1)`` of them sent in a ring)."""
+    return all_reduce_bytes(param_bytes, n) + (n - 1) * 4 * len(MEASURED)
+
+
 def amortise(report, H: int) -> float:
     """Bytes per step of a program whose sync branch runs once every ``H`` calls."""
     if H == 1 or not report.conditionals:
@@ -240,7 +246,8 @@ class LocalSGD(SyncStrategy):
     **Noise scale:** not estimated (gradients are never averaged; monitors
     are off, see :class:`adaptjax.SyncStrategy`).
 
-    Bytes per device per step, amortised: ``2 (N-1)/N * P / H``.
+    Bytes per device per step, amortised: ``(2 (N-1)/N * P + 12 (N-1)) / H``
+    (the deltas' all-reduce and the replicas' three measurements' all-gather).
 
     Attributes:
       H: inner steps per sync, >= 1.
@@ -250,7 +257,7 @@ class LocalSGD(SyncStrategy):
     Example:
       >>> import adaptjax
       >>> adaptjax.LocalSGD(H=32).wire_formula(4000, 8)
-      218.75
+      221.375
     """
 
     H: int = 8
@@ -269,7 +276,7 @@ class LocalSGD(SyncStrategy):
         return local_sgd(self.H, axis_name, codec=codec, label_histogram=self.label_histogram)
 
     def wire_formula(self, param_bytes: float, n_replicas: int) -> float:
-        return all_reduce_bytes(param_bytes, n_replicas) / self.H
+        return outer_sync_bytes(param_bytes, n_replicas) / self.H
 
     def amortised_bytes(self, report: WireReport) -> float:
         return amortise(report, self.H)

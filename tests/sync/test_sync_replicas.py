@@ -188,3 +188,20 @@ def test_bad_inputs_are_one_line_errors():
         adaptjax.sync.set_replica_lr(plain, [1.0] * N)
     with pytest.raises(ValueError, match="label_histogram must be K >= 2 positive finite"):
         adaptjax.LocalSGD(H=2, label_histogram=[1.0, 0.0])
+
+
+def test_rates_are_checkpointed_and_carried_through_a_rescale(tmp_path):
+    tx = adaptjax.sync_chain(optax.sgd(ETA), adaptjax.LocalSGD(H=H))
+    mesh = adaptjax.make_mesh(N)
+    state = adaptjax.init_state({"w": jnp.zeros(2)}, tx, mesh)
+    lr = [0.5, 1.5, 2.0, 3.0]
+    state = dataclasses.replace(
+        state, opt_state=adaptjax.sync.set_replica_lr(state.opt_state, lr)
+    )
+    with adaptjax.RunCheckpoints(tmp_path / "ckpt") as ckpt:
+        ckpt.save(1, state, {})
+        for n, want in ((N, lr), (2, lr[:2]), (6, [*lr, 1.0, 1.0])):
+            new_mesh = adaptjax.make_mesh(n)
+            target = adaptjax.init_state({"w": jnp.zeros(2)}, tx, new_mesh)
+            restored, _ = ckpt.restore(1, target_state=target, mesh=new_mesh)
+            assert adaptjax.sync.replica_lr(restored.opt_state).tolist() == want
