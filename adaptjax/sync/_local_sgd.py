@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from adaptjax._codec import GradientCodec
+from adaptjax._metric_vector import Metrics
 from adaptjax._per_replica import PerReplica
 from adaptjax._sync import codec_sync
 from adaptjax._tree import all_gather_replicas, pmean_replicas, tree_sq_norm
@@ -19,6 +20,8 @@ from adaptjax.sync._replicas import (
     at_sync,
     check_label_histogram,
     init_knobs,
+    measured_head,
+    step_factor,
     summary_metrics,
 )
 from adaptjax.sync._strategy import (
@@ -40,23 +43,22 @@ class LocalSGDState(NamedTuple):
       local: this replica's model (``PerReplica``).
       outer_state: the outer optimizer's state (replicated).
       codec_state: the codec's state (``()`` without a codec).
-      lr_factor: this replica's inner learning-rate factor (``PerReplica``;
-        see :func:`adaptjax.sync.set_replica_lr`).
-      local_steps: this replica's local steps per round, 0 = all ``H``
-        (``PerReplica``; see :func:`adaptjax.sync.set_replica_local_steps`).
-      measured: this replica's heterogeneity measurements (``PerReplica``;
-        see :func:`adaptjax.sync.replica_metrics`).
-      metrics: their mean and max over replicas at the latest sync (replicated).
+      knobs: this replica's inner learning-rate factor and local steps per
+        round (0: all ``H``), one float32 vector (``PerReplica``; see
+        :func:`adaptjax.sync.set_replica_lr`, :func:`adaptjax.sync.set_replica_local_steps`).
+      measured: this replica's heterogeneity measurements and the round's
+        sums, one float32 vector (``PerReplica``; see :func:`adaptjax.sync.replica_metrics`).
+      metrics: their mean and max over replicas at the latest sync (replicated,
+        an :class:`adaptjax.Metrics`: one leaf).
     """
 
     count: jax.Array
     local: PerReplica
     outer_state: Any
     codec_state: Any
-    lr_factor: PerReplica
-    local_steps: PerReplica
+    knobs: PerReplica
     measured: PerReplica
-    metrics: dict
+    metrics: Metrics
     _model_sync = True
 
 
@@ -134,14 +136,13 @@ def local_sgd(
         )
 
     def init_fn(params):
-        lr_factor, local_steps, measured = init_knobs(0 if q is None else len(q))
+        knobs, measured = init_knobs(0 if q is None else len(q))
         return LocalSGDState(
             count=jnp.zeros((), jnp.int32),
             local=PerReplica(params, LOCAL_MERGE),
             outer_state=outer.init(params),
             codec_state=codec.init(params) if codec is not None else (),
-            lr_factor=lr_factor,
-            local_steps=local_steps,
+            knobs=knobs,
             measured=measured,
             metrics=summary_metrics(jnp.zeros((1, len(MEASURED)), jnp.float32)),
         )
@@ -149,9 +150,7 @@ def local_sgd(
     def update_fn(updates, state, params=None, *, replica_loss=None, labels=None, **extra):
         layout = extra.get("shard_layout")  # on a sharded mesh: the codec runs per shard
         check_axis_params(params, "local_sgd")
-        steps = state.local_steps.value
-        active = (steps == 0) | (state.count % H < steps)
-        factor = jnp.where(active, state.lr_factor.value, 0.0)
+        factor = step_factor(state.knobs.value, state.count, H)
         x = jax.tree.map(
             lambda xi, u: xi + (factor * u.astype(jnp.float32)).astype(xi.dtype),
             state.local.value,
@@ -172,8 +171,7 @@ def local_sgd(
                 )
             spread = jax.tree.map(lambda d, m: d - m.astype(d.dtype), delta, mean_delta)
             measured = at_sync(measured, sq_norm(spread), sq_norm(mean_delta), q)
-            values = jnp.stack([measured[name] for name in MEASURED])[None]
-            metrics = summary_metrics(all_gather_replicas(values, axis_name))
+            metrics = summary_metrics(all_gather_replicas(measured_head(measured), axis_name))
             step, outer_state = outer.update(mean_delta, outer_state, params)
             step = jax.tree.map(lambda s, p: s.astype(p.dtype), step, params)
             new = jax.tree.map(jnp.add, params, step)

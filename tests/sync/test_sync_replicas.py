@@ -123,7 +123,7 @@ def test_a_rescale_keeps_survivors_and_starts_new_replicas_from_the_default():
     assert adaptjax.sync.replica_lr(shrunk).tolist() == [0.5, 1.5]
     grown = adaptjax.merge_replicas(shrunk, 3)
     assert adaptjax.sync.replica_lr(grown).tolist() == [0.5, 1.5, 1.0]
-    assert np.asarray(find_model_sync(grown).local_steps.value).tolist() == [1, 1, 0]  # 0: all
+    assert np.asarray(find_model_sync(grown).knobs.value)[:, 1].tolist() == [1, 1, 0]  # 0: all
     measured = find_model_sync(grown).measured
     assert measured.merge == "zeros"  # a new configuration measures afresh
 
