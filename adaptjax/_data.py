@@ -346,9 +346,10 @@ class ArrayDataset:
                 f"rows [{start}, {stop}) are not inside a batch of {b}; "
                 f"use 0 <= start < stop <= {b}"
             )
-        batch = self.batch_at(self._cursor + start, stop - start)
+        # rows of the batch's indices: a subclass may order a batch's rows its own way
+        idx = self.indices_at(self._cursor, b)[start:stop]
         self._cursor += b
-        return batch
+        return self._pack([a[idx] for a in self._arrays])
 
     def seek(self, cursor: int) -> None:
         """Moves the stream to position ``cursor`` (the next batch starts there)."""

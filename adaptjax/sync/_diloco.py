@@ -8,8 +8,15 @@ from typing import TYPE_CHECKING
 import optax
 
 from adaptjax._codec import GradientCodec
-from adaptjax.sync._local_sgd import amortise, check_period, local_sgd
-from adaptjax.sync._strategy import SyncStrategy, all_reduce_bytes
+from adaptjax.sync._local_sgd import (
+    amortise,
+    check_period,
+    freeze_histogram,
+    local_sgd,
+    outer_sync_bytes,
+    with_histogram,
+)
+from adaptjax.sync._strategy import SyncStrategy
 
 if TYPE_CHECKING:
     from adaptjax._wire import WireReport
@@ -23,6 +30,7 @@ def diloco(
     outer_momentum: float = 0.9,
     nesterov: bool = True,
     codec: GradientCodec | None = None,
+    label_histogram: tuple[float, ...] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo's outer loop as the ``post`` step of a chain.
 
@@ -43,9 +51,12 @@ def diloco(
       outer_momentum: the outer momentum (0.9).
       nesterov: Nesterov momentum (the paper's choice).
       codec: a :class:`adaptjax.GradientCodec` to compress the deltas.
+      label_histogram: the global label distribution for the replicas'
+        ``label_divergence`` (see :func:`adaptjax.local_sgd`), or ``None``.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` (state: :class:`adaptjax.LocalSGDState`).
+      An ``optax.GradientTransformationExtraArgs`` (state: :class:`adaptjax.LocalSGDState`;
+      per-replica knobs and measurements as :func:`adaptjax.local_sgd`'s).
 
     References:
       Douillard et al., "DiLoCo: Distributed low-communication training of
@@ -58,7 +69,7 @@ def diloco(
     """
     _check_outer(outer_lr, outer_momentum)
     outer = optax.sgd(outer_lr, momentum=outer_momentum or None, nesterov=nesterov)
-    return local_sgd(H, axis_name, outer=outer, codec=codec)
+    return local_sgd(H, axis_name, outer=outer, codec=codec, label_histogram=label_histogram)
 
 
 def _check_outer(outer_lr, outer_momentum) -> None:
@@ -80,28 +91,40 @@ class DiLoCo(SyncStrategy):
     **Noise scale:** not estimated (gradients are never averaged; monitors
     are off, see :class:`adaptjax.SyncStrategy`).
 
-    Bytes per device per step, amortised: ``2 (N-1)/N * P / H``.
+    Bytes per device per step, amortised: ``(2 (N-1)/N * P + 12 (N-1)) / H``
+    (the deltas' all-reduce and the replicas' three measurements' all-gather).
 
     Attributes:
       H: inner steps per outer step, >= 1.
       outer_lr: outer learning rate.
       outer_momentum: outer momentum.
       nesterov: Nesterov momentum.
+      label_histogram: the global label distribution for the replicas'
+        ``label_divergence``, or ``None``.
 
     Example:
       >>> import adaptjax
       >>> adaptjax.DiLoCo(H=128).wire_formula(4000, 8)
-      54.6875
+      55.34375
     """
 
     H: int = 32
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
+    label_histogram: tuple[float, ...] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_period(self.H)
         _check_outer(self.outer_lr, self.outer_momentum)
+        freeze_histogram(self)
+
+    def __repr__(self) -> str:
+        head = (
+            f"DiLoCo(H={self.H!r}, outer_lr={self.outer_lr!r}, "
+            f"outer_momentum={self.outer_momentum!r}, nesterov={self.nesterov!r}"
+        )
+        return with_histogram(head, self)
 
     def post(
         self, axis_name: str | tuple[str, ...] = "data", *, codec: GradientCodec | None = None
@@ -113,10 +136,11 @@ class DiLoCo(SyncStrategy):
             outer_momentum=self.outer_momentum,
             nesterov=self.nesterov,
             codec=codec,
+            label_histogram=self.label_histogram,
         )
 
     def wire_formula(self, param_bytes: float, n_replicas: int) -> float:
-        return all_reduce_bytes(param_bytes, n_replicas) / self.H
+        return outer_sync_bytes(param_bytes, n_replicas) / self.H
 
     def amortised_bytes(self, report: WireReport) -> float:
         return amortise(report, self.H)

@@ -10,9 +10,20 @@ import jax.numpy as jnp
 import optax
 
 from adaptjax._codec import GradientCodec
+from adaptjax._metric_vector import Metrics
 from adaptjax._per_replica import PerReplica
 from adaptjax._sync import codec_sync
-from adaptjax._tree import pmean_replicas
+from adaptjax._tree import all_gather_replicas, pmean_replicas, tree_sq_norm
+from adaptjax.sync._replicas import (
+    MEASURED,
+    accumulate,
+    at_sync,
+    check_label_histogram,
+    init_knobs,
+    measured_head,
+    step_factor,
+    summary_metrics,
+)
 from adaptjax.sync._strategy import (
     LOCAL_MERGE,
     SyncStrategy,
@@ -32,12 +43,22 @@ class LocalSGDState(NamedTuple):
       local: this replica's model (``PerReplica``).
       outer_state: the outer optimizer's state (replicated).
       codec_state: the codec's state (``()`` without a codec).
+      knobs: this replica's inner learning-rate factor and local steps per
+        round (0: all ``H``), one float32 vector (``PerReplica``; see
+        :func:`adaptjax.sync.set_replica_lr`, :func:`adaptjax.sync.set_replica_local_steps`).
+      measured: this replica's heterogeneity measurements and the round's
+        sums, one float32 vector (``PerReplica``; see :func:`adaptjax.sync.replica_metrics`).
+      metrics: their mean and max over replicas at the latest sync (replicated,
+        an :class:`adaptjax.Metrics`: one leaf).
     """
 
     count: jax.Array
     local: PerReplica
     outer_state: Any
     codec_state: Any
+    knobs: PerReplica
+    measured: PerReplica
+    metrics: Metrics
     _model_sync = True
 
 
@@ -53,6 +74,7 @@ def local_sgd(
     *,
     outer: optax.GradientTransformation | None = None,
     codec: GradientCodec | None = None,
+    label_histogram: tuple[float, ...] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Periodic averaging as the ``post`` step of a chain (local SGD; DiLoCo with ``outer``).
 
@@ -64,6 +86,17 @@ def local_sgd(
 
         Δ = mean_i (θ - x_i),   θ <- θ + outer.update(Δ),   x_i <- θ
 
+    Replica ``i`` adds ``lr_factor_i`` times its update to its model, on the
+    first ``local_steps_i`` inner steps of each round (per-replica knobs in
+    the state, set with :func:`adaptjax.sync.set_replica_lr` and
+    :func:`adaptjax.sync.set_replica_local_steps` without recompiling). At
+    each sync every replica measures, from the deltas the sync already has
+    (no collective beyond one all-gather of three scalars per replica), its
+    gradient dissimilarity ``‖Δ_i − Δ‖² / ‖Δ‖²``, its mean loss over the
+    round (``replica_loss=`` passed to ``update``) and ``KL(p_i ‖ q)`` of its
+    round's labels (``labels=``) against ``label_histogram``; see
+    :func:`adaptjax.sync.replica_metrics`.
+
     Without ``outer`` the outer step is ``sgd(1.0)``: ``θ <- mean_i x_i``
     (local SGD). Between outer steps the global update is zero. The sync
     runs inside ``lax.cond``, so :func:`adaptjax.wire_bytes` finds it in one
@@ -74,11 +107,15 @@ def local_sgd(
       axis_name: the data-parallel axis.
       outer: the outer optimizer (``None``: ``optax.sgd(1.0)``).
       codec: a :class:`adaptjax.GradientCodec` to compress the deltas.
+      label_histogram: the global label distribution ``q`` (``K`` positive
+        numbers, normalised here) for ``label_divergence``; ``None``: not measured.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`LocalSGDState`; ``update(updates, state, params)`` needs the
-      global ``params``.
+      :class:`LocalSGDState`; ``update(updates, state, params, *,
+      replica_loss=None, labels=None)`` needs the global ``params``;
+      ``replica_loss`` is this replica's loss, ``labels`` its batch's integer
+      labels.
 
     References:
       Stich, "Local SGD converges fast and communicates little", ICLR 2019.
@@ -91,6 +128,7 @@ def local_sgd(
     """
     H = check_period(H)
     outer = optax.sgd(1.0) if outer is None else outer
+    q = check_label_histogram(label_histogram)
     if codec is not None and not isinstance(codec, GradientCodec):
         raise ValueError(
             f"codec {codec!r} does not follow adaptjax.GradientCodec (needs init and sync); "
@@ -98,20 +136,31 @@ def local_sgd(
         )
 
     def init_fn(params):
+        knobs, measured = init_knobs(0 if q is None else len(q))
         return LocalSGDState(
             count=jnp.zeros((), jnp.int32),
             local=PerReplica(params, LOCAL_MERGE),
             outer_state=outer.init(params),
             codec_state=codec.init(params) if codec is not None else (),
+            knobs=knobs,
+            measured=measured,
+            metrics=summary_metrics(jnp.zeros((1, len(MEASURED)), jnp.float32)),
         )
 
-    def update_fn(updates, state, params=None, **extra):
+    def update_fn(updates, state, params=None, *, replica_loss=None, labels=None, **extra):
         layout = extra.get("shard_layout")  # on a sharded mesh: the codec runs per shard
         check_axis_params(params, "local_sgd")
-        x = jax.tree.map(lambda xi, u: xi + u.astype(xi.dtype), state.local.value, updates)
+        factor = step_factor(state.knobs.value, state.count, H)
+        x = jax.tree.map(
+            lambda xi, u: xi + (factor * u.astype(jnp.float32)).astype(xi.dtype),
+            state.local.value,
+            updates,
+        )
+        measured = accumulate(state.measured.value, replica_loss, labels)
+        sq_norm = tree_sq_norm if layout is None else layout.sq_norm
 
         def outer_step(operands):
-            x, outer_state, codec_state = operands
+            x, outer_state, codec_state, measured, metrics = operands
             delta = jax.tree.map(lambda p, xi: p - xi, params, x)
             if codec is None:
                 mean_delta = pmean_replicas(delta, axis_name)
@@ -120,28 +169,58 @@ def local_sgd(
                     codec, delta, codec_state, axis_name=axis_name, step=state.count // H,
                     layout=layout,
                 )
+            spread = jax.tree.map(lambda d, m: d - m.astype(d.dtype), delta, mean_delta)
+            measured = at_sync(measured, sq_norm(spread), sq_norm(mean_delta), q)
+            metrics = summary_metrics(all_gather_replicas(measured_head(measured), axis_name))
             step, outer_state = outer.update(mean_delta, outer_state, params)
             step = jax.tree.map(lambda s, p: s.astype(p.dtype), step, params)
             new = jax.tree.map(jnp.add, params, step)
-            return step, new, outer_state, codec_state
+            return step, new, outer_state, codec_state, measured, metrics
 
         def inner_step(operands):
-            x, outer_state, codec_state = operands
-            return jax.tree.map(jnp.zeros_like, params), x, outer_state, codec_state
+            x, outer_state, codec_state, measured, metrics = operands
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            return zeros, x, outer_state, codec_state, measured, metrics
 
-        operands = (x, state.outer_state, state.codec_state)
+        operands = (x, state.outer_state, state.codec_state, measured, state.metrics)
         if H == 1:
             result = outer_step(operands)
         else:
             result = jax.lax.cond((state.count + 1) % H == 0, outer_step, inner_step, operands)
-        step, new_local, outer_state, codec_state = result
-        return step, LocalSGDState(
-            state.count + 1, PerReplica(new_local, LOCAL_MERGE), outer_state, codec_state
+        step, new_local, outer_state, codec_state, measured, metrics = result
+        return step, state._replace(
+            count=state.count + 1,
+            local=PerReplica(new_local, LOCAL_MERGE),
+            outer_state=outer_state,
+            codec_state=codec_state,
+            measured=PerReplica(measured, state.measured.merge),
+            metrics=metrics,
         )
 
     # optax's OptState alias (arrays, iterables, mappings) has no room for a custom
     # pytree node such as PerReplica, which this state holds
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+
+
+def freeze_histogram(strategy) -> None:
+    """Checks ``strategy.label_histogram`` and stores it as a tuple (hashable, a cache key)."""
+    q = check_label_histogram(strategy.label_histogram)
+    if q is not None:
+        frozen = tuple(float(v) for v in strategy.label_histogram)
+        object.__setattr__(strategy, "label_histogram", frozen)
+
+
+def with_histogram(head: str, strategy) -> str:
+    """``head`` closed into a repr, with the label histogram only when one is set."""
+    if strategy.label_histogram is None:
+        return head + ")"
+    return f"{head}, label_histogram={strategy.label_histogram!r})"
+
+
+def outer_sync_bytes(param_bytes: float, n: int) -> float:
+    """Bytes each device sends per outer sync: the deltas' all-reduce and the measurements'
+    all-gather (``4 * len(MEASURED)`` bytes per replica, ``(n-1)`` of them sent in a ring)."""
+    return all_reduce_bytes(param_bytes, n) + (n - 1) * 4 * len(MEASURED)
 
 
 def amortise(report, H: int) -> float:
@@ -165,29 +244,37 @@ class LocalSGD(SyncStrategy):
     **Noise scale:** not estimated (gradients are never averaged; monitors
     are off, see :class:`adaptjax.SyncStrategy`).
 
-    Bytes per device per step, amortised: ``2 (N-1)/N * P / H``.
+    Bytes per device per step, amortised: ``(2 (N-1)/N * P + 12 (N-1)) / H``
+    (the deltas' all-reduce and the replicas' three measurements' all-gather).
 
     Attributes:
       H: inner steps per sync, >= 1.
+      label_histogram: the global label distribution for the replicas'
+        ``label_divergence`` (see :func:`local_sgd`), or ``None``.
 
     Example:
       >>> import adaptjax
       >>> adaptjax.LocalSGD(H=32).wire_formula(4000, 8)
-      218.75
+      221.375
     """
 
     H: int = 8
+    label_histogram: tuple[float, ...] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_period(self.H)
+        freeze_histogram(self)
+
+    def __repr__(self) -> str:
+        return with_histogram(f"LocalSGD(H={self.H!r}", self)
 
     def post(
         self, axis_name: str | tuple[str, ...] = "data", *, codec: GradientCodec | None = None
     ) -> optax.GradientTransformationExtraArgs | None:
-        return local_sgd(self.H, axis_name, codec=codec)
+        return local_sgd(self.H, axis_name, codec=codec, label_histogram=self.label_histogram)
 
     def wire_formula(self, param_bytes: float, n_replicas: int) -> float:
-        return all_reduce_bytes(param_bytes, n_replicas) / self.H
+        return outer_sync_bytes(param_bytes, n_replicas) / self.H
 
     def amortised_bytes(self, report: WireReport) -> float:
         return amortise(report, self.H)
