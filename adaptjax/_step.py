@@ -458,7 +458,8 @@ def _local_step(config: _StepConfig, layout: ShardLayout | None, state: TrainSta
         model_state,
     )
     extra = {"local_params": params} if has_local else {}
-    extra.update(local_batch_size=b, microbatches=config.microbatches, micro_sqnorm=micro_sq)
+    extra.update(local_batch_size=b, microbatches=config.microbatches, micro_sqnorm=micro_sq,
+                 replica_loss=loss)  # this replica's own loss (local SGD's measurements)
     if config.loss_scale is not None:
         extra["loss_scaled"] = True  # unscaled already: the LossScaled link runs only its inner
     if layout is not None:

@@ -205,3 +205,16 @@ def test_rates_are_checkpointed_and_carried_through_a_rescale(tmp_path):
             target = adaptjax.init_state({"w": jnp.zeros(2)}, tx, new_mesh)
             restored, _ = ckpt.restore(1, target_state=target, mesh=new_mesh)
             assert adaptjax.sync.replica_lr(restored.opt_state).tolist() == want
+
+
+def test_the_step_builder_hands_each_replica_its_own_loss():
+    """replica_loss/i through data_parallel_step: replica i's loss at its rows, H = 1."""
+    mesh = adaptjax.make_mesh(4)
+    tx = adaptjax.sync_chain(optax.sgd(0.0), adaptjax.LocalSGD(H=1))
+    step = adaptjax.data_parallel_step(lambda p, b: jnp.mean((b - p["w"]) ** 2), tx, mesh)
+    state = adaptjax.init_state({"w": jnp.zeros(())}, tx, mesh)
+    batch = np.arange(8, dtype=np.float32)  # replica i holds rows 2i, 2i + 1
+    state, _ = step(state, batch)
+    m = adaptjax.sync.replica_metrics(state.opt_state)
+    for i in range(4):
+        assert m[f"replica_loss/{i}"] == pytest.approx(np.mean(batch[2 * i:2 * i + 2] ** 2))
