@@ -39,6 +39,8 @@ class AccumulateState(NamedTuple):
       micro_steps: int32, micro-steps per optimizer step (``k``).
       grads: this replica's sum of the accumulated gradients (:class:`PerReplica`).
       sqnorm: float32, this replica's sum of their squared norms (:class:`PerReplica`).
+      loss: float32, this replica's sum of its losses (``replica_loss=``, when the
+        step passes it; :class:`PerReplica`).
       inner_state: the inner transformation's state.
     """
 
@@ -46,6 +48,7 @@ class AccumulateState(NamedTuple):
     micro_steps: jax.Array
     grads: PerReplica
     sqnorm: PerReplica
+    loss: PerReplica
     inner_state: Any
 
 
@@ -83,6 +86,7 @@ def accumulate(
             micro_steps=jnp.asarray(micro_steps, jnp.int32),
             grads=PerReplica(zeros),
             sqnorm=PerReplica(jnp.zeros((), jnp.float32)),
+            loss=PerReplica(jnp.zeros((), jnp.float32)),
             inner_state=inner.init(params),
         )
 
@@ -96,6 +100,9 @@ def accumulate(
             sq = tree_sq_norm(updates)
         grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), state.grads.value, updates)
         sqnorm = state.sqnorm.value + jnp.asarray(sq, jnp.float32)
+        loss = state.loss.value
+        if extra.get("replica_loss") is not None:
+            loss = loss + jnp.asarray(extra["replica_loss"], jnp.float32)
         step = state.micro_step + 1
 
         def last(_):
@@ -105,15 +112,18 @@ def accumulate(
             inner_extra.update(microbatches=k * k_in, micro_sqnorm=sqnorm)
             if extra.get("local_batch_size") is not None:
                 inner_extra["local_batch_size"] = extra["local_batch_size"] * k
+            if extra.get("replica_loss") is not None:  # the mean over the micro-steps
+                inner_extra["replica_loss"] = loss / k
             out, inner_state = inner.update(mean, state.inner_state, params, **inner_extra)
             zero = jax.tree.map(jnp.zeros_like, grads)
-            return out, AccumulateState(jnp.zeros_like(step), k, PerReplica(zero),
-                                        PerReplica(jnp.zeros_like(sqnorm)), inner_state)
+            scalar = PerReplica(jnp.zeros((), jnp.float32))
+            return out, AccumulateState(jnp.zeros_like(step), k, PerReplica(zero), scalar,
+                                        scalar, inner_state)
 
         def between(_):
             zero = jax.tree.map(jnp.zeros_like, updates)
             return zero, state._replace(micro_step=step, grads=PerReplica(grads),
-                                        sqnorm=PerReplica(sqnorm))
+                                        sqnorm=PerReplica(sqnorm), loss=PerReplica(loss))
 
         return jax.lax.cond(step >= state.micro_steps, last, between, None)
 
