@@ -50,7 +50,7 @@ _FAMILY = {"adam": "an Adam-family optimizer", "momentum": "SGD with momentum"}
 
 _FOR_ADAM = ("use natural() (8-bit codes), or adaptjax.compression.onebit_adam(learning_rate, "
              "freeze_step=...) in place of sync_gradients and the Adam optimizer")
-_FOR_MOMENTUM = "use powersgd() or qsgd() instead"
+_FOR_MOMENTUM = "use qsgd() instead"
 _NOISE = "coarse stochastic codes feed their variance into Adam's second moment"
 _SCALED = "each sent coordinate is scaled by 1/ratio, a variance far above the gradient's"
 _OWN_MOMENTUM = "dgc() applies momentum itself, "
@@ -67,7 +67,10 @@ _RULES: dict[tuple[str, str], tuple[str, str]] = {
     ("dgc", "adam"): (_OWN_MOMENTUM + "before Adam's own", _FOR_ADAM),
     ("powersgd", "adam"): ("low-rank error feedback spoils Adam's second moment", _FOR_ADAM),
     ("onebit", "momentum"): ("the 1-bit codes' error feedback lags the momentum", _FOR_MOMENTUM),
+    ("terngrad", "momentum"): ("three levels add more variance than the momentum averages out",
+                               _FOR_MOMENTUM),
     ("topk", "momentum"): ("error feedback at ratio 0.01 lags the momentum", _FOR_MOMENTUM),
+    ("powersgd", "momentum"): ("rank 4 leaves too much to error feedback", _FOR_MOMENTUM),
     ("randomk", "momentum"): (_SCALED, _FOR_MOMENTUM),
     ("dgc", "momentum"): (_OWN_MOMENTUM + "on top of the optimizer's",
                           "use optax.sgd without momentum with dgc()"),
@@ -76,6 +79,7 @@ _RULES: dict[tuple[str, str], tuple[str, str]] = {
 _APPLIES = {
     "dgc": lambda codec: codec.momentum > 0,  # measured with its default momentum 0.9
     "topk": lambda codec: codec.ratio <= 0.01,  # measured at 0.01; sparser is no better
+    "powersgd": lambda codec: codec.rank <= 4,  # measured at rank 4; a lower rank is no better
 }
 
 

@@ -22,7 +22,7 @@ ADAM = "{} with an Adam-family optimizer trains worse than dense sync ({}): " + 
     "use natural() (8-bit codes), or adaptjax.compression.onebit_adam(learning_rate, "
     "freeze_step=...) in place of sync_gradients and the Adam optimizer")
 MOMENTUM = ("{} with SGD with momentum trains worse than dense sync ({}): "
-            "use powersgd() or qsgd() instead")
+            "use qsgd() instead")
 NOISE = "coarse stochastic codes feed their variance into Adam's second moment"
 SCALED = "each sent coordinate is scaled by 1/ratio, a variance far above the gradient's"
 ONEBIT_ADAM = ADAM.format("onebit()", "signs with error feedback spoil Adam's second moment")
@@ -45,6 +45,10 @@ BAD = [
         "onebit()", "the 1-bit codes' error feedback lags the momentum")),
     (ajc.topk(), SGDM, MOMENTUM.format(
         "topk(0.01)", "error feedback at ratio 0.01 lags the momentum")),
+    (ajc.terngrad(), SGDM, MOMENTUM.format(
+        "terngrad()", "three levels add more variance than the momentum averages out")),
+    (ajc.powersgd(), SGDM, MOMENTUM.format(
+        "powersgd(4)", "rank 4 leaves too much to error feedback")),
     (ajc.randomk(), SGDM, MOMENTUM.format("randomk(0.01)", SCALED)),
     (ajc.dgc(), SGDM, "dgc(0.001) with SGD with momentum trains worse than dense sync (dgc() "
      "applies momentum itself, on top of the optimizer's): use optax.sgd without momentum "
@@ -101,8 +105,9 @@ def test_every_adam_family_optimizer_is_recognised(optimizer):
 @pytest.mark.parametrize("codec, optimizer", [
     (ajc.natural(), optax.adamw(1e-3)),
     (ajc.bf16(), optax.adamw(1e-3)),
-    (ajc.powersgd(), SGDM),
+    (ajc.natural(), SGDM),
     (ajc.qsgd(), SGDM),
+    (ajc.powersgd(8), SGDM),  # the advice holds for rank 4 and below
     (ajc.topk(0.1), optax.adamw(1e-3)),  # the advice holds for ratio 0.01 and below
     (ajc.onebit(), optax.sgd(0.1)),  # plain SGD: not measured, no advice
     (ajc.dgc(momentum=0.0), SGDM),  # dgc's own momentum off
