@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Self
 
 import optax
@@ -86,7 +87,8 @@ def chain(*transforms: optax.GradientTransformation) -> SyncChain:
     """
     inner = optax.chain(*transforms)
     if transforms and isinstance(transforms[0], SyncGradients):
-        return SyncChain(inner.init, inner.update, transforms[0], optax.chain(*transforms[1:]))
+        rest = optax.chain(*transforms[1:])
+        return _checked(SyncChain(inner.init, inner.update, transforms[0], rest))
     return SyncChain(inner.init, inner.update)
 
 
@@ -110,8 +112,33 @@ def named_chain(*transforms: tuple[str, optax.GradientTransformation]) -> SyncCh
     if transforms and isinstance(transforms[0][1], SyncGradients):
         names = tuple(name for name, _ in transforms)
         rest = optax.named_chain(*transforms[1:])
-        return SyncChain(inner.init, inner.update, transforms[0][1], rest, names)
+        return _checked(SyncChain(inner.init, inner.update, transforms[0][1], rest, names))
     return SyncChain(inner.init, inner.update)
+
+
+def _checked(tx: SyncChain) -> SyncChain:
+    """``tx`` whose first ``init`` warns when its codec pairs badly with the optimizer.
+
+    The codec's optional ``pairing_warning(optimizer_state)`` (see
+    :class:`adaptjax.GradientCodec`) reads the state of the links after the
+    sync; a line it returns is warned once per chain (and Python shows each
+    line once per run).
+    """
+    check = getattr(tx.sync.codec, "pairing_warning", None)
+    if check is None:
+        return tx
+    asked = []
+
+    def init(params):
+        state = tx.init(params)
+        if not asked:
+            asked.append(True)
+            message = check(tx.split_state(state)[1])
+            if message is not None:
+                warnings.warn(message, UserWarning, stacklevel=2)
+        return state
+
+    return SyncChain(init, tx.update, tx.sync, tx.rest, tx._names)
 
 
 def guarded_sync(tx: object) -> bool:

@@ -38,6 +38,13 @@ class GradientCodec(Protocol):
     while the backward pass still computes the others. To write a codec,
     subclass ``adaptjax.compression.BlockCodec`` (a payload of fixed size per
     block) or ``adaptjax.compression.Codec`` (the guide page "Writing a codec").
+
+    Optionally, ``pairing_warning(optimizer_state)`` returns ``None`` or one
+    line saying that this codec is known to train worse than dense sync with
+    the optimizer whose init state it is given, and what to use instead;
+    :func:`adaptjax.chain` (so :func:`adaptjax.sync_chain` and the
+    controller's chain too) asks it once, at the chain's first ``init``, and
+    warns with the line.
     """
 
     def init(self, params: Any) -> Any: ...

@@ -334,7 +334,8 @@ class SyncGradients(optax.GradientTransformationExtraArgs):
     exactly.
     :func:`adaptjax.data_parallel_step` uses it (through :func:`adaptjax.chain`)
     for the non-finite guard's two scalars, so guarding a step adds no
-    collective.
+    collective. ``codec`` is the codec it was built with (``None``: dense),
+    which :func:`adaptjax.chain` asks about the optimizer that follows it.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, adaptjax
@@ -351,15 +352,18 @@ class SyncGradients(optax.GradientTransformationExtraArgs):
     """
 
     update_with_sums: Callable[..., tuple[Any, Callable[..., Any], Any, Any]] | None
+    codec: GradientCodec | None
 
     def __new__(
         cls,
         init: optax.TransformInitFn,
         update: optax.TransformUpdateExtraArgsFn,
         update_with_sums: Callable[..., tuple[Any, Callable[..., Any], Any, Any]] | None = None,
+        codec: GradientCodec | None = None,
     ) -> Self:
         self = super().__new__(cls, init, update)
         self.update_with_sums = update_with_sums
+        self.codec = codec
         return self
 
 
@@ -462,6 +466,7 @@ def sync_gradients(
         functools.partial(_init, config),
         functools.partial(_update, update_with_sums),
         update_with_sums,
+        config.codec,
     )
 
 

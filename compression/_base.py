@@ -65,6 +65,7 @@ from adaptjax.compression._collectives import axis_tuple, bound_size, replica_in
 from adaptjax.compression._feedback import NoFeedback, feedback_for
 from adaptjax.compression._lanes import Ctx, Leaf, LeafIn, LeafOut, run_lanes
 from adaptjax.compression._layout import bf16_bytes, prod
+from adaptjax.compression._pairing import pairing_warning
 from adaptjax.compression._plan import Plan, leaf_plan, plan, warn_if_nothing_compressed
 
 from adaptjax import PerReplica
@@ -577,6 +578,16 @@ class Codec:
         # pyright checks this file as compression/_base.py but sees _plan's Codec through the
         # install's link tree (adaptjax/compression/_base.py): one class, two names to it
         return plan(grads, self, n, show=show)  # pyright: ignore[reportArgumentType]
+
+    def pairing_warning(self, optimizer_state: Any) -> str | None:
+        """One line when this codec trains worse than dense sync with that optimizer, else None.
+
+        :func:`adaptjax.chain` asks at its first ``init``, with the state of the
+        links after the sync, and warns with the line (see
+        :mod:`adaptjax.compression._pairing`: the pairings
+        ``benchmarks/codec_optimizers.py`` measured more than 1% behind dense).
+        """
+        return pairing_warning(self, optimizer_state)
 
 
 class _Sending(NamedTuple):

@@ -15,7 +15,8 @@ download), 8 simulated CPU devices, and the adaptjax controller with:
   background compiles counted, the compile discount held the batch at 64.)
 * ``ElasticScale``: 8 -> 4 devices at step 150 and back to 8 at step 300, each
   through an Orbax checkpoint and a restore with the new shardings.
-* ``SwitchCompression``: 1-bit compression with error feedback switches on
+* ``SwitchCompression``: natural compression (8 bits, safe with Adam:
+  ``benchmarks/codec_optimizers.py``) switches on
   when communication's modelled share of the step passes 50% (the link is
   modelled at 10 Mbit/s; simulated devices have no real link).
 
@@ -128,7 +129,7 @@ def main():
                 steps=50,
             ),
             ajp.ElasticScale({150: 4, 300: 8}),
-            ajp.SwitchCompression(ajc.onebit(), when_comm_share_above=0.5),
+            ajp.SwitchCompression(ajc.natural(), when_comm_share_above=0.5),
         ],
         policy_every=10,
         checkpoint_every=100,

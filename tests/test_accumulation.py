@@ -55,6 +55,7 @@ CHAINS = {
 }
 
 
+@pytest.mark.filterwarnings("ignore:onebit.*trains worse than dense sync:UserWarning")
 @pytest.mark.parametrize("chain", sorted(CHAINS))
 def test_k_micro_steps_equal_one_step_of_their_batch(chain):
     k, steps = 3, 3  # DiLoCo: an outer step after two inner ones

@@ -413,6 +413,7 @@ def test_codec_plans_each_shard_as_a_leaf():
     assert not np.any(residuals["b1"]) and np.any(residuals["w1"])
 
 
+@pytest.mark.filterwarnings("ignore:onebit.*trains worse than dense sync:UserWarning")
 @pytest.mark.parametrize("codec", [ajc.onebit(error_feedback=True, min_size=16), None])
 def test_sharded_step_wire_bytes_by_axis(codec):
     # (with a codec, the monitors' exact sample would be the whole of this small model)

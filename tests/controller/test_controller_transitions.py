@@ -75,6 +75,7 @@ def test_a_batch_size_change_is_a_new_config_and_a_rounded_one_says_so():
                                "replicas": 4, "microbatches": 1},)
 
 
+@pytest.mark.filterwarnings("ignore:onebit.*trains worse than dense sync:UserWarning")
 def test_a_codec_swap_starts_its_state_fresh_and_carries_the_rest_over():
     steps, config = _steps(), adaptjax.RunConfig(4, 16)
     state = _with_count(steps.init_state(config), 7)
