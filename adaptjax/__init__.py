@@ -31,6 +31,7 @@ _NAMES = {
     "CompileOptions": "adaptjax.controller._options",
     "EvalOptions": "adaptjax.controller._options",
     "RunConfig": "adaptjax.controller._run_config",
+    "RunSpec": "adaptjax.controller._spec",
     "codec_key": "adaptjax.controller._run_config",
     "RunDirectoryError": "adaptjax.controller._run_lock",
     "RunDirectoryLocked": "adaptjax.controller._run_lock",
@@ -169,6 +170,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax.controller._run_config import RunConfig, codec_key
     from adaptjax.controller._run_lock import RunDirectoryError, RunDirectoryLocked
     from adaptjax.controller._run_log import RunLog
+    from adaptjax.controller._spec import RunSpec
     from adaptjax.launch._distributed import EXIT_RESCALE, DecisionMismatch, initialize_distributed
     from adaptjax.sync._diloco import DiLoCo, diloco
     from adaptjax.sync._gossip import Gossip, GossipState, gossip
@@ -196,6 +198,7 @@ __all__ = [
     "CompileOptions",
     "EvalOptions",
     "RunConfig",
+    "RunSpec",
     "RunDirectoryError",
     "RunDirectoryLocked",
     "RunLog",
