@@ -16,14 +16,17 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from adaptjax._data import check_count
+from adaptjax._run_config import precision_key
 from adaptjax.controller._options import CheckpointOptions, CompileOptions, every_or_none
-from adaptjax.controller._run_config import precision_key
+from adaptjax.controller._run_dir import user_stacklevel
+from adaptjax.launch._distributed import is_primary
 
 if TYPE_CHECKING:  # annotations only
     from adaptjax._codec import GradientCodec
@@ -112,7 +115,7 @@ class RunSpec:
             object.__setattr__(self, "mesh_shape", dict(self.mesh_shape))
         if self.monitors is not None:
             object.__setattr__(self, "monitors", tuple(self.monitors))
-        if self.loss_scale is not None:
+        if isinstance(self.loss_scale, Mapping):  # anything else: refused with the step's
             object.__setattr__(self, "loss_scale", dict(self.loss_scale))
         object.__setattr__(self, "precision", precision_key(self.precision))  # its key
         _check_bandwidth(self.link_bandwidth)
@@ -177,6 +180,8 @@ def _saved(name: str, value: Any) -> Any:
         return value
     if isinstance(value, dict) and all(isinstance(v, _JSON) for v in value.values()):
         return value
+    if isinstance(value, tuple) and all(isinstance(v, _JSON) for v in value):
+        return list(value)  # monitors=(): none
     return _UNSAVED
 
 
@@ -187,3 +192,61 @@ def _check_bandwidth(bandwidth) -> None:
     ):
         raise ValueError(
             f"RunSpec.link_bandwidth must be a positive number of bytes/s, got {bandwidth!r}")
+
+
+def save_spec(run_dir: str, spec: RunSpec) -> None:
+    """Writes ``spec`` to ``run_dir/spec.json`` (process 0; replaced whole, never torn)."""
+    if not is_primary():
+        return
+    path = os.path.join(run_dir, SPEC_FILE)
+    with open(path + ".tmp", "w") as f:
+        f.write(spec.to_json() + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def resumed_spec(run_dir: str | os.PathLike | None, spec: RunSpec | None) -> RunSpec:
+    """The spec :meth:`adaptjax.Controller.resume` continues with.
+
+    ``None``: the one saved in ``run_dir`` (its ``run_dir`` set to where the
+    run now is). A passed spec is used as it is, with one warning naming the
+    fields in which it differs from the saved one.
+    """
+    if spec is not None and not isinstance(spec, RunSpec):
+        raise ValueError(f"spec must be an adaptjax.RunSpec, got {type(spec).__name__}")
+    if run_dir is None:
+        if spec is None:
+            raise ValueError("Controller.resume needs run_dir")
+        run_dir = spec.run_dir
+    run_dir = os.fspath(run_dir)
+    if spec is not None and spec.run_dir != run_dir:
+        raise ValueError(
+            f"Controller.resume got two run_dirs ({run_dir} and spec.run_dir={spec.run_dir}); "
+            "pass one")
+    path = os.path.join(run_dir, SPEC_FILE)
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        if spec is None:
+            raise ValueError(f"{path} does not exist: pass spec=RunSpec(...) to "
+                             "Controller.resume") from None
+        return spec
+    if spec is None:
+        saved = json.loads(text)
+        saved["run_dir"] = run_dir
+        return RunSpec.from_json(json.dumps(saved), source=path)
+    _warn_differences(spec, json.loads(text), path)
+    return spec
+
+
+def _warn_differences(spec: RunSpec, saved: Mapping[str, Any], path: str) -> None:
+    passed = json.loads(spec.to_json())
+    unsaved = set(passed.pop("unsaved")) | set(saved.get("unsaved", []))
+    differ = [f.name for f in dataclasses.fields(spec)  # in the spec's order
+              if f.name != "run_dir" and f.name not in unsaved
+              and saved.get(f.name) != passed[f.name]]
+    if differ:
+        warnings.warn(
+            f"resume: the spec passed differs from {path} in {', '.join(differ)}; the passed "
+            "values are used (the configuration continues as checkpointed)",
+            UserWarning, stacklevel=user_stacklevel())

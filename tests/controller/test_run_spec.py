@@ -67,3 +67,68 @@ def test_run_dir_must_be_a_path():
 def test_the_spec_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         _spec().devices = 2
+
+
+def _code():
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+    return dict(model={"w": jnp.zeros(3)},
+                loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
+                optimizer=optax.sgd(optax.linear_schedule(0.1, 0.0, 100)),
+                data=adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0))
+
+
+def test_a_resume_reads_the_saved_spec_and_asks_for_what_it_could_not_save(tmp_path):
+    import optax
+
+    spec = adaptjax.RunSpec(run_dir=tmp_path, devices=2, batch_size=8, policy_every=3,
+                            learning_rate=optax.linear_schedule(0.1, 0.0, 100),
+                            compile=adaptjax.CompileOptions(cache_dir=None))
+    ctrl = adaptjax.Controller(**_code(), spec=spec, hooks=[])
+    ctrl.run(2)
+    ctrl.close()
+    assert json.loads((tmp_path / "spec.json").read_text())["unsaved"] == ["learning_rate"]
+    with pytest.raises(ValueError) as e:
+        adaptjax.Controller.resume(tmp_path, **_code(), hooks=[])
+    assert str(e.value) == (f"{tmp_path / 'spec.json'} set learning_rate, which cannot be "
+                            "saved; pass spec=RunSpec(..., learning_rate=...) again")
+    resumed = adaptjax.Controller.resume(tmp_path, **_code(), spec=spec, hooks=[])
+    assert resumed.step == 2 and resumed.spec is spec
+    resumed.close()
+
+
+def test_a_resume_without_a_spec_continues_with_the_saved_one(tmp_path):
+    spec = adaptjax.RunSpec(run_dir=tmp_path / "a", devices=2, batch_size=8, policy_every=3,
+                            compile=adaptjax.CompileOptions(cache_dir=None))
+    ctrl = adaptjax.Controller(**_code(), spec=spec, hooks=[])
+    ctrl.run(2)
+    ctrl.close()
+    (tmp_path / "a").rename(tmp_path / "b")  # a moved run directory keeps its spec
+    resumed = adaptjax.Controller.resume(tmp_path / "b", **_code(), hooks=[])
+    assert resumed.spec == spec.replace(run_dir=tmp_path / "b") and resumed.step == 2
+    resumed.close()
+
+
+def test_a_resume_names_the_spec_fields_that_differ_in_one_warning(tmp_path):
+    spec = adaptjax.RunSpec(run_dir=tmp_path, devices=2, batch_size=8,
+                            compile=adaptjax.CompileOptions(cache_dir=None))
+    ctrl = adaptjax.Controller(**_code(), spec=spec, hooks=[])
+    ctrl.run(2)
+    ctrl.close()
+    changed = spec.replace(policy_every=5, max_nonfinite_steps=None)
+    with pytest.warns(UserWarning) as record:
+        adaptjax.Controller.resume(tmp_path, **_code(), spec=changed, hooks=[]).close()
+    assert [str(w.message) for w in record] == [
+        f"resume: the spec passed differs from {tmp_path / 'spec.json'} in policy_every, "
+        "max_nonfinite_steps; the passed values are used (the configuration continues as "
+        "checkpointed)"]
+
+
+def test_a_resume_needs_a_spec_where_none_was_saved(tmp_path):
+    with pytest.raises(ValueError) as e:
+        adaptjax.Controller.resume(tmp_path, **_code())
+    assert str(e.value) == (f"{tmp_path / 'spec.json'} does not exist: pass spec=RunSpec(...) "
+                            "to Controller.resume")
