@@ -4,9 +4,10 @@ The loop is the only code that assigns the run's state and configuration and
 the only caller of recording and checkpointing. Its parts sit below it and
 never call back: the checked arguments and the spec (``_arguments``,
 ``_spec``, ``_options``), the hooks (``_hooks``), the step cache, the metrics
-reader, the transition planner and the function that carries a transition out (``_carry_out``), the run
-directory and what a checkpoint holds (``_persistence``), the background
-compiler, the run clock, preemption and ``adaptjax plan``'s probe.
+reader, the transition planner and the function that carries a transition
+out (``_carry_out``), the run directory and what a checkpoint holds
+(``_persistence``), the background compiler, the run clock, preemption and
+``adaptjax plan``'s probe.
 """
 
 from __future__ import annotations
