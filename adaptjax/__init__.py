@@ -29,9 +29,14 @@ _NAMES = {
     "NonFiniteTraining": "adaptjax.controller._controller",
     "CheckpointOptions": "adaptjax.controller._options",
     "CompileOptions": "adaptjax.controller._options",
-    "EvalOptions": "adaptjax.controller._options",
-    "RunConfig": "adaptjax.controller._run_config",
-    "codec_key": "adaptjax.controller._run_config",
+    "RunConfig": "adaptjax._run_config",
+    "RunSpec": "adaptjax.controller._spec",
+    "Hook": "adaptjax.controller._hooks",
+    "Evaluate": "adaptjax.controller._hooks",
+    "ProgressBar": "adaptjax.controller._hooks",
+    "TensorBoard": "adaptjax.controller._hooks",
+    "default_hooks": "adaptjax.controller._hooks",
+    "codec_key": "adaptjax._run_config",
     "RunDirectoryError": "adaptjax.controller._run_lock",
     "RunDirectoryLocked": "adaptjax.controller._run_lock",
     "ArrayDataset": "adaptjax._data",
@@ -151,6 +156,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
         to_local,
     )
     from adaptjax._precision import Precision, check_precision, with_precision
+    from adaptjax._run_config import RunConfig, codec_key
     from adaptjax._state import (
         TrainState,
         abstract_state,
@@ -164,11 +170,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax._wire import Collective, WireReport, wire_bytes
     from adaptjax.controller._checkpoint import CorruptCheckpointError, RunCheckpoints
     from adaptjax.controller._controller import Controller, NonFiniteTraining
-    from adaptjax.controller._options import CheckpointOptions, CompileOptions, EvalOptions
+    from adaptjax.controller._hooks import Evaluate, Hook, ProgressBar, TensorBoard, default_hooks
+    from adaptjax.controller._options import CheckpointOptions, CompileOptions
     from adaptjax.controller._preemption import EXIT_PREEMPTED
-    from adaptjax.controller._run_config import RunConfig, codec_key
     from adaptjax.controller._run_lock import RunDirectoryError, RunDirectoryLocked
     from adaptjax.controller._run_log import RunLog
+    from adaptjax.controller._spec import RunSpec
     from adaptjax.launch._distributed import EXIT_RESCALE, DecisionMismatch, initialize_distributed
     from adaptjax.sync._diloco import DiLoCo, diloco
     from adaptjax.sync._gossip import Gossip, GossipState, gossip
@@ -194,8 +201,13 @@ __all__ = [
     "NonFiniteTraining",
     "CheckpointOptions",
     "CompileOptions",
-    "EvalOptions",
     "RunConfig",
+    "RunSpec",
+    "Hook",
+    "Evaluate",
+    "ProgressBar",
+    "TensorBoard",
+    "default_hooks",
     "RunDirectoryError",
     "RunDirectoryLocked",
     "RunLog",

@@ -164,22 +164,16 @@ class Recorder:
 
 def make_controller(data, cfg, *, devices, batch, lr, seed, policies=(), on_step=None):
     train_windows, _ = data
-    return adaptjax.Controller(
-        model=ByteLM(cfg, nnx.Rngs(params=seed, dropout=seed + 1)),
-        loss_fn=loss_fn,
-        optimizer=optax.adam(lr),
-        learning_rate=lr,
-        data=adaptjax.ArrayDataset({"tokens": train_windows}, seed=seed),
-        devices=devices,
-        batch_size=batch,
-        policies=list(policies),
-        policy_every=POLICY_EVERY,
-        run_dir=tempfile.mkdtemp(prefix="adaptive_batch_"),
-        progress=False,
-        tensorboard=False,
+    spec = adaptjax.RunSpec(
+        run_dir=tempfile.mkdtemp(prefix="adaptive_batch_"), devices=devices, batch_size=batch,
+        learning_rate=lr, policy_every=POLICY_EVERY,
         # Every run pays for its own compiles: no persistent cache shared between runs.
-        compilation_cache_dir=None,
-        on_step=on_step,
+        compile=adaptjax.CompileOptions(cache_dir=None),
+    )
+    return adaptjax.Controller(
+        ByteLM(cfg, nnx.Rngs(params=seed, dropout=seed + 1)), loss_fn, optax.adam(lr),
+        adaptjax.ArrayDataset({"tokens": train_windows}, seed=seed), spec,
+        policies=list(policies), hooks=[adaptjax.Hook(on_step)],
     )
 
 

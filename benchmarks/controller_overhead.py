@@ -133,21 +133,12 @@ def measure(variant, args, arrays):
     show = VARIANTS[variant]
     hook = Alternate(args.block_steps, adaptjax.ArrayDataset(arrays, seed=0))
     with tempfile.TemporaryDirectory() as run_dir:
+        spec = adaptjax.RunSpec(run_dir=run_dir, devices=DEVICES, batch_size=DEVICES * per_device,
+                                learning_rate=1e-3, policy_every=10)
         ctrl = adaptjax.Controller(
-            model=init_params(),
-            loss_fn=loss_fn,
-            optimizer=optax.adam(1e-3),
-            learning_rate=1e-3,
-            data=adaptjax.ArrayDataset(arrays, seed=0),
-            devices=DEVICES,
-            batch_size=DEVICES * per_device,
+            init_params(), loss_fn, optax.adam(1e-3), adaptjax.ArrayDataset(arrays, seed=0), spec,
             policies=[ajp.ReduceLROnPlateau("loss", patience=10**9)],
-            policy_every=10,
-            checkpoint_every=None,
-            run_dir=run_dir,
-            progress=show,
-            tensorboard=show,
-            on_step=hook,
+            hooks=[*(adaptjax.default_hooks() if show else []), adaptjax.Hook(hook)],
         )
         ctrl.run((args.warmup_blocks + args.blocks + 1) * args.block_steps)
         compilations = ctrl.compilations

@@ -130,14 +130,14 @@ def lm_adaptive(args) -> dict:
                                  window=max(args.steps // 3, 1))
     stamps = []  # (step, precision, time after its dispatch)
     run_dir = tempfile.mkdtemp(prefix="adaptjax-precision-bench-")
+    spec = adaptjax.RunSpec(
+        run_dir=run_dir, devices=args.devices, batch_size=batch, microbatches=1, monitors=(),
+        policy_every=max(args.steps // 30, 1), compile=adaptjax.CompileOptions(cache_dir=None))
+    stamp = adaptjax.Hook(lambda c: stamps.append((c.step, c.config.precision or "float32",
+                                                   time.perf_counter())))
     ctrl = adaptjax.Controller(
-        model=ByteLM(cfg, nnx.Rngs(0)), loss_fn=lm_loss, optimizer=optax.adam(args.lr),
-        data=adaptjax.ArrayDataset({"tokens": train}, seed=0), devices=args.devices,
-        batch_size=batch, microbatches=1, monitors=(), policies=[policy],
-        policy_every=max(args.steps // 30, 1), run_dir=run_dir, progress=False,
-        tensorboard=False, compilation_cache_dir=None,
-        on_step=lambda c: stamps.append((c.step, c.config.precision or "float32",
-                                         time.perf_counter())),
+        ByteLM(cfg, nnx.Rngs(0)), lm_loss, optax.adam(args.lr),
+        adaptjax.ArrayDataset({"tokens": train}, seed=0), spec, policies=[policy], hooks=[stamp],
     )
     try:
         ctrl.run(args.steps)

@@ -75,18 +75,21 @@ RESULT_TAG = "BENCH_RESULT "
 
 
 def controller_kwargs(on_step):
-    """What the training and the restarted process both pass (code can't come from disk)."""
+    """What the training and the restarted process both pass (code can't come from disk;
+    the restarted process reads the spec from the run directory)."""
     return dict(
         model=init_params(),
         loss_fn=loss_fn,
         optimizer=optax.adam(1e-3),
         data=adaptjax.ArrayDataset(make_arrays(), seed=0),
-        devices=8,
-        batch_size=BATCH,
-        max_to_keep=None,
-        progress=False,
-        on_step=on_step,
+        hooks=[adaptjax.TensorBoard(), adaptjax.Hook(on_step)],
     )
+
+
+def spec(run_dir):
+    """The training's :class:`adaptjax.RunSpec`."""
+    return adaptjax.RunSpec(run_dir=run_dir, devices=8, batch_size=BATCH,
+                            checkpoint=adaptjax.CheckpointOptions(max_to_keep=None))
 
 
 def launch(role, run_dir, *flags):
@@ -181,7 +184,7 @@ def train_role(run_dir, warm_steps, gap, with_precompile):
         warm_steps + 2 * gap: ("return 8->4", 4),
     }
     hook = Rescaler(plan, 4 if with_precompile else None)
-    ctrl = adaptjax.Controller(run_dir=run_dir, **controller_kwargs(hook))
+    ctrl = adaptjax.Controller(spec=spec(run_dir), **controller_kwargs(hook))
     ctrl.run(warm_steps + 2 * gap + 2)  # ends with a checkpoint on 4 devices
     events = ctrl.log.events
     ctrl.close()

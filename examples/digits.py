@@ -33,6 +33,7 @@ events.jsonl, tensorboard/ and checkpoints/.
 """
 
 import argparse
+import functools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -113,15 +114,28 @@ def main():
         shutil.rmtree(args.run_dir)  # a new run starts fresh
     if processes > 1:
         multihost_utils.sync_global_devices("digits: run_dir ready")
-    make = adaptjax.Controller.resume if resume else adaptjax.Controller
+    spec = adaptjax.RunSpec(
+        run_dir=args.run_dir,
+        devices=8,
+        batch_size=64,
+        learning_rate=1e-3,  # the rate AdaptiveBatchSize scales (a factor on adam's updates)
+        policy_every=10,
+        checkpoint=adaptjax.CheckpointOptions(every=100),
+        link_bandwidth=10e6 / 8,
+    )
+    hooks = [adaptjax.Evaluate(make_eval(x_test, y_test), every=100), adaptjax.TensorBoard()]
+    if not args.no_progress:
+        hooks.append(adaptjax.ProgressBar())
+    if resume:  # the spec is read back from run_dir/spec.json
+        make = functools.partial(adaptjax.Controller.resume, args.run_dir)
+    else:
+        make = functools.partial(adaptjax.Controller, spec=spec)
     ctrl = make(
         model=MLP(nnx.Rngs(0)),
         loss_fn=loss_fn,
         optimizer=optax.adam(1e-3),
-        learning_rate=1e-3,  # the rate AdaptiveBatchSize scales (a factor on adam's updates)
         data=adaptjax.ArrayDataset({"x": x_train, "y": y_train}, seed=0),
-        devices=8,
-        batch_size=64,
+        hooks=hooks,
         policies=[
             ajp.cooldown(
                 ajp.AdaptiveBatchSize(max_batch_size=512, lr_rule="adascale",
@@ -131,13 +145,6 @@ def main():
             ajp.ElasticScale({150: 4, 300: 8}),
             ajp.SwitchCompression(ajc.natural(), when_comm_share_above=0.5),
         ],
-        policy_every=10,
-        checkpoint_every=100,
-        eval_fn=make_eval(x_test, y_test),
-        eval_every=100,
-        link_bandwidth=10e6 / 8,
-        run_dir=args.run_dir,
-        progress=not args.no_progress,
     )
     t0 = time.perf_counter()
     ctrl.run(args.steps)

@@ -299,14 +299,23 @@ def main(argv=None):
     if os.path.exists(args.run_dir):
         shutil.rmtree(args.run_dir)  # a new run starts fresh
     model.train()  # dropout on while training (evaluation builds its own model)
-    ctrl = adaptjax.Controller(
-        model=model,
-        loss_fn=loss_fn,
-        optimizer=optax.adamw(args.lr, weight_decay=0.01),
-        learning_rate=args.lr,  # the rate AdaptiveBatchSize scales
-        data=adaptjax.ArrayDataset({"tokens": train}, seed=args.seed),
+    spec = adaptjax.RunSpec(
+        run_dir=args.run_dir,
         **mesh,
         batch_size=args.batch_size,
+        learning_rate=args.lr,  # the rate AdaptiveBatchSize scales
+        policy_every=args.policy_every,
+        checkpoint=adaptjax.CheckpointOptions(every=max(steps // 3, 1)),
+        link_bandwidth=args.link_mbit * 1e6 / 8,
+    )
+    hooks = [adaptjax.Evaluate(evaluate, every=args.eval_every or max(steps // 6, 1)),
+             adaptjax.TensorBoard(), *([] if args.no_progress else [adaptjax.ProgressBar()])]
+    ctrl = adaptjax.Controller(
+        model,
+        loss_fn,
+        optax.adamw(args.lr, weight_decay=0.01),
+        adaptjax.ArrayDataset({"tokens": train}, seed=args.seed),
+        spec,
         policies=[
             ajp.cooldown(
                 ajp.AdaptiveBatchSize(max_batch_size=args.max_batch_size, min_batch_size=8,
@@ -317,13 +326,7 @@ def main(argv=None):
             elastic,
             ajp.SwitchCompression(ajc.onebit(), when_comm_share_above=0.5),
         ],
-        policy_every=args.policy_every,
-        checkpoint_every=max(steps // 3, 1),
-        eval_fn=evaluate,
-        eval_every=args.eval_every or max(steps // 6, 1),
-        link_bandwidth=args.link_mbit * 1e6 / 8,
-        run_dir=args.run_dir,
-        progress=not args.no_progress,
+        hooks=hooks,
     )
     if args.mesh is not None:
         print(f"mesh: {ctrl.config.axes}  params+optimizer bytes per device: "

@@ -21,8 +21,12 @@ Hangs and timeouts (see the README's test section):
 
 import os
 import signal
+import sys
 
 import pytest
+
+# the tests' helper modules (_controller_args, controller_job, ...) import by name
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DEVICES = 8
 _COLLECTIVE_TIMEOUT_S = 60  # far above any real wait of 8 threads on 2 busy cores

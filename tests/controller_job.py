@@ -34,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _controller_args import make_controller, resume_controller  # noqa: E402
 
 import adaptjax  # noqa: E402
 from adaptjax import policies as ajp  # noqa: E402
@@ -240,10 +241,10 @@ def main():
         )
     ckpts = os.path.join(args.run_dir, "checkpoints")
     if os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)):
-        ctrl = adaptjax.Controller.resume(args.run_dir, **kwargs)
+        ctrl = resume_controller(args.run_dir, **kwargs)
         print(f"RESUMED {ctrl.step}", flush=True)
     else:
-        ctrl = adaptjax.Controller(run_dir=args.run_dir, **kwargs)
+        ctrl = make_controller(run_dir=args.run_dir, **kwargs)
     ctrl.run(args.steps)
     params = {k: np.asarray(v) for k, v in jax.device_get(ctrl.state.params).items()}
     ctrl.close()

@@ -27,6 +27,7 @@ import sys
 import time
 
 import numpy as np
+from _controller_args import make_controller, resume_controller  # noqa: E402
 
 import adaptjax
 
@@ -153,11 +154,11 @@ def main():
     )
     ckpts = os.path.join(args.run_dir, "checkpoints")
     if os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)):
-        ctrl = adaptjax.Controller.resume(**kwargs)
+        ctrl = resume_controller(**kwargs)
         if jax.process_index() == 0:
             print(f"RESUMED {ctrl.step}", flush=True)
     else:
-        ctrl = adaptjax.Controller(**kwargs)
+        ctrl = make_controller(**kwargs)
     ctrl.run(args.steps)
     from jax.experimental import multihost_utils
 

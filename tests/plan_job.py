@@ -17,6 +17,7 @@ import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import controller_job as job  # noqa: E402
+from _controller_args import make_controller  # noqa: E402
 
 import adaptjax  # noqa: E402
 from adaptjax import compression as ajc  # noqa: E402
@@ -30,7 +31,7 @@ def main():
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args()
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         model=job.init_params(),
         loss_fn=job.loss_fn,
         optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.05),

@@ -14,6 +14,7 @@ import grain
 import jax
 import numpy as np
 import pytest
+from _controller_args import make_controller, resume_controller  # noqa: E402
 
 import adaptjax
 
@@ -178,7 +179,7 @@ def test_end_to_end_the_controller_feeds_the_same_batches_as_an_array_dataset(tm
     runs = {}
     for name, data in (("grain", adaptjax.GrainDataset(rows)),
                        ("array", adaptjax.ArrayDataset(arrays, shuffle=False))):
-        ctrl = adaptjax.Controller(
+        ctrl = make_controller(
             run_dir=tmp_path / name,
             **job.job_kwargs(data=data, policies=[], checkpoint_every=None),
         )
@@ -243,7 +244,7 @@ def test_elements_the_loss_cannot_take_are_refused_before_anything_compiles(tmp_
         lambda i: {"x": np.append(arrays["x"][i], 0.0).astype(np.float32), "y": arrays["y"][i]}
     )
     with pytest.raises(ValueError, match="loss_fn cannot run on this data's batches") as err:
-        adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(data=adaptjax.GrainDataset(wide)))
+        make_controller(run_dir=tmp_path, **job.job_kwargs(data=adaptjax.GrainDataset(wide)))
     assert "\n" not in str(err.value) and not (tmp_path / "checkpoints").exists()
 
 
@@ -276,7 +277,7 @@ def test_the_controller_reads_the_grain_stream_in_order_through_batch_and_mesh_c
     rows = grain.MapDataset.source([{k: v[i] for k, v in arrays.items()} for i in range(640)])
     pipeline = rows.shuffle(seed=3)
     data = Recording(adaptjax.GrainDataset(pipeline))
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(data=data))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(data=data))
     ctrl.run(50)
     seen = np.asarray(data.seen)
     assert len(seen) == ctrl.samples_seen == data.ds.cursor > 4 * 640
@@ -303,9 +304,9 @@ def test_a_resumed_controller_continues_the_grain_stream_where_its_checkpoint_le
             data = Recording(adaptjax.GrainDataset(pipeline))
             args = job.job_kwargs(data=data, **kwargs)
             if i:  # stopped at step 10: a new controller and dataset resume from its checkpoint
-                ctrl = adaptjax.Controller.resume(tmp_path / name, **args)
+                ctrl = resume_controller(tmp_path / name, **args)
             else:
-                ctrl = adaptjax.Controller(run_dir=tmp_path / name, **args)
+                ctrl = make_controller(run_dir=tmp_path / name, **args)
             ctrl.run(stop)
             ctrl.close()
         runs[name] = (data.seen, jax.device_get(ctrl.state.params))

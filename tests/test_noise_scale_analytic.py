@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _controller_args import make_controller  # noqa: E402
 
 import adaptjax
 
@@ -80,7 +81,7 @@ def test_controller_on_one_device_measures_the_noise_scale(tmp_path, microbatche
     n = 64 * 400
     x = rng.normal(size=(n, D)).astype(np.float32)
     y = (SIGMA * rng.normal(size=n)).astype(np.float32)  # w* = 0
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         model={"w": jnp.asarray(delta)}, loss_fn=_loss,
         optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=1e-7),
         data=adaptjax.ArrayDataset({"x": x, "y": y}),

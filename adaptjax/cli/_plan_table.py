@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 
-from adaptjax.controller._run_config import RunConfig
+from adaptjax._run_config import RunConfig
 from adaptjax.costs._meshes import mesh_shapes
 from adaptjax.costs._model import CannotPredict, Prediction, StepTimeModel
 from adaptjax.costs._planner import Planner, shape_label

@@ -16,34 +16,32 @@ import os
 import traceback
 import warnings
 from collections.abc import Mapping
-from typing import Any
 
 import jax
 import numpy as np
 import optax
 
 from adaptjax import policies as ajp
+from adaptjax._config_meshes import job_devices, start_shape
 from adaptjax._data import check_count
 from adaptjax._mesh import make_mesh
 from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
+from adaptjax._run_config import RunConfig, codec_key
 from adaptjax._state import merge_model, split_model
+from adaptjax._transition import monitor_sample_needs, one_gradient_sample, sample_split
 from adaptjax._tree import check_float_tree
 from adaptjax._walk import find_held
-from adaptjax.controller._meshes import job_devices, start_shape
-from adaptjax.controller._options import (
-    CheckpointOptions,
-    CompileOptions,
-    EvalOptions,
-    check_cache_dir,
-    check_eval,
-    check_max_to_keep,
-    every_or_none,
-)
+from adaptjax.controller._hooks import Evaluate, Hook, check_hooks
+from adaptjax.controller._options import check_cache_dir
 from adaptjax.controller._plan_probe import PlanRequest, plan_request
-from adaptjax.controller._run_config import RunConfig, codec_key
-from adaptjax.controller._run_dir import CHECKPOINTS, check_writable_run_dir, user_stacklevel
+from adaptjax.controller._run_dir import (
+    CHECKPOINTS,
+    check_resumable,
+    check_writable_run_dir,
+    user_stacklevel,
+)
 from adaptjax.controller._run_lock import RunLock
-from adaptjax.controller._transition import monitor_sample_needs, one_gradient_sample, sample_split
+from adaptjax.controller._spec import RunSpec
 from adaptjax.launch._distributed import can_give, is_primary
 from adaptjax.sync._registry import resolve_sync, sync_key
 
@@ -52,21 +50,15 @@ from adaptjax.sync._registry import resolve_sync, sync_key
 class Checked:
     """A controller's arguments after :func:`check_arguments`."""
 
-    run_dir: str
+    spec: RunSpec
     resume: bool
     config: RunConfig
     max_devices: int
     policy: ajp.Policy
+    policies: list[ajp.Policy]
+    hooks: list[Hook]
     monitors: tuple
     sample_needs: tuple[int, int]  # (min_samples, min_replicas): monitor_sample_needs
-    policy_every: int
-    max_nonfinite_steps: int | None
-    link_bandwidth: float | None
-    checkpoint: CheckpointOptions
-    evaluation: EvalOptions
-    compile: CompileOptions
-    progress: bool
-    tensorboard: bool
     plan: PlanRequest | None
     # whether announced configurations are compiled in the background: asked for, on one
     # process, with a dataset that gives a batch's shapes without reading it (batch_at)
@@ -81,68 +73,54 @@ class NoPolicy(ajp.Policy):
         return []
 
 
-def check_arguments(args: Mapping[str, Any]) -> Checked:
-    """Checks :class:`adaptjax.Controller`'s keyword arguments (``args``, by name).
+def check_arguments(model, loss_fn, optimizer, data, spec: RunSpec, policies, hooks,
+                    resume: bool) -> Checked:
+    """Checks :class:`adaptjax.Controller`'s arguments; writes nothing, compiles nothing.
 
     Under ``adaptjax plan`` (:func:`plan_request`) the run directory is the
-    plan's, the run starts fresh, shows no progress bar, writes no TensorBoard,
-    evaluates nothing and checkpoints only when a probe needs it.
+    plan's, the run starts fresh, has no hooks (no progress bar, TensorBoard
+    or evaluation) and checkpoints only when a probe needs it.
     """
+    if not isinstance(spec, RunSpec):
+        raise ValueError(f"spec must be an adaptjax.RunSpec, got {type(spec).__name__}")
+    hooks = check_hooks(hooks)
     plan = plan_request()
-    run_dir, resume = os.fspath(args["run_dir"]), args["resume"]
-    progress, tensorboard = args["progress"], args["tensorboard"]
-    if plan is not None:  # write only into the plan directory, start fresh
-        run_dir, resume, tensorboard, progress = plan.run_dir, False, False, False
-    devices, mesh_shape = start_shape(args["devices"], args.get("mesh_shape"))
-    codec, sync = args["codec"], args["sync"]
-    resolve_sync(sync).check(devices, codec)
-    batch_size, microbatches = args["batch_size"], args["microbatches"]
+    if plan is not None:  # write only into the plan directory, start fresh, time steps only
+        spec = spec.replace(run_dir=plan.run_dir,
+                            checkpoint=dataclasses.replace(spec.checkpoint, every=None))
+        resume, hooks = False, []
+    devices, mesh_shape = start_shape(spec.devices, spec.mesh_shape)
+    resolve_sync(spec.sync).check(devices, spec.codec)
+    batch_size, microbatches = spec.batch_size, spec.microbatches
     if microbatches is None:
         one_even = devices == 1 and isinstance(batch_size, int) and batch_size % 2 == 0
         microbatches = 2 if one_even else 1
-    config = RunConfig(devices, batch_size, microbatches, codec_key(codec), sync_key(sync),
-                       mesh_shape=mesh_shape)
-    max_devices = check_devices(config, args["max_devices"], resume)
-    loop = check_loop_options(args)
-    checkpoint, evaluation, compile_ = check_option_groups(args)
-    check_optimizer(args["optimizer"], args["learning_rate"])
-    check_float_tree(split_model(args["model"])[1], "parameters")
-    check_data(args["data"])
-    if hasattr(args["data"], "batch_at") and not resume:
+    config = RunConfig(devices, batch_size, microbatches, codec_key(spec.codec),
+                       sync_key(spec.sync), mesh_shape=mesh_shape)
+    max_devices = check_devices(config, spec.max_devices, resume)
+    check_cache_dir(spec.compile.cache_dir, "CompileOptions.cache_dir")
+    check_optimizer(optimizer, spec.learning_rate)
+    check_float_tree(split_model(model)[1], "parameters")
+    check_data(data)
+    if hasattr(data, "batch_at") and not resume:
         # On resume: once the checkpoint's model was checked (resume_from); datasets without
         # batch_at: on their first batch (the controller's _first_checked).
         rows = replica_rows(config)
-        check_loss_shapes(args["model"], args["loss_fn"], args["data"].batch_at(0, rows), rows)
-    check_run_dir(run_dir, resume)
-    policies = list(args["policies"])
+        check_loss_shapes(model, loss_fn, data.batch_at(0, rows), rows, spec.has_aux)
+    check_run_dir(spec.run_dir, resume)
+    policies = list(policies)
     policy = ajp.any_of(*policies) if policies else NoPolicy()
-    monitors = check_monitors(args["monitors"], devices, microbatches, resume)
-    warn_unproducible_metrics(policy, monitors, loop["link_bandwidth"], evaluation.fn)
+    monitors = check_monitors(spec.monitors, devices, microbatches, resume)
+    evaluates = any(isinstance(h, Evaluate) for h in hooks)
+    warn_unproducible_metrics(policy, monitors, spec.link_bandwidth, evaluates)
     warn_unreachable_schedules(policies, max_devices)
-    if plan is not None:  # a probe times steps: no evaluation, no periodic checkpoint
-        checkpoint = dataclasses.replace(checkpoint, every=None)
-        evaluation = EvalOptions()
     return Checked(
-        run_dir=run_dir, resume=resume, config=config, max_devices=max_devices,
-        policy=policy, monitors=monitors,
-        sample_needs=monitor_sample_needs(monitors), checkpoint=checkpoint,
-        evaluation=evaluation, compile=compile_, progress=progress, tensorboard=tensorboard,
-        plan=plan, **loop, compile_ahead=compile_.precompile_upcoming
-        and jax.process_count() == 1 and hasattr(args["data"], "batch_at"),
-        device_limit=job_devices(),
+        spec=spec, resume=resume, config=config, max_devices=max_devices, policy=policy,
+        policies=policies, hooks=hooks, monitors=monitors,
+        sample_needs=monitor_sample_needs(monitors), plan=plan,
+        compile_ahead=spec.compile.precompile_upcoming and jax.process_count() == 1
+        and hasattr(data, "batch_at"), device_limit=job_devices(),
     )
-
-
-def resume_arguments(run_dir, kwargs: dict) -> dict:
-    """:meth:`adaptjax.Controller.resume`'s arguments: one ``run_dir``, and ``resume=True``."""
-    if run_dir is None and "run_dir" not in kwargs:
-        raise ValueError("Controller.resume needs run_dir")
-    kwargs.setdefault("run_dir", run_dir)
-    if run_dir is not None and os.fspath(kwargs["run_dir"]) != os.fspath(run_dir):
-        raise ValueError(
-            f"Controller.resume got two run_dirs ({run_dir} and {kwargs['run_dir']}); pass one"
-        )
-    return {**kwargs, "resume": True}
 
 
 def check_devices(config: RunConfig, max_devices: int | None, resume: bool) -> int:
@@ -171,79 +149,6 @@ def check_devices(config: RunConfig, max_devices: int | None, resume: bool) -> i
             f"multiple of {jax.process_count()} up to {len(jax.devices())}"
         )
     return limit
-
-
-def check_loop_options(args: Mapping[str, Any]) -> dict:
-    """``policy_every``, ``max_nonfinite_steps`` and ``link_bandwidth``, checked.
-
-    The interval checks of ``checkpoint_every`` and ``eval_every`` run between
-    the first two, as they always have (the first bad argument is the one named).
-    """
-    policy_every = check_count(args["policy_every"], "policy_every", positive=True)
-    every_or_none(args["checkpoint_every"], "checkpoint_every")
-    every_or_none(args["eval_every"], "eval_every")
-    max_nonfinite = every_or_none(args["max_nonfinite_steps"], "max_nonfinite_steps")
-    check_eval(args["eval_fn"], args["eval_every"], "eval_fn", "eval_every")
-    bandwidth = args["link_bandwidth"]
-    if bandwidth is not None and not (
-        isinstance(bandwidth, int | float) and math.isfinite(bandwidth) and bandwidth > 0
-    ):
-        raise ValueError(
-            f"link_bandwidth must be a positive number of bytes/s, got {bandwidth!r}"
-        )
-    return dict(policy_every=policy_every, max_nonfinite_steps=max_nonfinite,
-                link_bandwidth=bandwidth)
-
-
-# (the option object's argument, its class, {keyword argument: (its field, its default)})
-_GROUPS = (
-    ("checkpoint_options", CheckpointOptions,
-     {"checkpoint_every": ("every", None), "max_to_keep": ("max_to_keep", 3)}),
-    ("eval_options", EvalOptions, {"eval_fn": ("fn", None), "eval_every": ("every", None)}),
-    ("compile_options", CompileOptions, {"compilation_cache_dir": ("cache_dir", "auto"),
-                                         "precompile_upcoming": ("precompile_upcoming", True)}),
-)
-
-
-def check_option_groups(args: Mapping[str, Any]):
-    """``(CheckpointOptions, EvalOptions, CompileOptions)`` from the option objects or keywords.
-
-    An option object replaces its keywords; passing both (a keyword away from
-    its default) is refused.
-    """
-    out = []
-    for name, cls, keywords in _GROUPS:
-        given = args.get(name)
-        if given is None:
-            out.append(_from_keywords(cls, args))
-            continue
-        if not isinstance(given, cls):
-            raise ValueError(
-                f"{name} must be an adaptjax.{cls.__name__}, got {type(given).__name__}"
-            )
-        passed = [(k, field) for k, (field, default) in keywords.items() if args[k] != default]
-        if passed:
-            keyword, field = passed[0]
-            raise ValueError(
-                f"{name} and {keyword}= were both passed; pass {cls.__name__}({field}=...) alone"
-            )
-        out.append(given)
-    return tuple(out)
-
-
-def _from_keywords(cls, args: Mapping[str, Any]):
-    """The option object the keyword arguments describe (checked under their own names)."""
-    if cls is CheckpointOptions:
-        return CheckpointOptions(
-            every=every_or_none(args["checkpoint_every"], "checkpoint_every"),
-            max_to_keep=check_max_to_keep(args["max_to_keep"]),
-        )
-    if cls is EvalOptions:
-        return EvalOptions(fn=args["eval_fn"], every=args["eval_every"])
-    return CompileOptions(
-        cache_dir=check_cache_dir(args["compilation_cache_dir"], "compilation_cache_dir"),
-        precompile_upcoming=args["precompile_upcoming"],
-    )
 
 
 def check_optimizer(optimizer, learning_rate) -> None:
@@ -279,8 +184,9 @@ def replica_rows(config: RunConfig) -> int:
     return max(1, config.batch_size // (config.devices * config.microbatches))
 
 
-def check_loss_shapes(model, loss_fn, batch, rows: int) -> None:
-    """One-line ``ValueError`` when ``loss_fn`` cannot run on ``rows`` rows of ``batch``.
+def check_loss_shapes(model, loss_fn, batch, rows: int, has_aux: bool) -> None:
+    """One-line ``ValueError`` when ``loss_fn`` cannot run on ``rows`` rows of ``batch``,
+    or returns other than a scalar loss (``has_aux``: a ``(scalar loss, aux)`` pair).
 
     The loss is traced with :func:`jax.eval_shape` on the shapes alone (one
     replica's micro-batch: ``rows`` rows of each leaf): nothing is computed or
@@ -301,7 +207,7 @@ def check_loss_shapes(model, loss_fn, batch, rows: int) -> None:
         return loss_fn(merge_model(graphdef, params, model_state), batch)
 
     try:
-        jax.eval_shape(loss, params, model_state, batch)
+        out = jax.eval_shape(loss, params, model_state, batch)
     except (TypeError, ValueError) as e:
         leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
         shown = [f"{_leaf_name(path)}: {x.dtype}[{', '.join(map(str, x.shape))}]"
@@ -311,6 +217,26 @@ def check_loss_shapes(model, loss_fn, batch, rows: int) -> None:
             f"loss_fn cannot run on this data's batches ({', '.join(shown)} per replica)"
             f"{_user_line(e)}: {text}; make the data's shapes match the model's"
         ) from None
+    check_loss_output(out, has_aux)
+
+
+def check_loss_output(out, has_aux: bool) -> None:
+    """One-line ``ValueError`` unless ``out`` (shapes) is a scalar loss, or with ``has_aux``
+    a ``(scalar loss, aux)`` pair."""
+    pair = isinstance(out, tuple | list) and len(out) == 2
+    if has_aux and not pair:
+        raise ValueError(
+            "RunSpec(has_aux=True) but loss_fn returned a single value, not (loss, aux); "
+            "pass has_aux=False or return (loss, aux)")
+    if not has_aux and isinstance(out, tuple | list):
+        raise ValueError(
+            f"loss_fn returned a {len(out)}-tuple but RunSpec.has_aux is False; pass "
+            "RunSpec(has_aux=True) if it returns (loss, aux)")
+    loss = out[0] if has_aux else out
+    if getattr(loss, "shape", None) != ():
+        raise ValueError(
+            f"loss_fn must return a scalar loss, got shape {getattr(loss, 'shape', type(loss))}; "
+            "reduce it over the batch (e.g. jnp.mean)")
 
 
 def _leaf_name(path) -> str:
@@ -338,15 +264,15 @@ def check_run_dir(run_dir: str, resume: bool) -> None:
     check_writable_run_dir(run_dir)
     if is_primary():
         RunLock.check_free(run_dir)  # a live owner is the first thing to report
+    if resume:
+        check_resumable(run_dir)
+        return
     ckpt_dir = os.path.join(run_dir, CHECKPOINTS)
-    has_checkpoints = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
-    if not resume and has_checkpoints:
+    if os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir)):
         raise ValueError(
             f"run_dir {run_dir} already holds checkpoints; use Controller.resume(...) "
             "to continue that run or choose a new run_dir"
         )
-    if resume and not has_checkpoints:
-        raise ValueError(f"no complete checkpoint in {ckpt_dir} to resume from")
 
 
 def check_monitors(monitors, devices: int, microbatches: int, resume: bool) -> tuple:
@@ -376,7 +302,7 @@ def check_monitors(monitors, devices: int, microbatches: int, resume: bool) -> t
     return monitors
 
 
-def warn_unproducible_metrics(policy, monitors, link_bandwidth, eval_fn) -> None:
+def warn_unproducible_metrics(policy, monitors, link_bandwidth, evaluates: bool) -> None:
     """Warns once per metric a policy needs that this controller never produces."""
     produced_by = {
         "comm_share": link_bandwidth is not None,
@@ -387,8 +313,8 @@ def warn_unproducible_metrics(policy, monitors, link_bandwidth, eval_fn) -> None
         for key, cls in (("noise_scale", GradientNoiseScale), ("grad_snr", GradientSNR)):
             produced_by[key] = any(isinstance(m, cls) for m in monitors)
     for metric in sorted(ajp.required_metrics(policy)):
-        if metric.startswith("eval_") and eval_fn is None:
-            reason = "no eval_fn was given"
+        if metric.startswith("eval_") and not evaluates:
+            reason = "no adaptjax.Evaluate hook was given"
         elif produced_by.get(metric, True):
             continue
         elif metric.startswith("comm_"):

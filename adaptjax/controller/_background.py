@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 
 from adaptjax import policies as ajp
-from adaptjax.controller._run_config import RunConfig
+from adaptjax._run_config import RunConfig
 from adaptjax.controller._step_cache import StepCache
 
 #: The actions whose configuration a background compile can prepare (a ``Probe``: its branches').

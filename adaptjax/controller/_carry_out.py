@@ -22,15 +22,15 @@ from jax.sharding import PartitionSpec as P
 
 from adaptjax._loss_scale import split_loss_scale
 from adaptjax._per_replica import merge_replicas
+from adaptjax._run_config import RunConfig
 from adaptjax._state import train_state_shardings
+from adaptjax._transition import Transition
 from adaptjax.controller._checkpoint import RunCheckpoints
 from adaptjax.controller._hyperparams import hyperparams_of as optimizer_hyperparams
 from adaptjax.controller._hyperparams import write_hyperparams as set_hyperparams
 from adaptjax.controller._persistence import config_from
 from adaptjax.controller._rebuild import rebuild_state
-from adaptjax.controller._run_config import RunConfig
 from adaptjax.controller._step_cache import OPTIMIZER, SYNC, StepCache
-from adaptjax.controller._transition import Transition
 from adaptjax.launch._distributed import max_processes, processes_for
 
 
@@ -213,7 +213,8 @@ def roll_back(checkpoints: RunCheckpoints, steps: StepCache, reason: str) -> Car
     latest = checkpoints.latest_step()
     if latest is None:
         raise ValueError(
-            "Rollback needs a checkpoint; set checkpoint_every or return Checkpoint() first"
+            "Rollback needs a checkpoint; set RunSpec(checkpoint=CheckpointOptions(every=N)) "
+            "or return Checkpoint() first"
         )
     t0 = time.perf_counter()
     config = config_from(checkpoints.read_meta(latest), steps)

@@ -2,11 +2,12 @@
 
 The loop is the only code that assigns the run's state and configuration and
 the only caller of recording and checkpointing. Its parts sit below it and
-never call back: the checked arguments and options (``_arguments``,
-``_options``), the step cache, the metrics reader, the transition planner and
-the function that carries a transition out (``_carry_out``), the run
-directory and what a checkpoint holds (``_persistence``), the background
-compiler, the run clock, preemption and ``adaptjax plan``'s probe.
+never call back: the checked arguments and the spec (``_arguments``,
+``_spec``, ``_options``), the hooks (``_hooks``), the step cache, the metrics
+reader, the transition planner and the function that carries a transition
+out (``_carry_out``), the run directory and what a checkpoint holds
+(``_persistence``), the background compiler, the run clock, preemption and
+``adaptjax plan``'s probe.
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ import jax
 import optax
 
 from adaptjax import policies as ajp
+from adaptjax._config_meshes import mesh_context, rescale_target
 from adaptjax._data import check_count
 from adaptjax._input_codec import batch_bytes
-from adaptjax.controller import _views
+from adaptjax._run_config import RunConfig
+from adaptjax._state import merge_model
+from adaptjax._transition import Transition, plan_transition
 from adaptjax.controller._arguments import (
     Checked,
     check_arguments,
     check_loss_shapes,
     replica_rows,
-    resume_arguments,
 )
 from adaptjax.controller._background import BackgroundCompiler
 from adaptjax.controller._carry_out import (
@@ -43,9 +46,8 @@ from adaptjax.controller._carry_out import (
 )
 from adaptjax.controller._compilation_cache import enable_compilation_cache
 from adaptjax.controller._feed import next_batch
-from adaptjax.controller._meshes import mesh_context, rescale_target
+from adaptjax.controller._hooks import Evaluate, Hook, TensorBoard
 from adaptjax.controller._metrics_reader import MetricsReader, Snapshot, add_host_metrics
-from adaptjax.controller._options import CheckpointOptions, CompileOptions, EvalOptions
 from adaptjax.controller._persistence import (
     checkpoint_meta,
     resume_from,
@@ -55,12 +57,10 @@ from adaptjax.controller._persistence import (
 from adaptjax.controller._preemption import EXIT_PREEMPTED, Preemption
 from adaptjax.controller._probe import Probe, move_actions
 from adaptjax.controller._probe_branch import ProbeRunner
-from adaptjax.controller._progress import ProgressBar
 from adaptjax.controller._run_clock import RunClock
-from adaptjax.controller._run_config import RunConfig
 from adaptjax.controller._run_dir import RunDirectory, elapsed, user_stacklevel
+from adaptjax.controller._spec import RunSpec, resumed_spec, save_spec
 from adaptjax.controller._step_cache import StepCache, comm_seconds, register_held
-from adaptjax.controller._transition import Transition, plan_transition
 from adaptjax.launch._distributed import (
     EXIT_RESCALE,
     broadcast_json,
@@ -69,10 +69,12 @@ from adaptjax.launch._distributed import (
     heartbeat,
     write_rescale_request,
 )
+from adaptjax.sync._strategy import consensus_params
 
 if TYPE_CHECKING:  # annotations only
     from adaptjax._codec import GradientCodec
-    from adaptjax._precision import Precision
+    from adaptjax.controller._checkpoint import RunCheckpoints
+    from adaptjax.controller._run_log import NullRunLog, RunLog
     from adaptjax.sync._strategy import SyncStrategy
 
 
@@ -132,7 +134,8 @@ def _first_checked(ctrl: Controller, batch, config: RunConfig):
     """
     if not ctrl._loss_checked:
         ctrl._loss_checked = True
-        check_loss_shapes(ctrl.steps.model, ctrl.steps.loss_fn, batch, replica_rows(config))
+        check_loss_shapes(ctrl.steps.model, ctrl.steps.loss_fn, batch, replica_rows(config),
+                          ctrl.steps.has_aux)
     return batch
 
 
@@ -166,39 +169,16 @@ class Controller:
 
     Args:
       model: a flax NNX module or a pytree of float parameters.
-      loss_fn: ``loss_fn(model_or_params, batch) -> loss`` (or ``(loss, aux)``).
+      loss_fn: ``loss_fn(model_or_params, batch) -> loss`` (or ``(loss, aux)``: ``has_aux``).
       optimizer: any ``optax.GradientTransformation`` (``optax.adam(1e-3)``, a chain with a
         schedule, ``optax.inject_hyperparams(...)``, whose hyperparameters policies set).
-      learning_rate: the rate (a float or optax schedule) ``optimizer`` was built with, if not
-        injected: policies set it as a factor on the updates (docs/guide/controller.md).
       data: an :class:`adaptjax.ArrayDataset` (or anything with ``next_batch``,
         ``state_dict`` and ``load_state_dict``).
-      devices, batch_size: the initial replica count and global batch.
-      mesh_shape, sharding: a sharded mesh, e.g. ``{"data": 2, "fsdp": 4}`` (``devices``: its
-        ``"data"`` size), and how parameters lie on it (``None``: :class:`adaptjax.FSDP`).
-      run_dir: logs and checkpoints (none in it yet unless ``resume``).
-      microbatches: gradient accumulation steps (``None``: 1, or 2 on one device
-        with an even batch, so that the noise scale has two gradient samples).
+      spec: the :class:`adaptjax.RunSpec` (run directory, devices, batch, ...); it is saved
+        in the run directory, so :meth:`resume` needs it only for fields JSON cannot hold.
       policies: policies from :mod:`adaptjax.policies`, combined with ``any_of``.
-      codec: initial codec (``None``: dense fp32 sync).
-      sync: initial :class:`adaptjax.SyncStrategy` or its name (``None``: S-SGD).
-      monitors, norm_chunks: :func:`adaptjax.sync_gradients`' (default: noise scale, SNR, norm).
-      has_aux, policy_every: ``loss_fn`` returns ``(loss, aux)``; ask the policies every N steps.
-      checkpoint_every, max_to_keep: :class:`adaptjax.CheckpointOptions`' fields.
-      eval_fn, eval_every: :class:`adaptjax.EvalOptions`' fields.
-      max_devices: the most replicas a policy may ask for (default: all devices).
-      link_bandwidth: bytes/s of the link: steps then report ``comm_time`` (HLO
-        bytes / bandwidth) and ``comm_share``, which ``SwitchCompression`` needs.
-      progress, tensorboard: show a tqdm progress bar; write TensorBoard files.
-      compilation_cache_dir, precompile_upcoming: :class:`adaptjax.CompileOptions`' fields.
-      resume: continue from the newest intact checkpoint in ``run_dir``.
-      precision: the compute precision (:class:`adaptjax.Precision`, its key, ``None``: float32).
-      loss_scale: float16's :func:`adaptjax.dynamic_loss_scale` options (``{"period": 200}``).
-      on_step: a hook ``on_step(controller)`` called after each dispatch.
-      max_nonfinite_steps: raise :class:`NonFiniteTraining` after this many skipped
-        (non-finite) steps in a row; ``None`` never does.
-      checkpoint_options, eval_options, compile_options: option objects that
-        replace their keyword arguments (passing both is refused).
+      hooks: :class:`adaptjax.Hook` objects, each with its cadence (``None``:
+        :func:`adaptjax.default_hooks`, a progress bar and TensorBoard; ``[]``: none).
 
     Example:
       >>> import tempfile, numpy as np, jax.numpy as jnp, optax, adaptjax
@@ -206,11 +186,10 @@ class Controller:
       >>> x = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
       >>> data = adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0)
       >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+      >>> spec = adaptjax.RunSpec(run_dir=tempfile.mkdtemp(), devices=4, batch_size=32)
       >>> ctrl = adaptjax.Controller(
-      ...     model={"w": jnp.zeros(4)}, loss_fn=loss, optimizer=optax.sgd(0.1),
-      ...     data=data, devices=4, batch_size=32,
-      ...     policies=[ajp.Schedule({10: ajp.Rescale(devices=2)})],
-      ...     run_dir=tempfile.mkdtemp(), progress=False, tensorboard=False)
+      ...     {"w": jnp.zeros(4)}, loss, optax.sgd(0.1), data, spec,
+      ...     policies=[ajp.Schedule({10: ajp.Rescale(devices=2)})], hooks=[])
       >>> ctrl.run(steps=20)
       >>> ctrl.step, ctrl.config.devices, ctrl.data.cursor
       (20, 2, 640)
@@ -218,45 +197,35 @@ class Controller:
     """
 
     def __init__(
-        self, *, model: Any, loss_fn: Callable[..., Any],
-        optimizer: optax.GradientTransformation, learning_rate: float | Callable | None = None,
-        data: Any, devices: int | None = None, batch_size: int, run_dir: str | os.PathLike,
-        microbatches: int | None = None, policies: Sequence[ajp.Policy] = (),
-        codec: GradientCodec | None = None, sync: SyncStrategy | str | None = None,
-        monitors: Sequence[Any] | None = None, norm_chunks: int | None = None,
-        has_aux: bool = False, policy_every: int = 10, checkpoint_every: int | None = None,
-        max_to_keep: int | None = 3, eval_fn: Callable[[Any], Mapping[str, float]] | None = None,
-        eval_every: int | None = None, max_devices: int | None = None,
-        link_bandwidth: float | None = None, progress: bool = True, tensorboard: bool = True,
-        compilation_cache_dir: str | os.PathLike | None = "auto", resume: bool = False,
-        on_step: Callable[[Controller], None] | None = None,
-        max_nonfinite_steps: int | None = 100, precompile_upcoming: bool = True,
-        precision: Precision | str | None = None,
-        checkpoint_options: CheckpointOptions | None = None,
-        eval_options: EvalOptions | None = None, compile_options: CompileOptions | None = None,
-        mesh_shape: Mapping[str, int] | None = None, sharding: Any = None,
-        loss_scale: Mapping[str, Any] | None = None,
+        self, model: Any, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
+        data: Any, spec: RunSpec, *, policies: Sequence[ajp.Policy] = (),
+        hooks: Sequence[Hook] | None = None,
     ) -> None:
         """See the class. Checks every argument, then takes ``run_dir`` and the state."""
-        a = check_arguments(locals())  # nothing has touched the disk before this returns
-        self.max_devices, self.policy, self._policies = a.max_devices, a.policy, list(policies)
-        self.policy_every, self.max_nonfinite_steps = a.policy_every, a.max_nonfinite_steps
-        self.link_bandwidth, self.on_step, self._progress = a.link_bandwidth, on_step, a.progress
-        self.checkpoint_options, self.eval_options = a.checkpoint, a.evaluation
-        self.compile_options, self._plan_request = a.compile, a.plan
-        self.steps = StepCache(model=model, loss_fn=loss_fn, optimizer=optimizer, has_aux=has_aux,
-                               learning_rate=learning_rate, monitors=a.monitors, sharding=sharding,
-                               norm_chunks=norm_chunks, loss_scale=loss_scale)
-        register_held(self.steps, codec, sync, policies)
-        a = dataclasses.replace(a, config=self.steps.start(a.config, data, precision))
+        self._setup(check_arguments(model, loss_fn, optimizer, data, spec, policies, hooks,
+                                    resume=False), model, loss_fn, optimizer, data)
+
+    def _setup(self, a: Checked, model, loss_fn, optimizer, data) -> None:
+        """Builds the controller from its checked arguments (nothing touched the disk before)."""
+        spec = a.spec
+        self.spec, self.max_devices, self.policy = spec, a.max_devices, a.policy
+        self.hooks, self._plan_request = a.hooks, a.plan
+        self._evaluations = [h for h in a.hooks if isinstance(h, Evaluate)]
+        self._policies = a.policies
+        self.steps = StepCache(model=model, loss_fn=loss_fn, optimizer=optimizer,
+                               has_aux=spec.has_aux, learning_rate=spec.learning_rate,
+                               monitors=a.monitors, sharding=spec.sharding,
+                               norm_chunks=spec.norm_chunks, loss_scale=spec.loss_scale)
+        register_held(self.steps, spec.codec, spec.sync, self._policies)
+        a = dataclasses.replace(a, config=self.steps.start(a.config, data, spec.precision))
         min_samples, min_replicas = a.sample_needs  # what the monitors need of a configuration
         self._limits: dict[str, Any] = dict(
             max_devices=a.max_devices, strategies=self.steps.strategies, min_samples=min_samples,
             min_replicas=min_replicas, device_limit=a.device_limit,
             check_mesh=self.steps.check_mesh)
-        enable_compilation_cache(a.compile.cache_dir)
+        enable_compilation_cache(spec.compile.cache_dir)
         self.reader = MetricsReader(functools.partial(comm_seconds, self.steps, data,
-                                                      a.link_bandwidth))
+                                                      spec.link_bandwidth))
         self.data, self.clock = data, RunClock()  # clock: compile_seconds, train_seconds
         self.compilations = self.step = self.samples_seen = 0
         self.latest_metrics: dict[str, float] = {}
@@ -269,7 +238,7 @@ class Controller:
         self._preemption = Preemption()
         self._compiler = BackgroundCompiler(self.steps, enabled=a.compile_ahead)  # upcoming's
         self._hints_waiting = False  # announced after a change: asked once its step compiled
-        self._dir = RunDirectory(a.run_dir, max_to_keep=a.checkpoint.max_to_keep)
+        self._dir = RunDirectory(spec.run_dir, max_to_keep=spec.checkpoint.max_to_keep)
         try:
             self.config, self.state = self._start(a)
         except BaseException:
@@ -280,13 +249,15 @@ class Controller:
 
     def _start(self, a: Checked) -> tuple[RunConfig, Any]:
         """Opens the logs; returns the configuration and state the run starts from."""
+        tensorboard = next((h.every for h in a.hooks if isinstance(h, TensorBoard)), None)
         if not a.resume:
+            save_spec(self._dir.path, a.spec)
             # Rows left by an earlier attempt that never checkpointed are recomputed.
-            self._dir.open_log(tensorboard=a.tensorboard, resume_from=0)
+            self._dir.open_log(tensorboard=tensorboard, resume_from=0)
             return a.config, self.steps.init_state(a.config)
         t0 = time.perf_counter()
         r = resume_from(self._dir, self.steps, self.data, self.policy)
-        self._dir.open_log(tensorboard=a.tensorboard, resume_from=r.step)
+        self._dir.open_log(tensorboard=tensorboard, resume_from=r.step)
         self.step, self.samples_seen = int(r.meta["step"]), int(r.meta["samples_seen"])
         self._log(r.skipped)  # checkpoint_skipped events
         self._dir.recover_events(r.step, r.meta)
@@ -294,28 +265,63 @@ class Controller:
         self._to_decide = snapshots_of(r.meta, r.config)
         self.latest_metrics = dict(self._to_decide[-1].metrics) if self._to_decide else {}
         self.clock = RunClock.from_state(r.meta)
-        warn_overrides(dataclasses.asdict(a.config), r.config, self.steps.injected_values(),
-                       hyperparams_of(r.state))
+        warn_overrides(self.steps.injected_values(), hyperparams_of(r.state))
         self.log.event("resume", step=r.step, latency_s=elapsed(t0))
         return r.config, r.state
 
     @classmethod
-    def resume(cls, run_dir: str | os.PathLike | None = None, **kwargs: Any) -> Controller:
+    def resume(
+        cls, run_dir: str | os.PathLike | None = None, *, model: Any,
+        loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, data: Any,
+        spec: RunSpec | None = None, policies: Sequence[ajp.Policy] = (),
+        hooks: Sequence[Hook] | None = None,
+    ) -> Controller:
         """Continues the run in ``run_dir`` from its newest intact checkpoint.
 
-        Pass the arguments of the original run (code can't be read from disk);
-        the configuration, hyperparameters, data cursor, optimizer and policy
-        states come from the checkpoint (a passed value it overrides is named in
-        a warning), so the run continues exactly where it was.
+        Pass the code of the original run (it can't be read from disk); the
+        spec is the one saved in ``run_dir`` unless one is passed (its fields
+        that differ from the saved ones are named in one warning), and the
+        configuration, hyperparameters, data cursor, optimizer and policy
+        states come from the checkpoint, so the run continues exactly where it was.
         """
-        return cls(**resume_arguments(run_dir, kwargs))
+        spec = resumed_spec(run_dir, spec)
+        ctrl = cls.__new__(cls)
+        ctrl._setup(check_arguments(model, loss_fn, optimizer, data, spec, policies, hooks,
+                                    resume=True), model, loss_fn, optimizer, data)
+        return ctrl
 
-    model = property(_views.model)
-    hyperparams = property(_views.hyperparams)
-    run_dir = property(_views.run_dir)
-    log = property(_views.log)
-    checkpoints = property(_views.checkpoints)
-    nonfinite_count = property(_views.nonfinite_count)
+    @property
+    def model(self) -> Any:
+        """The current model (NNX module) or params; under local models, their mean."""
+        params = consensus_params(self.state.params, self.state.opt_state)
+        return merge_model(self.state.graphdef, params, self.state.model_state)
+
+    @property
+    def hyperparams(self) -> dict[str, float]:
+        """The optimizer's numeric hyperparameters as the state holds them."""
+        return hyperparams_of(self.state)
+
+    @property
+    def run_dir(self) -> str:
+        """The run directory's path."""
+        return self._dir.path
+
+    @property
+    def log(self) -> RunLog | NullRunLog:
+        """The :class:`adaptjax.RunLog` (``log.events``: this session's events); on processes
+        other than 0, a stand-in that keeps ``events`` in memory and writes nothing."""
+        assert self._dir.log is not None  # set when the run directory is opened
+        return self._dir.log
+
+    @property
+    def checkpoints(self) -> RunCheckpoints:
+        """The run's :class:`adaptjax.RunCheckpoints`."""
+        return self._dir.checkpoints
+
+    @property
+    def nonfinite_count(self) -> int:
+        """Steps skipped so far for non-finite values (recorded)."""
+        return self.reader.nonfinite_count
 
     def context(self, step: int | None = None) -> ajp.Context:
         """The :class:`adaptjax.policies.Context` policies see (``step``: the metrics' step)."""
@@ -344,13 +350,13 @@ class Controller:
                 f"run(steps={steps}) counts absolute steps, and this run is already at step "
                 f"{self.step}; pass steps >= {self.step}"
             )
-        bar = ProgressBar(total=steps, initial=self.step, show=self._progress)
+        for hook in self.hooks:
+            hook.start(self, steps)
         try:
             with self._preemption.armed():
                 while self.step < steps and self._stop_reason is None:
                     self._turn(final=self.step + 1 >= steps)
-                    bar.update(self.latest_metrics, self.config)
-                    if self._preemption.agreed(self.step, self.policy_every):
+                    if self._preemption.agreed(self.step, self.spec.policy_every):
                         self._preempt()
                 self._record(lag=0)
                 self._log(self._compiler.finished())
@@ -360,7 +366,8 @@ class Controller:
             self.close()
             raise
         finally:
-            bar.close()
+            for hook in self.hooks:
+                hook.end(self)
 
     def _turn(self, final: bool) -> None:
         """One turn: dispatch -> record -> decide -> apply (-> periodic checkpoint)."""
@@ -369,10 +376,11 @@ class Controller:
             self._compile_upcoming()
         self._log(self._compiler.finished())
         t = self.step
-        if self.on_step is not None:
-            self.on_step(self)
-        every = self.checkpoint_options.every
-        sync_point = final or _every(every, t) or _every(self.eval_options.every, t)
+        for hook in self.hooks:
+            if t % hook.every == 0:
+                hook(self)
+        every = self.spec.checkpoint.every
+        sync_point = final or _every(every, t) or any(t % h.every == 0 for h in self._evaluations)
         self._record(lag=0 if sync_point else 1)
         while self._to_decide and self._to_decide[0].step < t:
             self._decide(self._to_decide.pop(0))
@@ -419,17 +427,17 @@ class Controller:
 
     def _record(self, lag: int) -> None:
         """Reads finished steps' metrics into the log; queues the ones policies will see."""
-        evaluation = self.eval_options
         for snap in self.reader.read(lag):
-            if evaluation.fn is not None and _every(evaluation.every, snap.step):
-                snap.metrics.update(self._evaluate(snap.step))
+            for hook in self._evaluations:
+                if snap.step % hook.every == 0:
+                    snap.metrics.update(self._evaluate(hook, snap.step))
             add_host_metrics(snap.metrics, self._hparams_of_step.pop(snap.step, {}),
-                             self.link_bandwidth, self.clock.metrics())
+                             self.spec.link_bandwidth, self.clock.metrics())
             self.latest_metrics = snap.metrics
             self.log.metrics(snap.step, snap.metrics)
-            if snap.step % self.policy_every == 0:
+            if snap.step % self.spec.policy_every == 0:
                 self._to_decide.append(snap)
-        limit, streak = self.max_nonfinite_steps, self.reader.nonfinite_streak
+        limit, streak = self.spec.max_nonfinite_steps, self.reader.nonfinite_streak
         if limit is not None and streak >= limit:
             self.log.event("nonfinite_stop", step=self.step, streak=streak)
             raise NonFiniteTraining(
@@ -437,13 +445,11 @@ class Controller:
                 "updates and were skipped; lower the learning rate or check the data"
             )
 
-    def _evaluate(self, step: int) -> dict[str, float]:
-        """``eval_fn`` on the model of ``step`` (the newest), prefixed ``eval_``."""
+    def _evaluate(self, hook: Evaluate, step: int) -> dict[str, float]:
+        """``hook``'s evaluation of the model of ``step`` (the newest), prefixed ``eval_``."""
         assert step == self.step, "evaluation runs on the model of its own step"
         t0 = time.perf_counter()
-        fn = self.eval_options.fn
-        assert fn is not None, "evaluation runs only with an eval_fn"
-        results = {f"eval_{k}": float(v) for k, v in fn(self.model).items()}
+        results = hook.results(self.model)
         self.log.event("eval", step=step, latency_s=elapsed(t0), **results)
         return results
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from adaptjax.controller._run_config import RunConfig
+from adaptjax._run_config import RunConfig
 from adaptjax.controller._step_cache import StepCache
 from adaptjax.launch._distributed import global_batch, mesh_rows
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from adaptjax._metric_vector import Metrics
-from adaptjax.controller._run_config import RunConfig
+from adaptjax._run_config import RunConfig
 
 
 @dataclasses.dataclass

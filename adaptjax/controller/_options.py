@@ -2,18 +2,14 @@
 
 As orbax's ``CheckpointManagerOptions``: each group of related settings is one
 frozen dataclass whose fields are checked in ``__post_init__``, so a bad value
-is refused in one line where it is written, before a controller exists. The
-:class:`adaptjax.Controller`'s keyword arguments (``checkpoint_every=``,
-``eval_fn=``, ``compilation_cache_dir=``, ...) build the same objects; the
-checks below are shared, only the names in their messages differ.
+is refused in one line where it is written, before a controller exists;
+:class:`adaptjax.RunSpec` holds them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
 
 import numpy as np
 
@@ -34,12 +30,6 @@ def check_max_to_keep(value, name: str = "max_to_keep") -> int | None:
     if value < 1:
         raise ValueError(f"{name} must be an integer >= 1 or None, got {value}")
     return int(value)
-
-
-def check_eval(fn, every, fn_name: str, every_name: str) -> None:
-    """An evaluation function needs an interval."""
-    if fn is not None and every is None:
-        raise ValueError(f"{fn_name} needs {every_name} (evaluate every this many steps)")
 
 
 def check_cache_dir(value, name: str):
@@ -79,33 +69,6 @@ class CheckpointOptions:
             self, "max_to_keep",
             check_max_to_keep(self.max_to_keep, "CheckpointOptions.max_to_keep"),
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalOptions:
-    """What a :class:`adaptjax.Controller` evaluates, and how often.
-
-    Attributes:
-      fn: ``fn(model_or_params) -> {name: float}``, run on the model after every
-        ``every``-th step; its values join that step's metrics, prefixed ``eval_``.
-      every: the evaluation interval in steps (required with ``fn``).
-
-    Example:
-      >>> import adaptjax
-      >>> adaptjax.EvalOptions(fn=lambda params: {"loss": 0.0}, every=50).every
-      50
-      >>> adaptjax.EvalOptions(fn=lambda params: {"loss": 0.0})
-      Traceback (most recent call last):
-      ...
-      ValueError: EvalOptions.fn needs EvalOptions.every (evaluate every this many steps)
-    """
-
-    fn: Callable[[Any], Mapping[str, float]] | None = None
-    every: int | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "every", every_or_none(self.every, "EvalOptions.every"))
-        check_eval(self.fn, self.every, "EvalOptions.fn", "EvalOptions.every")
 
 
 @dataclasses.dataclass(frozen=True)

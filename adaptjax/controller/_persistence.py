@@ -19,9 +19,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from adaptjax._run_config import RunConfig
 from adaptjax.controller._arguments import check_loss_shapes, replica_rows
 from adaptjax.controller._metrics_reader import Snapshot
-from adaptjax.controller._run_config import RunConfig
 from adaptjax.controller._run_dir import RunDirectory, user_stacklevel
 from adaptjax.controller._step_cache import StepCache
 from adaptjax.launch._distributed import (
@@ -108,7 +108,8 @@ def resume_from(run_dir: RunDirectory, steps: StepCache, data, policy) -> Resume
     step, (config, state, meta), skipped = run_dir.restore_newest_intact(load)
     if hasattr(data, "batch_at"):  # checked here, once the checkpoint's model was
         rows = replica_rows(config)
-        check_loss_shapes(steps.model, steps.loss_fn, data.batch_at(0, rows), rows)
+        check_loss_shapes(steps.model, steps.loss_fn, data.batch_at(0, rows), rows,
+                          steps.has_aux)
     passed = data.state_dict()
     data.load_state_dict(meta["data"])
     warn_data_overrides(passed, meta["data"])
@@ -124,15 +125,9 @@ def snapshots_of(meta: Mapping, config: RunConfig) -> list[Snapshot]:
             for s in meta.get("to_decide", [])]
 
 
-def warn_overrides(passed: Mapping[str, Any], config: RunConfig,
-                   hyperparams: Mapping[str, Any], held: Mapping[str, float]) -> None:
-    """Warns, once each, of a passed value the checkpoint's overrides (``hyperparams``: the
-    passed optimizer's, :func:`injected_values`; ``held``: the checkpoint's)."""
-    for key, value in passed.items():
-        if key == "devices" and passed.get("mesh_shape", None) != config.mesh_shape:
-            continue  # the "data" size of a mesh_shape the warning below names
-        if value != getattr(config, key):
-            _warn_override(key, value, getattr(config, key))
+def warn_overrides(hyperparams: Mapping[str, Any], held: Mapping[str, float]) -> None:
+    """Warns, once each, of a hyperparameter the passed optimizer sets (``hyperparams``:
+    :func:`injected_values`) that the checkpoint's (``held``) overrides."""
     for key, value in hyperparams.items():
         numeric = isinstance(value, int | float | np.number) and not isinstance(value, bool)
         if key in held and numeric and np.float32(value) != np.float32(held[key]):

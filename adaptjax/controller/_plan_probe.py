@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the launcher side imports this module: no jax there
-    from adaptjax.controller._run_config import RunConfig
+    from adaptjax._run_config import RunConfig
 
 #: The environment variable that turns a controller into a probe writing under its value.
 PLAN_DIR_ENV = "ADAPTJAX_PLAN_DIR"

@@ -13,9 +13,9 @@ import os
 import sys
 
 from adaptjax import policies as ajp
+from adaptjax._run_config import RunConfig
 from adaptjax._walk import find_held
 from adaptjax.controller._plan_probe import PlanRequest, probe_configs, probe_visits
-from adaptjax.controller._run_config import RunConfig
 from adaptjax.controller._step_cache import StepCache
 from adaptjax.costs._links import message_steps
 from adaptjax.costs._planner import FILENAME, Planner

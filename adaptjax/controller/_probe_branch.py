@@ -71,12 +71,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from adaptjax import policies as ajp
+from adaptjax._run_config import RunConfig
 from adaptjax._state import merge_model
 from adaptjax.controller._background import BackgroundCompiler
 from adaptjax.controller._carry_out import hyperparams_of, write_hyperparams
 from adaptjax.controller._metrics_reader import MetricsReader
 from adaptjax.controller._run_clock import RunClock
-from adaptjax.controller._run_config import RunConfig
 from adaptjax.controller._step_cache import OPTIMIZER, StepCache
 from adaptjax.sync._strategy import consensus_params
 
@@ -161,7 +161,7 @@ def best_per_batch(branches: list[Branch], losses: list[float]) -> tuple[list[Br
 
     Example:
       >>> from adaptjax.controller._probe_branch import Branch, best_per_batch
-      >>> from adaptjax.controller._run_config import RunConfig
+      >>> from adaptjax._run_config import RunConfig
       >>> c8, c16 = RunConfig(devices=1, batch_size=8), RunConfig(devices=1, batch_size=16)
       >>> branches = [Branch(c8, 4, 0.1, None, 1.0), Branch(c8, 4, 0.2, None, 2.0),
       ...             Branch(c16, 2, 0.1, None, 1.0), Branch(c16, 2, 0.2, None, 2.0)]

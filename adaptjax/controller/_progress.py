@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from tqdm.auto import tqdm
 
-from adaptjax.controller._run_config import RunConfig
+from adaptjax._run_config import RunConfig
 from adaptjax.launch._distributed import is_primary
 
 
@@ -32,8 +32,8 @@ class ProgressBar:
         self._latest: tuple[Mapping[str, float], RunConfig] | None = None
         self._postfix_at = -math.inf  # when the postfix was last formatted
 
-    def update(self, metrics: Mapping[str, float], config: RunConfig) -> None:
-        """One step more; the latest metrics (when any) and the configuration in the postfix.
+    def update(self, metrics: Mapping[str, float], config: RunConfig, steps: int = 1) -> None:
+        """``steps`` steps more; the latest metrics (when any) and the configuration in the postfix.
 
         The postfix is formatted at most once per ``mininterval``, as often as
         the bar is drawn, not at every step.
@@ -44,7 +44,7 @@ class ProgressBar:
             if now - self._postfix_at >= self._bar.mininterval:
                 self._postfix_at = now
                 self._set_postfix()
-        self._bar.update(1)
+        self._bar.update(steps)
 
     def _set_postfix(self) -> None:
         if self._latest is not None:

@@ -185,7 +185,7 @@ class RunDirectory:
       >>> import tempfile
       >>> from adaptjax.controller._run_dir import RunDirectory
       >>> rd = RunDirectory(tempfile.mkdtemp() + "/run", max_to_keep=2)
-      >>> rd.open_log(tensorboard=False)
+      >>> rd.open_log(tensorboard=None)
       >>> rd.log.metrics(1, {"loss": 0.5})
       >>> rd.latest_step() is None
       True
@@ -206,8 +206,9 @@ class RunDirectory:
         self._told = False  # a RunDirectoryError has been raised: close() does not repeat it
         self._sizes: dict[int, int] = {}  # bytes on disk of checkpoints, by step
 
-    def open_log(self, *, tensorboard: bool, resume_from: int | None = None) -> None:
-        """Opens the logs; on resume first drops the rows of steps after ``resume_from``.
+    def open_log(self, *, tensorboard: int | None, resume_from: int | None = None) -> None:
+        """Opens the logs (``tensorboard``: write its scalars every this many steps, ``None``:
+        not at all); on resume first drops the rows of steps after ``resume_from``.
 
         Damaged lines are dropped too; on a resume (``resume_from > 0``) one
         warning per file says how many, and one says which steps up to
@@ -222,7 +223,8 @@ class RunDirectory:
             if resume_from > 0:
                 _warn_repair(repair, resume_from)
             purge = resume_from + 1  # TensorBoard hides the points of recomputed steps
-        self.log = RunLog(self.path, tensorboard=tensorboard, purge_step=purge)
+        self.log = RunLog(self.path, tensorboard=tensorboard is not None, purge_step=purge,
+                          tensorboard_every=tensorboard or 1)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step (after the save in flight: a failed one raises)."""

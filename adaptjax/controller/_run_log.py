@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from adaptjax._events import event_latencies  # noqa: F401 - the CLI reads it from here
 from adaptjax.controller._run_lock import RunDirectoryError, as_run_dir_error
 
 
@@ -38,7 +39,7 @@ class RunLog:
 
     Args:
       run_dir: the run directory (must exist).
-      tensorboard: also write TensorBoard event files.
+      tensorboard: also write TensorBoard event files (every ``tensorboard_every`` steps).
 
     Example:
       >>> import json, tempfile, adaptjax
@@ -51,12 +52,13 @@ class RunLog:
     """
 
     def __init__(
-        self, run_dir: str | os.PathLike, *, tensorboard: bool = True, purge_step: int | None = None
+        self, run_dir: str | os.PathLike, *, tensorboard: bool = True,
+        purge_step: int | None = None, tensorboard_every: int = 1,
     ):
         self.run_dir = os.fspath(run_dir)
         self._metrics = open(os.path.join(self.run_dir, "metrics.jsonl"), "a", buffering=1 << 16)
         self._events = open(os.path.join(self.run_dir, "events.jsonl"), "a", buffering=1)
-        self._writer = None
+        self._writer, self._tensorboard_every = None, tensorboard_every
         if tensorboard:
             # deferred: tensorboardX takes a third of a second to import, and the read-only
             # commands of the CLI import this module for read_jsonl_rows (standard library)
@@ -75,7 +77,7 @@ class RunLog:
         row = {"step": int(step), **{k: _jsonable(v) for k, v in values.items()}}
         with self._writing(self._metrics):
             self._metrics.write(json.dumps(row) + "\n")
-        if self._writer is not None:
+        if self._writer is not None and step % self._tensorboard_every == 0:
             self._scalars(self._writer, {k: v for k, v in row.items()
                                          if k != "step" and isinstance(v, float | int)}, int(step))
 
@@ -311,21 +313,6 @@ def read_events(run_dir: str | os.PathLike) -> list[dict]:
     """The events of ``run_dir/events.jsonl`` in step order (time order within a step)."""
     rows = read_jsonl_rows(os.path.join(run_dir, "events.jsonl"))
     return sorted(rows, key=lambda e: e.get("step", 0))
-
-
-def event_latencies(events: list[dict], kind: str) -> list[float]:
-    """``latency_s`` of each event of ``kind`` that has one (a failed compile has none).
-
-    Example:
-      >>> from adaptjax.controller._run_log import event_latencies
-      >>> event_latencies([{"kind": "compile", "latency_s": 2.5}, {"kind": "compile"},
-      ...                  {"kind": "eval", "latency_s": 1.0}], "compile")
-      [2.5]
-    """
-    return [
-        float(e["latency_s"]) for e in events
-        if e.get("kind") == kind and isinstance(e.get("latency_s"), int | float)
-    ]
 
 
 @dataclasses.dataclass(frozen=True)

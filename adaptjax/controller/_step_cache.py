@@ -15,17 +15,17 @@ import optax
 from adaptjax import policies as ajp
 from adaptjax._chain import named_chain
 from adaptjax._codec import GradientCodec
+from adaptjax._config_meshes import build_mesh, check_shardings
 from adaptjax._loss_scale import LossScaled, check_loss_scale_options, dynamic_loss_scale
 from adaptjax._metrics import update_norm
 from adaptjax._precision import Precision, check_precision, with_precision
+from adaptjax._run_config import RunConfig, codec_key, controller_precision
 from adaptjax._state import abstract_state, init_state, shape_struct, split_model
 from adaptjax._step import DataParallelStep, data_parallel_step
 from adaptjax._sync import sync_gradients
 from adaptjax._walk import find_held
 from adaptjax._wire import wire_bytes
 from adaptjax.controller._hyperparams import injected_values, with_rate_factor
-from adaptjax.controller._meshes import build_mesh, check_shardings
-from adaptjax.controller._run_config import RunConfig, codec_key, controller_precision
 from adaptjax.sync._registry import register_strategies, resolve_sync, sync_key
 from adaptjax.sync._ssgd import SSGD
 

@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from adaptjax._run_config import RunConfig, codec_key, precision_key
 from adaptjax._wire import Collective, WireReport, wire_bytes
-from adaptjax.controller._run_config import RunConfig, codec_key, precision_key
 from adaptjax.costs._calibrate import DEFAULT_KINDS, calibrate_axis_links, calibrate_links
 from adaptjax.costs._links import LinkModel
 from adaptjax.costs._meshes import mesh_shapes, state_bytes_per_device
@@ -65,7 +65,7 @@ from adaptjax.costs._simulate import wire_for
 from adaptjax.sync._registry import sync_key
 
 if TYPE_CHECKING:
-    from adaptjax.controller._controller import Controller
+    import adaptjax
     from adaptjax.policies import Candidate
 
 #: A codec's ``transport`` for each exchange kind the planner prices.
@@ -151,7 +151,7 @@ class Planner:
         self.model = StepTimeModel(self.links or {})
 
     # ---- wiring ------------------------------------------------------------------------
-    def attach(self, controller: Controller, *, calibrate: bool = True) -> Planner:
+    def attach(self, controller: adaptjax.Controller, *, calibrate: bool = True) -> Planner:
         """Reads compiled steps' collectives from ``controller``; calibrates links if unset.
 
         With ``calibrate=False`` links stay unset until :meth:`calibrate` is

@@ -5,7 +5,7 @@ starts from the run's first configuration and asks fresh copies of the run's
 policies (code cannot be read from disk: pass the same ones) exactly when the
 controller asked them — on the metrics of every ``policy_every``-th step, with
 the decision taking effect two steps later — and carries out their actions by
-the controller's own rules (:func:`adaptjax.controller._transition.plan_transition`:
+the controller's own rules (:func:`adaptjax._transition.plan_transition`:
 batch rounding, device caps, hyperparameters). Each step costs the modelled
 step time of the configuration the replay is in; a configuration first met
 costs the run's median compile seconds, a rescale its median rescale seconds.
@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from adaptjax import policies as ajp
+from adaptjax._events import event_latencies
+from adaptjax._run_config import RunConfig, codec_key
+from adaptjax._transition import one_gradient_sample, plan_transition
 from adaptjax._walk import find_held
-from adaptjax.controller._run_config import RunConfig, codec_key
-from adaptjax.controller._run_log import event_latencies
-from adaptjax.controller._transition import one_gradient_sample, plan_transition
 from adaptjax.costs._links import LinkModel
 from adaptjax.costs._model import (
     CannotPredict,

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _controller_args import make_controller  # noqa: E402
 
 import adaptjax
 from adaptjax import policies as ajp
@@ -129,7 +130,7 @@ def test_report_writes_png_and_summary_naming_each_decision(tmp_path):
 def test_controller_logs_reasons_metrics_and_the_learning_rate(tmp_path):
     x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
     loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)  # noqa: E731
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         model={"w": jnp.zeros(4)}, loss_fn=loss,
         optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
         data=adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0), devices=2, batch_size=8,

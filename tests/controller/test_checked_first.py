@@ -11,6 +11,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _controller_args import make_controller  # noqa: E402
 
 import adaptjax
 from adaptjax import policies as ajp
@@ -29,7 +30,7 @@ def test_integer_parameters_are_refused_before_the_run_dir_exists(tmp_path):
     params = job.init_params()
     params["counts"] = jnp.arange(3)
     with pytest.raises(ValueError) as e:
-        adaptjax.Controller(run_dir=tmp_path / "run", **job.job_kwargs(model=params))
+        make_controller(run_dir=tmp_path / "run", **job.job_kwargs(model=params))
     assert "parameters must be floating point, got int32 at ['counts']" in _one_line(e)
     assert not (tmp_path / "run").exists()  # no lock, no log file
 
@@ -43,7 +44,7 @@ def _narrow_data():
 def test_a_wrong_feature_dimension_names_the_leaf_and_both_shapes_before_the_run_dir(tmp_path):
     data = adaptjax.ArrayDataset(_narrow_data(), seed=0)
     with pytest.raises(ValueError) as e:
-        adaptjax.Controller(run_dir=tmp_path / "run", **job.job_kwargs(data=data))
+        make_controller(run_dir=tmp_path / "run", **job.job_kwargs(data=data))
     msg = _one_line(e)
     assert "(7,) and (8,)" in msg  # both shapes
     assert "x: float32[8, 7]" in msg  # the batch leaf, as one replica sees it (64 / 8 rows)
@@ -57,7 +58,7 @@ def test_a_dataset_without_batch_at_is_checked_on_its_first_batch_before_compili
     def examples(epoch):
         return ({k: v[i] for k, v in rows.items()} for i in range(len(rows["x"])))
 
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         run_dir=tmp_path / "run",
         **job.job_kwargs(data=adaptjax.IterableDataset(examples), policies=[]),
     )
@@ -72,7 +73,7 @@ def test_a_dataset_without_batch_at_is_checked_on_its_first_batch_before_compili
 def test_a_negative_learning_rate_is_refused_in_one_line_and_changes_nothing(tmp_path, how):
     bad = ajp.SetHyperparams({"learning_rate": -1})
     policies = [ajp.Schedule({2: bad})] if how == "policy" else []
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         run_dir=tmp_path / "run", **job.job_kwargs(policies=policies, policy_every=1)
     )
     with pytest.raises(ValueError) as e:

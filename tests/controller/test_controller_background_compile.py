@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _controller_args import make_controller  # noqa: E402
 
 import adaptjax
 import adaptjax.cli._main
@@ -30,7 +31,7 @@ def step_compiles():
 def run(tmp_path, precompile, steps=40):
     x = np.random.default_rng(0).normal(size=(512, 4)).astype(np.float32)
     data = adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0)
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         model={"w": jnp.zeros(4)},
         loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
         optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.05), data=data,
@@ -89,7 +90,7 @@ def test_a_hint_that_cannot_compile_is_logged_and_training_goes_on(tmp_path, ste
             raise RuntimeError("this codec cannot be built")
 
     x = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         model={"w": jnp.zeros(4)},
         loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
         optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.05),
@@ -145,7 +146,7 @@ def test_a_batch_change_compiled_in_the_background_waits_for_no_compile(tmp_path
                                                                         step_compiles):
     policy = _Announces()
     x = np.random.default_rng(0).normal(size=(2048, 4)).astype(np.float32)
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         model={"w": jnp.zeros(4)},
         loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
         optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.05),
@@ -189,8 +190,8 @@ def test_compiled_batch_sizes_are_those_of_the_configuration_but_its_batch():
 
 
 def test_an_announced_probe_names_its_branches_configurations():
+    from adaptjax._transition import plan_transition
     from adaptjax.controller._background import announced_configs
-    from adaptjax.controller._transition import plan_transition
 
     config = adaptjax.RunConfig(4, 32)
     hints = [ajp.Probe((8, 30, 64), steps=2), ajp.SetBatchSize(64), ajp.Stop()]

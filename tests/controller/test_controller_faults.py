@@ -20,6 +20,7 @@ import time
 import numpy as np
 import optax
 import pytest
+from _controller_args import make_controller, resume_controller  # noqa: E402
 
 import adaptjax
 from adaptjax import policies as ajp
@@ -315,7 +316,7 @@ class Recorder(ajp.Policy):
 
 def test_one_decision_fires_once_even_when_it_rescales(tmp_path):
     policy = Recorder(lambda ctx: [ajp.Rescale(devices=4)] if ctx.step == 4 else [])
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         run_dir=tmp_path, **job.job_kwargs(policies=[policy], policy_every=1)
     )
     ctrl.run(8)
@@ -329,7 +330,7 @@ def test_one_decision_fires_once_even_when_it_rescales(tmp_path):
 def test_context_step_is_the_step_the_metrics_belong_to(tmp_path):
     policy = Recorder()
     sched = ajp.Schedule({15: ajp.SetBatchSize(32)})
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         run_dir=tmp_path,
         **job.job_kwargs(policies=[policy, sched], policy_every=5, checkpoint_every=10),
     )
@@ -349,7 +350,7 @@ def test_exception_finishes_the_in_flight_checkpoint_and_logs_only_completed_one
                 raise RuntimeError("policy bug")
             return []
 
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         run_dir=tmp_path, **job.job_kwargs(policies=[Boom()], policy_every=1, checkpoint_every=10)
     )
     with pytest.raises(RuntimeError, match="policy bug"):
@@ -358,7 +359,7 @@ def test_exception_finishes_the_in_flight_checkpoint_and_logs_only_completed_one
     logged = [e["step"] for e in _rows(tmp_path / "events.jsonl") if e["kind"] == "checkpoint"]
     assert logged == [10]
     # the run directory was released: it resumes in this same process
-    resumed = adaptjax.Controller.resume(
+    resumed = resume_controller(
         tmp_path, **job.job_kwargs(policies=[Boom()], policy_every=1)
     )
     assert resumed.step == 10
@@ -366,12 +367,12 @@ def test_exception_finishes_the_in_flight_checkpoint_and_logs_only_completed_one
 
 
 def test_a_second_controller_on_the_run_dir_gets_the_holders_pid(tmp_path):
-    first = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+    first = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
     with pytest.raises(adaptjax.RunDirectoryLocked) as e:
-        adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+        make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
     assert f"pid {os.getpid()}" in _one_line(e)
     first.close()
-    adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[])).close()
+    make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[])).close()
 
 
 # --- corrupt checkpoints -------------------------------------------------------------
@@ -379,7 +380,7 @@ def test_a_second_controller_on_the_run_dir_gets_the_holders_pid(tmp_path):
 
 @pytest.fixture
 def three_checkpoints(tmp_path):
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
     ctrl.run(30)
     ctrl.close()
     return tmp_path
@@ -424,7 +425,7 @@ def test_a_damaged_latest_checkpoint_is_skipped_for_the_newest_intact_one(
     run_dir = three_checkpoints
     damage(run_dir)
     with pytest.warns(UserWarning, match="skipped checkpoint 30"):
-        ctrl = adaptjax.Controller.resume(run_dir, **job.job_kwargs(policies=[]))
+        ctrl = resume_controller(run_dir, **job.job_kwargs(policies=[]))
     assert ctrl.step == 20
     (skip,) = [e for e in ctrl.log.events if e["kind"] == "checkpoint_skipped"]
     assert skip["skipped_step"] == 30 and "checkpoints/30" in skip["reason"]
@@ -441,7 +442,7 @@ def test_changed_array_bytes_are_refused_by_checksum_with_a_one_line_error(three
     ckpts = three_checkpoints / "checkpoints"
     shutil.rmtree(ckpts / "30" / "state")
     shutil.copytree(ckpts / "20" / "state", ckpts / "30" / "state")
-    ctrl = adaptjax.Controller(run_dir=three_checkpoints / "x", **job.job_kwargs(policies=[]))
+    ctrl = make_controller(run_dir=three_checkpoints / "x", **job.job_kwargs(policies=[]))
     with adaptjax.RunCheckpoints(ckpts) as ckpt:
         with pytest.raises(adaptjax.CorruptCheckpointError) as e:
             ckpt.restore(30, target_state=ctrl.state, mesh=adaptjax.make_mesh(8))
@@ -453,7 +454,7 @@ def test_changed_array_bytes_are_refused_by_checksum_with_a_one_line_error(three
 def test_a_stray_step_directory_is_quarantined_with_a_warning(three_checkpoints):
     os.makedirs(three_checkpoints / "checkpoints" / "999")
     with pytest.warns(UserWarning, match="skipped checkpoint 999: .* not a complete checkpoint"):
-        ctrl = adaptjax.Controller.resume(three_checkpoints, **job.job_kwargs(policies=[]))
+        ctrl = resume_controller(three_checkpoints, **job.job_kwargs(policies=[]))
     assert ctrl.step == 30
     ctrl.close()
     assert not os.path.exists(three_checkpoints / "checkpoints" / "999")
@@ -464,7 +465,7 @@ def test_no_intact_checkpoint_says_so_in_one_line(three_checkpoints):
     for step in (10, 20, 30):
         os.remove(three_checkpoints / "checkpoints" / str(step) / "state" / "_METADATA")
     with pytest.warns(UserWarning), pytest.raises(ValueError) as e:
-        adaptjax.Controller.resume(three_checkpoints, **job.job_kwargs(policies=[]))
+        resume_controller(three_checkpoints, **job.job_kwargs(policies=[]))
     assert "no intact checkpoint" in _one_line(e)
 
 
@@ -487,13 +488,13 @@ def test_no_intact_checkpoint_says_so_in_one_line(three_checkpoints):
 )
 def test_bad_arguments_fail_before_the_run_dir_exists(tmp_path, overrides, message):
     with pytest.raises(ValueError) as e:
-        adaptjax.Controller(run_dir=tmp_path / "run", **job.job_kwargs(**overrides))
+        make_controller(run_dir=tmp_path / "run", **job.job_kwargs(**overrides))
     assert message in _one_line(e)
     assert not (tmp_path / "run").exists()
 
 
 def test_run_with_negative_or_past_steps_writes_nothing(tmp_path):
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
     with pytest.raises(ValueError) as e:
         ctrl.run(steps=-5)
     assert "steps must be a non-negative integer, got -5" in _one_line(e)
@@ -508,7 +509,7 @@ def test_run_with_negative_or_past_steps_writes_nothing(tmp_path):
 def test_a_run_whose_every_step_is_nonfinite_stops_with_an_error(tmp_path):
     data = job.make_data()
     data["x"][:] = np.nan
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         run_dir=tmp_path,
         **job.job_kwargs(
             policies=[], data=adaptjax.ArrayDataset(data, seed=0), max_nonfinite_steps=5
@@ -521,7 +522,7 @@ def test_a_run_whose_every_step_is_nonfinite_stops_with_an_error(tmp_path):
 
 
 def test_resume_warns_for_every_value_the_checkpoint_overrides(tmp_path):
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         run_dir=tmp_path,
         **job.job_kwargs(policies=[Recorder()], optimizer=optax.inject_hyperparams(optax.adam)(
             learning_rate=1e-2, b1=0.9)),
@@ -531,7 +532,7 @@ def test_resume_warns_for_every_value_the_checkpoint_overrides(tmp_path):
     seen = Recorder()
     seen.decide = lambda metrics, ctx: seen.steps.append(dict(ctx.hyperparams)) or []
     with pytest.warns(UserWarning) as record:
-        resumed = adaptjax.Controller.resume(
+        resumed = resume_controller(
             tmp_path,
             **job.job_kwargs(
                 policies=[seen],
@@ -542,8 +543,13 @@ def test_resume_warns_for_every_value_the_checkpoint_overrides(tmp_path):
             ),
         )
     messages = [str(w.message) for w in record]
-    for key in ("devices=4", "batch_size=32", "learning_rate=0.001", "b1=0.8"):
+    spec_warnings = [m for m in messages if "the spec passed differs" in m]
+    assert len(spec_warnings) == 1  # one warning naming every differing field
+    assert spec_warnings[0].startswith(f"resume: the spec passed differs from {tmp_path}")
+    assert " in batch_size, devices, policy_every; " in spec_warnings[0]
+    for key in ("learning_rate=0.001", "b1=0.8"):
         assert any(key in m and "continues with the checkpoint's" in m for m in messages), key
+    assert len(messages) == 3
     resumed.run(12)
     assert seen.steps[-1]["b1"] == pytest.approx(0.9)  # what the optimizer really holds
     assert resumed.config.devices == 8 and resumed.config.batch_size == 64
@@ -552,10 +558,10 @@ def test_resume_warns_for_every_value_the_checkpoint_overrides(tmp_path):
 
 def test_resume_accepts_run_dir_among_the_same_arguments(tmp_path):
     kwargs = job.job_kwargs(policies=[], run_dir=tmp_path)
-    ctrl = adaptjax.Controller(**kwargs)
+    ctrl = make_controller(**kwargs)
     ctrl.run(10)
     ctrl.close()
-    resumed = adaptjax.Controller.resume(**job.job_kwargs(policies=[], run_dir=tmp_path))
+    resumed = resume_controller(**job.job_kwargs(policies=[], run_dir=tmp_path))
     assert resumed.step == 10
     resumed.close()
 
@@ -563,7 +569,7 @@ def test_resume_accepts_run_dir_among_the_same_arguments(tmp_path):
 def test_a_policy_that_needs_a_metric_never_produced_warns_at_construction(tmp_path):
     switch = ajp.SwitchCompression(object(), when_comm_share_above=0.5)
     with pytest.warns(UserWarning, match="'comm_share'.*link_bandwidth") as record:
-        ctrl = adaptjax.Controller(
+        ctrl = make_controller(
             run_dir=tmp_path / "a", **job.job_kwargs(policies=[ajp.cooldown(switch, steps=5)])
         )
     assert sum("comm_share" in str(w.message) for w in record) == 1  # one line, once
@@ -572,7 +578,7 @@ def test_a_policy_that_needs_a_metric_never_produced_warns_at_construction(tmp_p
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ctrl = adaptjax.Controller(
+        ctrl = make_controller(
             run_dir=tmp_path / "b", **job.job_kwargs(policies=[switch], link_bandwidth=1e9)
         )
     ctrl.close()

@@ -20,9 +20,11 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _controller_args import make_controller, resume_controller  # noqa: E402
 
 import adaptjax
 from adaptjax import policies as ajp
+from adaptjax._transition import plan_transition
 from adaptjax.controller._background import announced_configs
 from adaptjax.controller._carry_out import (
     carry_out,
@@ -31,7 +33,6 @@ from adaptjax.controller._carry_out import (
     write_hyperparams,
 )
 from adaptjax.controller._step_cache import OPTIMIZER, StepCache
-from adaptjax.controller._transition import plan_transition
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import controller_job as job  # noqa: E402
@@ -164,7 +165,7 @@ def test_a_sync_strategy_switch_under_float16_keeps_the_scale():
 def test_bad_loss_scale_options_are_refused_before_touching_disk(tmp_path, loss_scale, message):
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError) as e:
-        adaptjax.Controller(run_dir=run_dir, **job.job_kwargs(
+        make_controller(run_dir=run_dir, **job.job_kwargs(
             policies=[], precision="float16", loss_scale=loss_scale))
     assert _one_line(e).startswith(message)
     assert not run_dir.exists()
@@ -182,7 +183,7 @@ def test_the_loss_scale_grows_every_period_and_halves_and_skips_on_an_overflow(t
     def keep(ctrl):  # each step's state on the host, before the next step donates it
         seen[ctrl.step] = _host((ctrl.state.params, ctrl.state.opt_state[OPTIMIZER]))
 
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(
         policies=[], checkpoint_every=None, devices=8, batch_size=16, on_step=keep,
         data=adaptjax.ArrayDataset(raw, shuffle=False), precision="float16",
         loss_scale={"initial_scale": INITIAL, "period": PERIOD}))
@@ -203,7 +204,7 @@ def test_the_loss_scale_grows_every_period_and_halves_and_skips_on_an_overflow(t
 
 
 def test_float32_float16_float32_switches_keep_every_array_bit_identical(tmp_path):
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(
         policies=[], checkpoint_every=None, devices=4, batch_size=32,
         loss_scale={"initial_scale": INITIAL, "period": PERIOD}))
     ctrl.run(3)
@@ -237,19 +238,19 @@ def test_float32_float16_float32_switches_keep_every_array_bit_identical(tmp_pat
 def test_a_float16_checkpoint_resumes_with_its_scale_and_converts_to_bfloat16(tmp_path):
     kwargs = dict(policies=[], checkpoint_every=None, devices=4, batch_size=32,
                   precision="float16", loss_scale={"initial_scale": INITIAL, "period": PERIOD})
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(**kwargs))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(**kwargs))
     ctrl.run(4)  # the end is checkpointed: the scale grew once, one finite step since
     ctrl.close()
     final = _host(ctrl.state)
     assert float(final.opt_state[OPTIMIZER].scale) == 2 * INITIAL
     assert ctrl.checkpoints.read_meta(4)["config"]["precision"] == "float16"
 
-    resumed = adaptjax.Controller.resume(tmp_path, **job.job_kwargs(**kwargs))
+    resumed = resume_controller(tmp_path, **job.job_kwargs(**kwargs))
     assert resumed.config == ctrl.config and _same(resumed.state, final)
     resumed.close()
 
-    with pytest.warns(UserWarning, match="checkpoint's precision='float16'"):
-        as_bf16 = adaptjax.Controller.resume(tmp_path, **job.job_kwargs(
+    with pytest.warns(UserWarning, match=r"the spec passed differs from .* in precision; "):
+        as_bf16 = resume_controller(tmp_path, **job.job_kwargs(
             **{**kwargs, "precision": "bfloat16"}))
     assert _same(as_bf16.state, final)  # restored onto the checkpoint's own structure
     for _ in range(2):

@@ -17,10 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _controller_args import make_controller  # noqa: E402
 
 import adaptjax
 import adaptjax.controller
 from adaptjax import policies as ajp
+from adaptjax._transition import plan_transition
 from adaptjax.controller._background import BackgroundCompiler, announced_configs
 from adaptjax.controller._metrics_reader import Snapshot
 from adaptjax.controller._persistence import checkpoint_meta, snapshots_of, warn_overrides
@@ -30,7 +32,6 @@ from adaptjax.controller._probe import move_actions
 from adaptjax.controller._run_clock import RunClock
 from adaptjax.controller._run_dir import RunDirectory
 from adaptjax.controller._step_cache import StepCache
-from adaptjax.controller._transition import plan_transition
 
 CONTROLLER = os.path.dirname(adaptjax.controller.__file__)
 
@@ -60,7 +61,7 @@ def test_only_the_loop_assigns_the_runs_state_and_configuration():
                    and isinstance(e.value, ast.Name) and e.value.id == "self" for e in flat)
 
     # the start, a step, and a carried-out transition landing
-    assert _methods_that(_controller_class(), assigns) == ["__init__", "_dispatch", "_land"]
+    assert _methods_that(_controller_class(), assigns) == ["_dispatch", "_land", "_setup"]
 
 
 def test_only_the_loop_records_and_checkpoints():
@@ -142,7 +143,7 @@ def test_a_background_compile_that_fails_is_an_event_and_never_compiled_ahead():
 def test_events_are_complete_when_handed_to_the_run_directory(tmp_path):
     state = adaptjax.init_state({"w": jnp.ones(4)}, optax.sgd(0.1), adaptjax.make_mesh(2))
     rd = RunDirectory(tmp_path / "run", max_to_keep=2)
-    rd.open_log(tensorboard=False)
+    rd.open_log(tensorboard=None)
     move = {"kind": "rescale", "devices_from": 4, "devices_to": 2}
     t0 = time.perf_counter()
     rd.save(3, state, {}, [{"kind": "checkpoint"}, move], since=t0)
@@ -161,7 +162,7 @@ def test_events_are_complete_when_handed_to_the_run_directory(tmp_path):
 
 def test_a_controllers_rescale_is_logged_complete_with_its_checkpoint(tmp_path):
     x = np.random.default_rng(0).normal(size=(64, 2)).astype(np.float32)
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         model={"w": jnp.zeros(2)}, loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2),
         optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
         data=adaptjax.ArrayDataset({"x": x}, seed=0), devices=4, batch_size=8,
@@ -203,12 +204,10 @@ def test_a_checkpoints_meta_is_the_loops_position_in_plain_json():
 
 
 def test_a_resume_warns_of_each_value_the_checkpoint_overrides():
-    kept = adaptjax.RunConfig(2, 8)
     with pytest.warns(UserWarning) as record:
-        warn_overrides({"devices": 4, "batch_size": 8}, kept, {"learning_rate": 0.5, "b": True},
-                       {"learning_rate": 0.1, "b": 1.0})
+        warn_overrides({"learning_rate": 0.5, "b": True}, {"learning_rate": 0.1, "b": 1.0})
     assert [str(w.message).split(" was passed")[0] for w in record] == [
-        "resume: devices=4", "resume: learning_rate=0.5"]
+        "resume: learning_rate=0.5"]
 
 
 # ------------------------------------------------------------------ adaptjax plan's probe

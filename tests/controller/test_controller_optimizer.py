@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _controller_args import make_controller, resume_controller  # noqa: E402
 
 import adaptjax
 from adaptjax import policies as ajp
@@ -46,7 +47,7 @@ def _loss(p, b):
 
 
 def _controller(tmp_path, optimizer, **kw):
-    return adaptjax.Controller(
+    return make_controller(
         model={"w": jnp.zeros(4)}, loss_fn=_loss, optimizer=optimizer, data=_data(),
         devices=8, batch_size=BATCH, policies=[HalveAt(10)], run_dir=tmp_path,
         progress=False, tensorboard=False, **kw)
@@ -123,7 +124,7 @@ def test_resume_keeps_the_factor(tmp_path):
     factor, w = float(ctrl.state.opt_state["optimizer"].factor), np.asarray(ctrl.state.params["w"])
     ctrl.close()
     assert factor == 0.5
-    again = adaptjax.Controller.resume(
+    again = resume_controller(
         tmp_path, model={"w": jnp.zeros(4)}, loss_fn=_loss, optimizer=optax.adam(1e-3),
         learning_rate=1e-3, data=_data(), devices=8, batch_size=BATCH, policies=[HalveAt(10)],
         progress=False, tensorboard=False)

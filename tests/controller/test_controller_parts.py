@@ -8,11 +8,11 @@ import pytest
 
 import adaptjax
 from adaptjax import policies as ajp
+from adaptjax._transition import plan_transition
 from adaptjax.controller._metrics_reader import MetricsReader
 from adaptjax.controller._run_dir import RunDirectory
 from adaptjax.controller._run_lock import RunLock
 from adaptjax.controller._run_log import truncate_run_logs
-from adaptjax.controller._transition import plan_transition
 
 
 def _one_line(excinfo):
@@ -201,7 +201,7 @@ def test_run_directory_logs_a_checkpoint_only_once_it_is_complete(tmp_path):
 
     state = adaptjax.init_state({"w": jnp.ones(4)}, optax.sgd(0.1), adaptjax.make_mesh(2))
     rd = RunDirectory(tmp_path / "run", max_to_keep=2)
-    rd.open_log(tensorboard=False)
+    rd.open_log(tensorboard=None)
     rd.log.metrics(1, {"loss": 1.0})
     rd.save(1, state, {"x": 1}, [{"latency_s": 0.0}])
     rd.confirm(block=True)
@@ -221,7 +221,7 @@ def test_a_new_checkpoint_starts_only_after_the_previous_ones_events_are_logged(
 
     state = adaptjax.init_state({"w": jnp.ones(4)}, optax.sgd(0.1), adaptjax.make_mesh(2))
     rd = RunDirectory(tmp_path / "run", max_to_keep=3)
-    rd.open_log(tensorboard=False)
+    rd.open_log(tensorboard=None)
     rd.save(1, state, {}, [{}])
     rd.save(2, state, {}, [{}])  # no confirm in between, as when a rescale follows a checkpoint
     events = [json.loads(x) for x in open(tmp_path / "run" / "events.jsonl")]

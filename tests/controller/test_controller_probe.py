@@ -27,12 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _controller_args import make_controller  # noqa: E402
 from flax import nnx
 
 import adaptjax
 from adaptjax import policies as ajp
+from adaptjax._transition import plan_transition
 from adaptjax.cli._report import summary_markdown
-from adaptjax.controller._transition import plan_transition
 
 D, SIGMA = 16, 1.0
 TIMING = {"step_time", "throughput", "compile_seconds", "train_seconds", "probe_seconds"}
@@ -62,7 +63,7 @@ def _run_net(run_dir, policies, steps=24):
     x = np.random.default_rng(0).normal(size=(2048, 4)).astype(np.float32)
     model = Net(nnx.Rngs(params=0, dropout=1))
     model.train()
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         model=model, loss_fn=_net_loss,
         optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
         data=adaptjax.ArrayDataset({"x": x, "y": np.sin(x).sum(1)}, seed=0),
@@ -128,7 +129,7 @@ def test_the_probe_finds_the_analytic_critical_batch_of_linear_regression(tmp_pa
     x = rng.normal(size=(n, D)).astype(np.float32)
     y = (SIGMA * rng.normal(size=n)).astype(np.float32)  # w* = 0
     probe = ajp.Probe((4, 8, 16, 32, 64), steps=1, lr_rule="adascale", lr_multipliers=multipliers)
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         model={"w": jnp.asarray(delta)},
         loss_fn=lambda p, b: 0.5 * jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
         optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=1e-7),  # w stays at δ meanwhile
@@ -163,7 +164,7 @@ def test_a_dataset_without_batch_at_skips_the_probe_and_says_why(tmp_path):
         rng = np.random.default_rng(epoch)
         return ({"x": rng.normal(size=4).astype(np.float32)} for _ in range(256))
 
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         model={"w": jnp.zeros(4)}, loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2),
         optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
         data=adaptjax.IterableDataset(examples), devices=2, batch_size=8,
@@ -188,8 +189,8 @@ def test_the_transition_carries_the_probe_and_the_later_one_wins():
 
 def test_adascale_branches_of_adam_take_the_second_moment_of_their_batch():
     # gain r = (σ² + μ²) / (σ²M/B + μ²) with σ² = grad_variance / M: lr x √r and ν / r for Adam
+    from adaptjax._run_config import RunConfig
     from adaptjax.controller._probe_branch import plan_branches
-    from adaptjax.controller._run_config import RunConfig
 
     config, m = RunConfig(devices=2, batch_size=16), 16
     metrics = {"grad_variance": 32.0, "grad_sqnorm": 1.0}  # σ² = 2, μ² = 1
@@ -227,8 +228,8 @@ def test_a_second_moment_divided_by_r_enters_adams_next_update():
 
 
 def test_a_sweep_branches_every_batch_once_per_factor_on_its_rules_rate():
+    from adaptjax._run_config import RunConfig
     from adaptjax.controller._probe_branch import plan_branches
-    from adaptjax.controller._run_config import RunConfig
 
     config = RunConfig(devices=2, batch_size=16)
     plan = lambda actions: config.replace(batch_size=actions[0].batch_size)  # noqa: E731

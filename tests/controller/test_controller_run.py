@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _controller_args import make_controller, resume_controller  # noqa: E402
 
 import adaptjax
 from adaptjax import policies as ajp
@@ -69,10 +70,10 @@ class Recording:
 
 def test_rescale_8_4_8_matches_the_same_run_without_rescale(tmp_path):
     base = dict(policies=[], checkpoint_every=None)
-    plain = adaptjax.Controller(run_dir=tmp_path / "a", **job.job_kwargs(**base))
+    plain = make_controller(run_dir=tmp_path / "a", **job.job_kwargs(**base))
     plain.run(30)
     sched = ajp.Schedule({10: ajp.Rescale(devices=4), 20: ajp.Rescale(devices=8)})
-    scaled = adaptjax.Controller(
+    scaled = make_controller(
         run_dir=tmp_path / "b", **job.job_kwargs(policies=[sched], checkpoint_every=None)
     )
     scaled.run(30)
@@ -86,7 +87,7 @@ def test_rescale_8_4_8_matches_the_same_run_without_rescale(tmp_path):
 
 def test_every_sample_seen_once_per_epoch_across_batch_and_mesh_changes(tmp_path):
     data = Recording(adaptjax.ArrayDataset(job.make_data(), seed=3))
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(data=data))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(data=data))
     ctrl.run(50)
     n = 640
     seen = np.asarray(data.seen)
@@ -107,7 +108,7 @@ def test_learning_rate_change_compiles_nothing(tmp_path):
     listener = lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+        ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
         ctrl.run(3)
         before_ctrl, before_jax = ctrl.compilations, len(compiles)
         ctrl.set_hyperparams({"learning_rate": 1e-4})
@@ -130,7 +131,7 @@ def test_returning_to_a_seen_configuration_does_not_compile(tmp_path):
             20: ajp.Rescale(devices=8),
         }
     )
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[sched], policy_every=5))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[sched], policy_every=5))
     ctrl.run(30)
     configs = [
         tuple(sorted(e["config"].items())) for e in ctrl.log.events if e["kind"] == "compile"
@@ -141,7 +142,7 @@ def test_returning_to_a_seen_configuration_does_not_compile(tmp_path):
 
 def test_every_row_says_what_a_compile_costs_and_how_old_the_run_is(tmp_path):
     sched = ajp.Schedule({5: ajp.SetBatchSize(32), 10: ajp.Rescale(devices=4)})
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[sched], policy_every=5))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[sched], policy_every=5))
     ctrl.run(16)
     ctrl.close()
     compiles = [e for e in ctrl.log.events if e["kind"] == "compile"]
@@ -164,15 +165,15 @@ def test_every_row_says_what_a_compile_costs_and_how_old_the_run_is(tmp_path):
 
 def test_a_resumed_run_continues_its_age_and_compile_history(tmp_path):
     sched = ajp.Schedule({5: ajp.SetBatchSize(32)})
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[sched], policy_every=5))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[sched], policy_every=5))
     ctrl.run(10)
     ctrl.close()
     before = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     waits = [e["latency_s"] for e in ctrl.log.events
              if e["kind"] == "compile" and not e.get("compiled_ahead")]
-    ctrl = adaptjax.Controller.resume(
+    ctrl = resume_controller(
         tmp_path, **job.job_kwargs(policies=[ajp.Schedule({5: ajp.SetBatchSize(32)})],
-                                   policy_every=5, batch_size=32))
+                                   policy_every=5))
     ctrl.run(14)
     ctrl.close()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -192,7 +193,7 @@ def test_injected_nan_gradient_leaves_params_unchanged_and_is_counted(tmp_path):
     data = job.make_data()
     data["x"][5, 0] = np.nan
     ds = adaptjax.ArrayDataset(data, shuffle=False)  # sample 5 is in the first batch
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(data=ds, policies=[]))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(data=ds, policies=[]))
     before = params_of(ctrl)
     ctrl.run(1)
     ctrl.drain()
@@ -212,7 +213,7 @@ def test_policy_sees_nonfinite_count_and_rolls_back(tmp_path):
         lambda m, ctx: m.get("nonfinite", 0) > 0,
         [ajp.Rollback("non-finite gradient"), ajp.SetHyperparams({"learning_rate": 1e-3})],
     )
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         run_dir=tmp_path,
         **job.job_kwargs(data=ds, policies=[policy], policy_every=1, checkpoint_every=5),
     )
@@ -238,7 +239,7 @@ def _one_line(excinfo):
 
 
 def test_rescale_to_more_devices_than_exist(tmp_path):
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
     ctrl.run(10)
     ctrl.drain()
     ctrl.checkpoints.latest_step()
@@ -246,7 +247,7 @@ def test_rescale_to_more_devices_than_exist(tmp_path):
     with pytest.raises(ValueError) as e:
         ctrl.rescale(16)
     assert "max_devices is 8" in _one_line(e)
-    ctrl2 = adaptjax.Controller(
+    ctrl2 = make_controller(
         run_dir=tmp_path / "other", **job.job_kwargs(policies=[], max_devices=None)
     )
     with pytest.raises(ValueError) as e:
@@ -259,7 +260,7 @@ def test_rescale_to_more_devices_than_exist(tmp_path):
 
 
 def test_rescale_to_a_count_that_does_not_divide_the_batch_rounds_and_logs(tmp_path):
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         run_dir=tmp_path, **job.job_kwargs(policies=[], batch_size=48, devices=8)
     )
     ctrl.run(2)
@@ -276,7 +277,7 @@ def test_rescale_to_one_device_and_back_keeps_measuring_the_noise_scale(tmp_path
     # The default noise scale needs two gradient samples per step: on one device the
     # batch is split in two micro-batches, and the split goes when the run leaves it.
     schedule = ajp.Schedule({4: ajp.Rescale(devices=1), 12: ajp.Rescale(devices=2)})
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         run_dir=tmp_path, **job.job_kwargs(policies=[schedule], policy_every=1, devices=2,
                                            batch_size=32, checkpoint_every=None)
     )
@@ -306,54 +307,54 @@ def test_rescale_to_one_device_and_back_keeps_measuring_the_noise_scale(tmp_path
 )
 def test_monitors_that_cannot_measure_on_the_devices_given(tmp_path, kwargs, message):
     with pytest.raises(ValueError) as e:
-        adaptjax.Controller(run_dir=tmp_path / "r", **job.job_kwargs(**kwargs))
+        make_controller(run_dir=tmp_path / "r", **job.job_kwargs(**kwargs))
     assert _one_line(e) == message
     assert not (tmp_path / "r").exists()
 
 
 def test_batch_smaller_than_replica_count(tmp_path):
     with pytest.raises(ValueError) as e:
-        adaptjax.Controller(run_dir=tmp_path / "r", **job.job_kwargs(batch_size=4))
+        make_controller(run_dir=tmp_path / "r", **job.job_kwargs(batch_size=4))
     assert "smaller than the replica count 8" in _one_line(e)
     assert not (tmp_path / "r").exists()
 
 
 def test_batch_not_divisible(tmp_path):
     with pytest.raises(ValueError) as e:
-        adaptjax.Controller(run_dir=tmp_path / "r", **job.job_kwargs(batch_size=60))
+        make_controller(run_dir=tmp_path / "r", **job.job_kwargs(batch_size=60))
     assert "multiple of 8" in _one_line(e)
 
 
 def test_restore_of_another_models_checkpoint(tmp_path):
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
     ctrl.run(10)
     ctrl.close()
     before = snapshot(tmp_path)
     other = job.init_params()
     other["w1"] = np.zeros((job.D, 32), np.float32)
     with pytest.raises(ValueError) as e:
-        adaptjax.Controller.resume(tmp_path, **job.job_kwargs(model=other))
+        resume_controller(tmp_path, **job.job_kwargs(model=other))
     assert "different model" in _one_line(e)
     assert snapshot(tmp_path) == before
 
 
 def test_new_run_refuses_a_run_dir_with_checkpoints(tmp_path):
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
     ctrl.run(10)
     ctrl.close()
     before = snapshot(tmp_path)
     with pytest.raises(ValueError) as e:
-        adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs())
+        make_controller(run_dir=tmp_path, **job.job_kwargs())
     assert "Controller.resume" in _one_line(e)
     assert snapshot(tmp_path) == before
 
 
 def test_a_live_owner_is_reported_before_the_checkpoints_it_wrote(tmp_path):
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
     ctrl.run(10)  # checkpoints on disk, and the controller still owns the directory
     before = snapshot(tmp_path)
     with pytest.raises(adaptjax.RunDirectoryLocked) as e:
-        adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs())
+        make_controller(run_dir=tmp_path, **job.job_kwargs())
     assert f"in use by another controller (pid {os.getpid()})" in _one_line(e)
     assert snapshot(tmp_path) == before
     ctrl.close()
@@ -364,7 +365,7 @@ def test_policy_returning_an_unknown_action(tmp_path):
         def decide(self, metrics, ctx):
             return ["double the batch"]
 
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[Bad()], policy_every=1))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[Bad()], policy_every=1))
     with pytest.raises(ValueError) as e:
         ctrl.run(5)
     assert "str" in _one_line(e)
@@ -374,13 +375,13 @@ def test_checkpoint_directory_not_writable(tmp_path):
     blocker = tmp_path / "afile"
     blocker.write_text("keep me")
     with pytest.raises(adaptjax.RunDirectoryError) as e:
-        adaptjax.Controller(run_dir=blocker / "run", **job.job_kwargs())
+        make_controller(run_dir=blocker / "run", **job.job_kwargs())
     assert "not writable" in _one_line(e)
     assert blocker.read_text() == "keep me"
 
 
 def test_optimizer_without_the_hyperparameter(tmp_path):
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
     with pytest.raises(ValueError) as e:
         ctrl.set_hyperparams({"momentum": 0.9})
     assert "does not expose the hyperparameter 'momentum'; it exposes ['b1'" in _one_line(e)
@@ -388,7 +389,7 @@ def test_optimizer_without_the_hyperparameter(tmp_path):
 
 
 def test_run_dir_outputs(tmp_path):
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(tensorboard=True))
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(tensorboard=True))
     ctrl.run(12)
     ctrl.close()
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _controller_args import make_controller, resume_controller  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
 import adaptjax
@@ -59,10 +60,10 @@ def one_line(excinfo) -> str:
 def test_a_run_rescaled_2x4_1x4_2x2_2x4_equals_the_run_that_never_moved(tmp_path):
     moves = {3: {"data": 1, "fsdp": 4}, 6: {"data": 2, "fsdp": 2}, 9: {"data": 2, "fsdp": 4}}
     policy = ajp.Schedule({s: ajp.Rescale(mesh_shape=m) for s, m in moves.items()})
-    moved = adaptjax.Controller(run_dir=tmp_path / "moved",
+    moved = make_controller(run_dir=tmp_path / "moved",
                                 **sharded_kwargs({"data": 2, "fsdp": 4}, policies=[policy]))
     moved.run(12)
-    still = adaptjax.Controller(run_dir=tmp_path / "still",
+    still = make_controller(run_dir=tmp_path / "still",
                                 **sharded_kwargs({"data": 2, "fsdp": 4}))
     still.run(12)
     rescales = [e for e in moved.log.events if e["kind"] == "rescale"]
@@ -89,7 +90,7 @@ def test_a_run_rescaled_2x4_1x4_2x2_2x4_equals_the_run_that_never_moved(tmp_path
     ],
 )
 def test_a_rescale_moves_the_state_and_changes_no_value(tmp_path, start, target):
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **sharded_kwargs(start))
+    ctrl = make_controller(run_dir=tmp_path, **sharded_kwargs(start))
     ctrl.run(2)
     before, cursor = host(ctrl.state), ctrl.data.cursor
     ctrl.rescale(mesh_shape=target)
@@ -107,7 +108,7 @@ def test_a_rescale_moves_the_state_and_changes_no_value(tmp_path, start, target)
 
 
 def test_error_feedback_debt_is_preserved_when_the_data_axis_shrinks(tmp_path):
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         run_dir=tmp_path, **sharded_kwargs({"data": 2, "fsdp": 4}, codec=ajc.onebit(min_size=16))
     )
     ctrl.run(3)
@@ -140,7 +141,7 @@ def test_policies_see_the_mesh_and_count_replicas(tmp_path):
             seen.append((ctx.devices, ctx.max_devices, dict(ctx.mesh_shape)))
             return [ajp.Rescale(devices=1)] if ctx.step == 2 else []
 
-    ctrl = adaptjax.Controller(run_dir=tmp_path,
+    ctrl = make_controller(run_dir=tmp_path,
                                **sharded_kwargs({"data": 2, "fsdp": 4}, policies=[Look()]))
     ctrl.run(4)
     assert seen[0] == (2, 2, {"data": 2, "fsdp": 4})
@@ -150,13 +151,12 @@ def test_policies_see_the_mesh_and_count_replicas(tmp_path):
 
 def test_resume_restores_onto_the_checkpoints_mesh(tmp_path):
     kwargs = sharded_kwargs({"data": 2, "fsdp": 4}, checkpoint_every=2)
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **kwargs)
+    ctrl = make_controller(run_dir=tmp_path, **kwargs)
     ctrl.run(2)
     ctrl.rescale(mesh_shape={"data": 4, "fsdp": 2})
     saved = host(ctrl.state)
     ctrl.close()
-    with pytest.warns(UserWarning, match="continues with the checkpoint's mesh_shape"):
-        back = adaptjax.Controller.resume(tmp_path, **kwargs)
+    back = resume_controller(tmp_path, **kwargs)  # the same spec: the checkpoint's mesh, quietly
     assert back.config.axes == {"data": 4, "fsdp": 2}
     for x, y in zip(jax.tree.leaves(saved), jax.tree.leaves(host(back.state)), strict=True):
         np.testing.assert_array_equal(x, y)
@@ -199,13 +199,13 @@ def test_bad_meshes_are_refused_in_one_line_before_the_disk_is_touched(tmp_path,
     kwargs.update(overrides)
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError) as e:
-        adaptjax.Controller(run_dir=run_dir, **kwargs)
+        make_controller(run_dir=run_dir, **kwargs)
     assert words in one_line(e)
     assert not run_dir.exists() or not os.listdir(run_dir)
 
 
 def test_a_rescale_the_shardings_cannot_take_names_the_leaf_and_changes_nothing(tmp_path):
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         run_dir=tmp_path,
         **sharded_kwargs({"data": 2, "fsdp": 4}, model=twelve_wide(), sharding=TWELVE),
     )

@@ -17,10 +17,10 @@ import pytest
 import adaptjax
 from adaptjax import compression as ajc
 from adaptjax import policies as ajp
+from adaptjax._transition import Transition, plan_transition
 from adaptjax.controller._carry_out import carry_out, hyperparams_of, roll_back
 from adaptjax.controller._persistence import config_from
 from adaptjax.controller._step_cache import StepCache
-from adaptjax.controller._transition import Transition, plan_transition
 from adaptjax.launch._distributed import ENV_MAX_PROCESSES
 
 W = np.arange(6, dtype=np.float32).reshape(3, 2)
@@ -145,7 +145,8 @@ def test_a_rollback_returns_the_latest_checkpoints_state_and_config(tmp_path):
     with pytest.raises(ValueError) as e:
         roll_back(checkpoints, steps, "why")
     assert str(e.value) == (
-        "Rollback needs a checkpoint; set checkpoint_every or return Checkpoint() first")
+        "Rollback needs a checkpoint; set RunSpec(checkpoint=CheckpointOptions(every=N)) or "
+        "return Checkpoint() first")
     checkpoints.save(5, saved, {"config": dataclasses.asdict(config)})
     # since then: another mesh and other hyperparameters
     moved = carry_out(saved, config, _plan(

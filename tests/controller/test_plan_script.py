@@ -8,9 +8,9 @@ import tempfile
 
 import pytest
 
+from adaptjax._run_config import RunConfig
 from adaptjax.cli._main import main
 from adaptjax.controller._plan_probe import probe_configs
-from adaptjax.controller._run_config import RunConfig
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the job scripts
 
@@ -152,17 +152,18 @@ def test_under_plan_a_controller_never_touches_its_run_dir(tmp_path, monkeypatch
 
     sys.path.insert(0, HERE)
     import controller_job as job
+    from _controller_args import make_controller, resume_controller
 
     plan_dir, user = tmp_path / "plan", tmp_path / "user"
     plan_dir.mkdir()
     monkeypatch.setenv("ADAPTJAX_PLAN_DIR", str(plan_dir))
     monkeypatch.setenv("ADAPTJAX_PLAN_STEPS", "0")
     with pytest.raises(ValueError, match="ADAPTJAX_PLAN_STEPS='0': timed steps per "):
-        adaptjax.Controller(run_dir=user, **job.job_kwargs())
+        make_controller(run_dir=user, **job.job_kwargs())
     monkeypatch.setenv("ADAPTJAX_PLAN_STEPS", "2")
     data = _NoBatchAt(adaptjax.ArrayDataset(job.make_data(), seed=0))
-    ctrl = adaptjax.Controller(run_dir=user, resume=True,  # no checkpoint needed: fresh
-                               **job.job_kwargs(data=data, devices=2, batch_size=8))
+    ctrl = resume_controller(user,  # no checkpoint needed: fresh
+                             **job.job_kwargs(data=data, devices=2, batch_size=8))
     assert ctrl.run_dir == str(plan_dir / "run")
     with pytest.raises(ValueError, match="needs a dataset with batch_at; _NoBatchAt has none"):
         ctrl.run(10)

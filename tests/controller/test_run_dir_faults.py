@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import pytest
+from _controller_args import make_controller, resume_controller  # noqa: E402
 
 import adaptjax
 from adaptjax import RunDirectoryError, RunDirectoryLocked
@@ -48,7 +49,7 @@ def _kwargs(**overrides):
 def thirty_steps(tmp_path_factory):
     """A run directory with checkpoints 10, 20 and 30 (copy it before changing it)."""
     run_dir = tmp_path_factory.mktemp("thirty") / "run"
-    ctrl = adaptjax.Controller(run_dir=run_dir, **_kwargs())
+    ctrl = make_controller(run_dir=run_dir, **_kwargs())
     ctrl.run(30)
     ctrl.close()
     return run_dir
@@ -120,7 +121,7 @@ def test_a_step_directory_that_is_not_a_checkpoint_is_quarantined_so_its_step_is
 ):
     bad, resumed_at, why = damage(run_dir)
     with pytest.warns(UserWarning, match=f"skipped checkpoint {bad}: .*{why}") as record:
-        ctrl = adaptjax.Controller.resume(run_dir, **_kwargs())
+        ctrl = resume_controller(run_dir, **_kwargs())
     assert sum(f"checkpoint {bad}" in str(w.message) for w in record) == 1
     assert len(record) == 1, [str(w.message) for w in record]
     # Orbax's "Metadata file does not exist" for the junk: said once, by the warning above
@@ -145,7 +146,7 @@ def test_a_line_of_bytes_that_is_not_utf8_json_is_dropped_with_one_warning(run_d
     with open(run_dir / name, "ab") as f:
         f.write(b"\xff\xfe\n")  # printf '\xff\xfe\n' >> RUN/events.jsonl
     with pytest.warns(UserWarning, match=f"dropped 1 damaged line of .*{name}") as record:
-        ctrl = adaptjax.Controller.resume(run_dir, **_kwargs())
+        ctrl = resume_controller(run_dir, **_kwargs())
     assert len(record) == 1, [str(w.message) for w in record]
     ctrl.close()
     after = (run_dir / name).read_bytes()
@@ -159,7 +160,7 @@ def test_a_damaged_row_in_the_middle_is_reported_with_the_step_it_leaves_missing
     lines[4] = b'{"step": 5, "loss": \x80\x81}\n'  # step 5's row, bytes flipped
     path.write_bytes(b"".join(lines))
     with pytest.warns(UserWarning) as record:
-        ctrl = adaptjax.Controller.resume(run_dir, **_kwargs())
+        ctrl = resume_controller(run_dir, **_kwargs())
     messages = [str(w.message) for w in record]
     assert messages == [  # one damaged thing, one warning
         f"resume: dropped 1 damaged line of {path} (not whole UTF-8 JSON rows); it lacks the "
@@ -180,7 +181,7 @@ def test_metrics_rows_missing_before_the_checkpoint_are_reported_in_one_warning(
     first = 1 if keep is None else keep + 1
     missing = 30 - first + 1
     with pytest.warns(UserWarning, match="lacks the rows") as record:
-        ctrl = adaptjax.Controller.resume(run_dir, **_kwargs())
+        ctrl = resume_controller(run_dir, **_kwargs())
     assert len(record) == 1
     msg = str(record[0].message)
     assert f"lacks the rows of {missing} steps up to the checkpoint's step 30 ({first}-30)" in msg
@@ -201,7 +202,7 @@ def test_a_truncated_last_event_is_dropped_with_one_warning(run_dir, cut):
     keep = 1 if cut == "all but the brace" else len(last) - cut
     path.write_bytes(data[: len(data) - len(last) + keep])
     with pytest.warns(UserWarning) as record:
-        ctrl = adaptjax.Controller.resume(run_dir, **_kwargs())
+        ctrl = resume_controller(run_dir, **_kwargs())
     assert [str(w.message) for w in record] == [
         f"resume: dropped 1 damaged line of {path} (not whole UTF-8 JSON rows)"
     ]
@@ -212,7 +213,7 @@ def test_a_truncated_last_event_is_dropped_with_one_warning(run_dir, cut):
 def test_a_torn_last_line_is_dropped_without_a_warning(run_dir):
     with open(run_dir / "metrics.jsonl", "ab") as f:
         f.write(b'{"step": 31, "lo')  # killed in the middle of a row
-    ctrl = adaptjax.Controller.resume(run_dir, **_kwargs())  # warnings are errors here
+    ctrl = resume_controller(run_dir, **_kwargs())  # warnings are errors here
     ctrl.close()
     assert [r["step"] for r in _rows(run_dir / "metrics.jsonl")] == list(range(1, 31))
 
@@ -268,8 +269,6 @@ def test_nothing_to_resume_from_and_nothing_left(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the constructor's check_run_dir (_arguments.py, the "
-                   "lead's) must call _run_dir.check_resumable when resuming")
 def test_a_resume_after_a_kill_in_the_first_save_is_refused_with_nothing_left(tmp_path):
     from _handshake import Gate
 
@@ -285,7 +284,7 @@ def test_a_resume_after_a_kill_in_the_first_save_is_refused_with_nothing_left(tm
         proc.wait()
     assert [n for n in os.listdir(run_dir / "checkpoints") if "tmp" in n] != []
     with pytest.raises(ValueError, match="no complete checkpoint in .* to resume from"):
-        adaptjax.Controller.resume(run_dir, **_kwargs())
+        resume_controller(run_dir, **_kwargs())
     assert os.listdir(run_dir / "checkpoints") == []
 
 
@@ -358,7 +357,7 @@ def full_disk(tmp_path, mounts):
     disk = tmp_path / "disk"
     disk.mkdir()
     mounts("-t", "tmpfs", "-o", "size=2m,nr_inodes=400", "tmpfs", at=disk)
-    ctrl = adaptjax.Controller(run_dir=disk / "run", **_kwargs())
+    ctrl = make_controller(run_dir=disk / "run", **_kwargs())
     ctrl.run(10)
     yield ctrl, disk / "run"
     ctrl.close()
@@ -387,7 +386,7 @@ def test_a_full_disk_stops_the_run_at_the_save_that_cannot_fit_in_one_line(full_
     RunLock(run_dir).release()  # the run directory was released
     assert adaptjax.RunCheckpoints(run_dir / "checkpoints").all_steps() == [10]
     os.remove(filler)  # space again: the run resumes where it was checkpointed
-    resumed = adaptjax.Controller.resume(run_dir, **_kwargs())
+    resumed = resume_controller(run_dir, **_kwargs())
     assert resumed.step == 10
     resumed.run(20)
     resumed.close()
@@ -415,13 +414,13 @@ def test_a_save_that_fails_after_it_started_is_named_and_discarded(full_disk, in
     logged = [e["step"] for e in _rows(run_dir / "events.jsonl") if e["kind"] == "checkpoint"]
     assert logged == [10]
     shutil.rmtree(filler)
-    resumed = adaptjax.Controller.resume(run_dir, **_kwargs())
+    resumed = resume_controller(run_dir, **_kwargs())
     assert resumed.step == 10
     resumed.close()
 
 
 def test_a_log_that_cannot_be_written_is_named_and_close_does_not_raise_again(tmp_path):
-    ctrl = adaptjax.Controller(run_dir=tmp_path / "run", **_kwargs())
+    ctrl = make_controller(run_dir=tmp_path / "run", **_kwargs())
     ctrl.run(10)
     full = os.open("/dev/full", os.O_WRONLY)  # every write: ENOSPC, as on a full disk
     os.dup2(full, ctrl.log._metrics.fileno())
@@ -451,7 +450,7 @@ def _read_only(path, mounts, request):
 
 def test_a_read_only_checkpoint_directory_mid_run_is_named_at_the_save(tmp_path, mounts,
                                                                       request):
-    ctrl = adaptjax.Controller(run_dir=tmp_path / "run", **_kwargs())
+    ctrl = make_controller(run_dir=tmp_path / "run", **_kwargs())
     ctrl.run(10)
     ckpts = tmp_path / "run" / "checkpoints"
     _read_only(ckpts, mounts, request)
@@ -471,7 +470,7 @@ def test_an_unwritable_checkpoint_directory_is_found_at_construction(run_dir, mo
     _read_only(run_dir / "checkpoints", mounts, request)
     events = (run_dir / "events.jsonl").read_bytes()
     with pytest.raises(RunDirectoryError) as e:
-        adaptjax.Controller.resume(run_dir, **_kwargs())
+        resume_controller(run_dir, **_kwargs())
     msg = _one_line(e)
     why = "read-only file system" if os.geteuid() == 0 else "permission denied"
     assert msg == (f"{run_dir / 'checkpoints'} is not writable ({why}); make it writable or "
@@ -487,7 +486,7 @@ def test_a_read_only_run_directory_is_a_run_directory_error_at_construction(tmp_
     run_dir.mkdir()
     _read_only(run_dir, mounts, request)
     with pytest.raises(RunDirectoryError) as e:
-        adaptjax.Controller(run_dir=run_dir, **_kwargs())
+        make_controller(run_dir=run_dir, **_kwargs())
     assert _one_line(e) == (f"run_dir {run_dir} is not writable ({run_dir} is not a writable "
                             "directory); choose a run_dir you can write to")
     assert e.value.errno == (errno.EROFS if os.geteuid() == 0 else errno.EACCES)
@@ -499,7 +498,7 @@ def test_a_run_directory_under_a_file_is_a_run_directory_error(tmp_path):
     blocker = tmp_path / "afile"
     blocker.write_text("keep me")
     with pytest.raises(RunDirectoryError) as e:
-        adaptjax.Controller(run_dir=blocker / "run", **_kwargs())
+        make_controller(run_dir=blocker / "run", **_kwargs())
     assert _one_line(e) == (f"run_dir {blocker / 'run'} is not writable ({blocker} is not a "
                             "writable directory); choose a run_dir you can write to")
     assert (e.value.errno, e.value.filename) == (errno.ENOTDIR, str(blocker))
@@ -510,7 +509,7 @@ def test_a_file_where_the_run_writes_a_directory_is_named(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "quarantine").write_text("not a directory")
     with pytest.raises(RunDirectoryError) as e:
-        adaptjax.Controller(run_dir=tmp_path / "run", **_kwargs())
+        make_controller(run_dir=tmp_path / "run", **_kwargs())
     where = tmp_path / "run" / "quarantine"
     assert _one_line(e) == (f"{where} is not writable (a file, not a directory); make it "
                             "writable or choose another run_dir")

@@ -7,6 +7,7 @@ import os
 import sys
 
 import pytest
+from _controller_args import make_controller  # noqa: E402
 from adaptjax.policies import Candidate
 
 import adaptjax
@@ -87,7 +88,7 @@ def test_planner_attached_to_a_controller_records_costs(tmp_path):
     # Two batch sizes measured: enough to split fixed from per-sample compute.
     policies = [ajp.ElasticScale(planner=planner, min_gain=10.0),
                 ajp.Schedule({5: ajp.SetBatchSize(64)})]
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(
         policies=policies, checkpoint_every=None, devices=4, batch_size=32))
     planner.attach(ctrl)
     ctrl.run(steps=16)
@@ -109,7 +110,7 @@ def test_simulate_a_recorded_run_on_slower_links(tmp_path):
     planner = Planner(bandwidth=1e9)
     policies = [ajp.ElasticScale(planner=planner, min_gain=10.0),
                 ajp.Schedule({5: ajp.SetBatchSize(64)})]
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(
         policies=policies, checkpoint_every=None, devices=4, batch_size=32))
     planner.attach(ctrl)
     ctrl.run(steps=16)

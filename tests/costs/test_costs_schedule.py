@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _controller_args import make_controller  # noqa: E402
 
 import adaptjax
 from adaptjax import compression as ajc
@@ -42,7 +43,7 @@ def _controller(tmp_path, **kw):
     rng = np.random.default_rng(0)
     data = {"x": rng.normal(size=(256, 8)).astype(np.float32),
             "y": rng.normal(size=(256, 8)).astype(np.float32)}
-    return adaptjax.Controller(
+    return make_controller(
         model=PARAMS, loss_fn=_loss,
         optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.01),
         data=adaptjax.ArrayDataset(data, seed=0), devices=4, batch_size=32, run_dir=tmp_path,

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _controller_args import make_controller  # noqa: E402
 from adaptjax.policies import Candidate
 
 import adaptjax
@@ -205,7 +206,7 @@ def test_a_planner_attached_to_a_sharded_run_knows_each_shapes_state(tmp_path):
     import controller_job as job
 
     planner = Planner(bandwidth=1e9)  # pinned: nothing to calibrate
-    ctrl = adaptjax.Controller(run_dir=tmp_path, **job.job_kwargs(
+    ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(
         devices=None, mesh_shape={"data": 2, "fsdp": 4}, sharding=RULE, policies=[]))
     planner.attach(ctrl)
     tx = ctrl.steps.tx(None)

@@ -4,6 +4,7 @@ import os
 import sys
 
 import pytest
+from _controller_args import make_controller  # noqa: E402
 
 import adaptjax
 from adaptjax import policies as ajp
@@ -37,7 +38,7 @@ def _policies():
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
-    ctrl = adaptjax.Controller(run_dir=run_dir, **job.job_kwargs(
+    ctrl = make_controller(run_dir=run_dir, **job.job_kwargs(
         policies=_policies(), monitors=(), checkpoint_every=None))
     ctrl.run(steps=32)
     ctrl.close()

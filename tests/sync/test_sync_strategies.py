@@ -8,9 +8,9 @@ import pytest
 
 import adaptjax
 from adaptjax import policies as ajp
+from adaptjax._run_config import RunConfig
+from adaptjax._transition import plan_transition
 from adaptjax.controller._rebuild import rebuild_state
-from adaptjax.controller._run_config import RunConfig
-from adaptjax.controller._transition import plan_transition
 
 D = 5
 RNG = np.random.default_rng(0)

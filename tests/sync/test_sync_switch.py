@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _controller_args import make_controller, resume_controller  # noqa: E402
 
 import adaptjax
 from adaptjax import policies as ajp
@@ -20,7 +21,7 @@ def make(run_dir, schedule, steps, **kwargs):
     def loss(p, b):
         return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
 
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         model={"w": jnp.zeros(4)}, loss_fn=loss,
         optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
         data=data, devices=8, batch_size=BATCH,
@@ -67,7 +68,7 @@ def test_switch_sync_policy_switches_once_through_the_controller(tmp_path):
     diloco = adaptjax.DiLoCo(H=2)
     policy = ajp.SwitchSync(diloco, when=lambda metrics, ctx: ctx.step >= 3)
     x = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
-    ctrl = adaptjax.Controller(
+    ctrl = make_controller(
         model={"w": jnp.zeros(4)}, loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
         optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.05),
         data=adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0), devices=4, batch_size=16,
@@ -86,14 +87,14 @@ def test_switch_sync_policy_switches_once_through_the_controller(tmp_path):
 def test_controller_rejects_bad_sync_before_touching_the_disk(tmp_path):
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError, match="gossip needs at least 2 replicas"):
-        adaptjax.Controller(
+        make_controller(
             model={"w": jnp.zeros(4)}, loss_fn=lambda p, b: 0.0,
             optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
             data=adaptjax.ArrayDataset({"x": np.ones(8)}),
             devices=1, batch_size=8, run_dir=str(run_dir), sync="gossip", progress=False,
         )
     with pytest.raises(ValueError, match="unknown sync strategy 'ring'"):
-        adaptjax.Controller(
+        make_controller(
             model={"w": jnp.zeros(4)}, loss_fn=lambda p, b: 0.0,
             optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
             data=adaptjax.ArrayDataset({"x": np.ones(8)}),
@@ -111,13 +112,14 @@ def test_resume_mid_diloco_continues_the_uninterrupted_run(tmp_path):
     part, _ = make(str(tmp_path / "b"), schedule, steps=6, checkpoint_every=6)
     part.close()
     x = np.random.default_rng(0).normal(size=(N_ROWS, 4)).astype(np.float32)
-    resumed = adaptjax.Controller.resume(
+    resumed = resume_controller(
         str(tmp_path / "b"), model={"w": jnp.zeros(4)},
         loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
         optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
         data=adaptjax.ArrayDataset({"x": x, "y": x.sum(1), "i": np.arange(N_ROWS)}, seed=0),
         devices=8, batch_size=BATCH, policies=[ajp.Schedule(schedule)], policy_every=1,
-        progress=False, tensorboard=False, sync=adaptjax.DiLoCo(H=4),  # what the run is in
+        checkpoint_every=6, progress=False, tensorboard=False,
+        sync=adaptjax.DiLoCo(H=4),  # what the run is in
     )
     try:
         resumed.run(steps=14)

@@ -23,8 +23,8 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from adaptjax._mesh import make_mesh, param_specs
+from adaptjax._run_config import RunConfig, mesh_key, shape_dict
 from adaptjax._state import split_model
-from adaptjax.controller._run_config import RunConfig, mesh_key, shape_dict
 from adaptjax.launch._distributed import max_processes, mesh_devices
 
 
@@ -36,7 +36,7 @@ def start_shape(devices, mesh_shape) -> tuple[int, tuple | None]:
     one-line ``ValueError`` naming the fix.
 
     Example:
-      >>> from adaptjax.controller._meshes import start_shape
+      >>> from adaptjax._config_meshes import start_shape
       >>> start_shape(8, None), start_shape(None, {"data": 2, "fsdp": 4})
       ((8, None), (2, (('data', 2), ('fsdp', 4))))
     """
@@ -75,7 +75,7 @@ def check_shardings(model, config: RunConfig, sharding, *, what: str = "") -> No
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from adaptjax import RunConfig
-      >>> from adaptjax.controller._meshes import check_shardings
+      >>> from adaptjax._config_meshes import check_shardings
       >>> config = RunConfig(1, 8, mesh_shape={"data": 1, "fsdp": 8})
       >>> check_shardings({"w": jnp.zeros((12, 4))}, config, {"w": jax.P("fsdp")})
       Traceback (most recent call last):
@@ -102,7 +102,7 @@ def rescale_target(action, config: RunConfig) -> tuple[int, tuple | None]:
 
     Example:
       >>> from adaptjax import RunConfig, policies as ajp
-      >>> from adaptjax.controller._meshes import rescale_target
+      >>> from adaptjax._config_meshes import rescale_target
       >>> config = RunConfig(2, 64, mesh_shape={"data": 2, "fsdp": 4})
       >>> rescale_target(ajp.Rescale(devices=1), config)
       (1, (('data', 1), ('fsdp', 4)))
@@ -154,7 +154,7 @@ def mesh_context(config: RunConfig, max_devices: int, device_limit: int) -> dict
 
     Example:
       >>> from adaptjax import RunConfig
-      >>> from adaptjax.controller._meshes import mesh_context
+      >>> from adaptjax._config_meshes import mesh_context
       >>> mesh_context(RunConfig(2, 64, mesh_shape={"data": 2, "fsdp": 4}), 8, 8)
       {'max_devices': 2, 'mesh_shape': {'data': 2, 'fsdp': 4}}
       >>> mesh_context(RunConfig(4, 64), 8, 8)

@@ -125,7 +125,7 @@ def mesh_key(shape, devices: int | None = None) -> tuple[tuple[str, int], ...] |
     ``ValueError``).
 
     Example:
-      >>> from adaptjax.controller._run_config import mesh_key
+      >>> from adaptjax._run_config import mesh_key
       >>> mesh_key({"data": 8}), mesh_key([["fsdp", 4], ["data", 2]])
       (None, (('fsdp', 4), ('data', 2)))
     """
@@ -164,7 +164,7 @@ def precision_key(precision) -> str | None:
 
     Example:
       >>> import adaptjax
-      >>> from adaptjax.controller._run_config import precision_key
+      >>> from adaptjax._run_config import precision_key
       >>> precision_key("bf16"), precision_key(adaptjax.Precision("float32")), precision_key(None)
       ('bfloat16', None, None)
     """
@@ -187,7 +187,7 @@ def controller_precision(precision) -> str | None:
     :func:`adaptjax.check_precision` when the run starts.
 
     Example:
-      >>> from adaptjax.controller._run_config import controller_precision
+      >>> from adaptjax._run_config import controller_precision
       >>> controller_precision("bf16"), controller_precision("fp16"), controller_precision(None)
       ('bfloat16', 'float16', None)
       >>> controller_precision("int8")
@@ -202,7 +202,7 @@ def round_batch(batch_size: int, devices: int, microbatches: int) -> int:
     """The multiple of ``devices * microbatches`` nearest ``batch_size`` (at least one unit).
 
     Example:
-      >>> from adaptjax.controller._run_config import round_batch
+      >>> from adaptjax._run_config import round_batch
       >>> round_batch(101, 8, 1), round_batch(3, 8, 1), round_batch(96, 3, 2)
       (104, 8, 96)
     """

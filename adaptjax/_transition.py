@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from adaptjax import policies as ajp
-from adaptjax.controller._meshes import describe, rescale_target
-from adaptjax.controller._run_config import (
+from adaptjax._config_meshes import describe, rescale_target
+from adaptjax._run_config import (
     RunConfig,
     codec_key,
     controller_precision,
@@ -51,7 +51,7 @@ class Transition:
 
     Example:
       >>> from adaptjax import RunConfig, policies as ajp
-      >>> from adaptjax.controller._transition import plan_transition
+      >>> from adaptjax._transition import plan_transition
       >>> t = plan_transition([ajp.Rescale(devices=3), ajp.SetBatchSize(64)],
       ...                     RunConfig(devices=8, batch_size=32), max_devices=8)
       >>> t.config.devices, t.config.batch_size, t.requested_batch
@@ -122,7 +122,7 @@ def plan_transition(
             raise ValueError(
                 f"the optimizer does not expose the hyperparameter {unknown[0]!r}; it exposes "
                 f"{sorted(hyperparam_names)} (build it with optax.inject_hyperparams to expose "
-                "its arguments, or pass the Controller learning_rate= for the rate)"
+                "its arguments, or pass RunSpec(learning_rate=...) for the rate)"
             )
     if "learning_rate" in hyper and not hyper["learning_rate"] > 0:
         raise ValueError(f"learning_rate must be > 0, got {hyper['learning_rate']}")
@@ -283,7 +283,7 @@ def monitor_sample_needs(monitors) -> tuple[int, int]:
 
     Example:
       >>> import adaptjax
-      >>> from adaptjax.controller._transition import monitor_sample_needs
+      >>> from adaptjax._transition import monitor_sample_needs
       >>> monitor_sample_needs([adaptjax.GradientNoiseScale(), adaptjax.GradientNorm()])
       (2, 1)
       >>> monitor_sample_needs([adaptjax.GradientSNR(differencing=True)])
