@@ -107,6 +107,7 @@ def test_a_rescale_moves_the_state_and_changes_no_value(tmp_path, start, target)
     ctrl.close()
 
 
+@pytest.mark.filterwarnings("ignore:onebit.*trains worse than dense sync:UserWarning")
 def test_error_feedback_debt_is_preserved_when_the_data_axis_shrinks(tmp_path):
     ctrl = make_controller(
         run_dir=tmp_path, **sharded_kwargs({"data": 2, "fsdp": 4}, codec=ajc.onebit(min_size=16))
