@@ -14,6 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import jax
+from flax import nnx
+
 from adaptjax._data import check_count
 from adaptjax.controller._progress import ProgressBar as _Bar
 
@@ -63,7 +66,10 @@ class Evaluate(Hook):
     """Runs ``fn(model_or_params) -> {name: float}`` on the model of every ``every``-th step.
 
     Its values join that step's metrics (logged, and seen by policies)
-    prefixed ``eval_``, and an ``eval`` event is logged.
+    prefixed ``eval_``, and an ``eval`` event is logged. ``fn`` receives the
+    model on this process's first device, the same before and after a
+    rescale, so state it keeps between calls (an ``nnx.MultiMetric`` made
+    once) stays usable (:func:`on_one_device`).
 
     Example:
       >>> import adaptjax
@@ -80,9 +86,27 @@ class Evaluate(Hook):
         """Nothing: the controller evaluates when it records the step (:meth:`results`)."""
 
     def results(self, model: Any) -> dict[str, float]:
-        """``fn(model)``'s values, prefixed ``eval_``."""
+        """``fn(model)``'s values, prefixed ``eval_`` (the model :func:`on_one_device`)."""
         assert self.fn is not None
-        return {f"eval_{k}": float(v) for k, v in self.fn(model).items()}
+        return {f"eval_{k}": float(v) for k, v in self.fn(on_one_device(model)).items()}
+
+
+def on_one_device(model: Any) -> Any:
+    """``model`` (an NNX module or a pytree) with its arrays on this process's first device.
+
+    An evaluation function often closes over state made once, such as an
+    ``nnx.MultiMetric`` whose arrays are placed where its first update ran. On
+    the mesh's devices, a rescale would leave them on devices the model no
+    longer uses ("incompatible devices" at the next update); on the first
+    local device, which every mesh keeps, they stay where the model is. A
+    model sharded over several processes stays where it is.
+    """
+    graph, state = (nnx.split(model) if isinstance(model, nnx.Module) else (None, model))
+    leaves = jax.tree.leaves(state)
+    if not all(getattr(x, "is_fully_addressable", True) for x in leaves):
+        return model
+    state = jax.device_put(state, jax.local_devices()[0])
+    return state if graph is None else nnx.merge(graph, state)
 
 
 class ProgressBar(Hook):
