@@ -131,7 +131,7 @@ def accumulate(
 
 
 def set_micro_steps(opt_state: Any, micro_steps: int) -> Any:
-    """``opt_state`` with every :class:`AccumulateState`'s ``k`` set to ``micro_steps``.
+    """``opt_state`` with every ``AccumulateState``'s ``k`` set to ``micro_steps``.
 
     Takes effect from the micro-step in progress: set it between two
     optimizer steps (``micro_step`` 0) to change the batch there.

@@ -584,7 +584,7 @@ class Codec:
 
         :func:`adaptjax.chain` asks at its first ``init``, with the state of the
         links after the sync, and warns with the line (see
-        :mod:`adaptjax.compression._pairing`: the pairings
+        ``compression/_pairing.py``: the pairings
         ``benchmarks/codec_optimizers.py`` measured more than 1% behind dense).
         """
         return pairing_warning(self, optimizer_state)

@@ -63,6 +63,8 @@ nitpick_ignore_regex = [
     (r"py:class", r"\d+"),
     # The private stand-in log of processes other than 0 (Controller.log's docstring says so).
     (r"py:class", r"NullRunLog"),
+    # A catalogue's device kinds: a private record (Catalogue's docstring describes it).
+    (r"py:class", r"adaptjax\.costs\._deploy\._Kind"),
 ]
 
 # Constants are documented by a ``#:`` comment where they are defined; their

@@ -69,7 +69,7 @@ class Evaluate(Hook):
     prefixed ``eval_``, and an ``eval`` event is logged. ``fn`` receives the
     model on this process's first device, the same before and after a
     rescale, so state it keeps between calls (an ``nnx.MultiMetric`` made
-    once) stays usable (:func:`on_one_device`).
+    once) stays usable (``on_one_device``).
 
     Example:
       >>> import adaptjax
@@ -86,7 +86,7 @@ class Evaluate(Hook):
         """Nothing: the controller evaluates when it records the step (:meth:`results`)."""
 
     def results(self, model: Any) -> dict[str, float]:
-        """``fn(model)``'s values, prefixed ``eval_`` (the model :func:`on_one_device`)."""
+        """``fn(model)``'s values, prefixed ``eval_`` (the model ``on_one_device``)."""
         assert self.fn is not None
         return {f"eval_{k}": float(v) for k, v in self.fn(on_one_device(model)).items()}
 

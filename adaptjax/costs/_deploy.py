@@ -389,7 +389,7 @@ def search_deployment(
       their ``exploration_cost``.
 
     Raises:
-      Infeasible: (a ``ValueError``) nothing seen meets the deadline or budget:
+      ValueError: (``Infeasible``) nothing seen meets the deadline or budget:
         one line naming the fastest (or cheapest) deployment and its time (cost).
 
     Example:

@@ -45,9 +45,9 @@ class LocalSGDState(NamedTuple):
       codec_state: the codec's state (``()`` without a codec).
       knobs: this replica's inner learning-rate factor and local steps per
         round (0: all ``H``), one float32 vector (``PerReplica``; see
-        :func:`adaptjax.sync.set_replica_lr`, :func:`adaptjax.sync.set_replica_local_steps`).
+        ``adaptjax.sync.set_replica_lr``, ``adaptjax.sync.set_replica_local_steps``).
       measured: this replica's heterogeneity measurements and the round's
-        sums, one float32 vector (``PerReplica``; see :func:`adaptjax.sync.replica_metrics`).
+        sums, one float32 vector (``PerReplica``; see ``adaptjax.sync.replica_metrics``).
       metrics: their mean and max over replicas at the latest sync (replicated,
         an :class:`adaptjax.Metrics`: one leaf).
     """
@@ -88,14 +88,14 @@ def local_sgd(
 
     Replica ``i`` adds ``lr_factor_i`` times its update to its model, on the
     first ``local_steps_i`` inner steps of each round (per-replica knobs in
-    the state, set with :func:`adaptjax.sync.set_replica_lr` and
-    :func:`adaptjax.sync.set_replica_local_steps` without recompiling). At
+    the state, set with ``adaptjax.sync.set_replica_lr`` and
+    ``adaptjax.sync.set_replica_local_steps`` without recompiling). At
     each sync every replica measures, from the deltas the sync already has
     (no collective beyond one all-gather of three scalars per replica), its
     gradient dissimilarity ``‖Δ_i − Δ‖² / ‖Δ‖²``, its mean loss over the
     round (``replica_loss=`` passed to ``update``) and ``KL(p_i ‖ q)`` of its
     round's labels (``labels=``) against ``label_histogram``; see
-    :func:`adaptjax.sync.replica_metrics`.
+    ``adaptjax.sync.replica_metrics``.
 
     Without ``outer`` the outer step is ``sgd(1.0)``: ``θ <- mean_i x_i``
     (local SGD). Between outer steps the global update is zero. The sync
