@@ -79,7 +79,7 @@ def accumulate(
     if int(micro_steps) < 1:
         raise ValueError(f"micro_steps must be >= 1, got {micro_steps}")
 
-    def init(params):
+    def init(params) -> Any:
         zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
         return AccumulateState(
             micro_step=jnp.zeros((), jnp.int32),
@@ -90,7 +90,7 @@ def accumulate(
             inner_state=inner.init(params),
         )
 
-    def update(updates, state: AccumulateState, params=None, **extra):
+    def update(updates, state, params=None, **extra):
         k_in = int(extra.get("microbatches", 1) or 1)
         if k_in > 1 and extra.get("micro_sqnorm") is not None:
             sq = extra["micro_sqnorm"]

@@ -124,7 +124,7 @@ def _checked(tx: SyncChain) -> SyncChain:
     sync; a line it returns is warned once per chain (and Python shows each
     line once per run).
     """
-    check = getattr(tx.sync.codec, "pairing_warning", None)
+    check = getattr(getattr(tx.sync, "codec", None), "pairing_warning", None)
     if check is None:
         return tx
     asked = []

@@ -33,7 +33,7 @@ and ``NcclBackend.compressed_allreduce``), each chosen for a reason:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +180,7 @@ def onebit_adam(
             mean = updates if n == 1 else jax.tree.map(
                 lambda s: s / n, jax.lax.psum(updates, axis_arg(names)))
             out, s = adam.update(mean, optax.ScaleByAdamState(state.count, state.mu, state.nu))
+            s = cast(optax.ScaleByAdamState, s)
             return out, s.mu, s.nu, state.feedback
 
         def compressed():
@@ -198,7 +199,8 @@ def onebit_adam(
         lr_state = (optax.ScaleByScheduleState(count=state.count) if callable(learning_rate)
                     else optax.EmptyState())
         out, _ = scale.update(out, lr_state)
-        return out, OnebitAdamState(optax.safe_increment(state.count), mu, nu, feedback)
+        return out, OnebitAdamState(jnp.asarray(optax.safe_increment(state.count)), mu, nu,
+                                    feedback)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

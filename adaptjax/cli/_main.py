@@ -17,13 +17,10 @@ import os
 import sys
 
 import adaptjax  # lazy: loads no jax
+from adaptjax._events import event_latencies
 from adaptjax.cli import _plan as _plan  # standard library only (the cost model when planning)
 from adaptjax.cli import _report as _report  # standard library only (matplotlib when drawing)
-from adaptjax.controller._run_log import (  # standard library only
-    event_latencies,
-    read_events,
-    read_jsonl_rows,
-)
+from adaptjax.controller._run_log import read_events, read_jsonl_rows  # standard library only
 from adaptjax.launch._launcher import main as launch_main  # standard library only
 
 

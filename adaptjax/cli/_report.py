@@ -20,11 +20,8 @@ import math
 import os
 import re
 
-from adaptjax.controller._run_log import (  # standard library only
-    event_latencies,
-    read_events,
-    read_jsonl_rows,
-)
+from adaptjax._events import event_latencies
+from adaptjax.controller._run_log import read_events, read_jsonl_rows  # standard library only
 
 # Events drawn as vertical markers, with their colour; the label says what happened.
 _MARKED = {

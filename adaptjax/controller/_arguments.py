@@ -107,7 +107,7 @@ def check_arguments(model, loss_fn, optimizer, data, spec: RunSpec, policies, ho
         # batch_at: on their first batch (the controller's _first_checked).
         rows = replica_rows(config)
         check_loss_shapes(model, loss_fn, data.batch_at(0, rows), rows, spec.has_aux)
-    check_run_dir(spec.run_dir, resume)
+    check_run_dir(os.fspath(spec.run_dir), resume)
     policies = list(policies)
     policy = ajp.any_of(*policies) if policies else NoPolicy()
     monitors = check_monitors(spec.monitors, devices, microbatches, resume)

@@ -125,7 +125,7 @@ def with_rate_factor(
         updates, inner = optimizer.update(updates, state.inner_state, params, **extra_args)
         updates = jax.tree.map(lambda u: (u * state.factor).astype(u.dtype), updates)
         return updates, RateFactorState(
-            optax.safe_increment(state.count), state.factor,
+            jnp.asarray(optax.safe_increment(state.count)), state.factor,
             metrics(inner, state.count, state.factor), inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -46,11 +46,11 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
-from adaptjax._wire import Collective
+from adaptjax._wire import Collective, WireReport
 from adaptjax.costs._compute import ComputeModel
 from adaptjax.costs._links import LinkModel
 from adaptjax.costs._meshes import mesh_shapes
@@ -251,7 +251,8 @@ def _kind(raw: Mapping[str, Any], flops_per_sample: float, gradient_bytes: float
         raise ValueError(f"catalogue kind {name!r}: {e}") from None
     links = {"*": link}
     if "measured" in raw:
-        obs = [Observation(_Config(int(n), int(n), int(b)), _wire(int(n), 1, gradient_bytes),
+        obs = [Observation(_Config(int(n), int(n), int(b)),
+                           WireReport(tuple(_wire(int(n), 1, gradient_bytes))),
                            float(t)) for n, b, t in raw["measured"]]
         model = StepTimeModel.fit(links, obs)
         if model.compute is None:
@@ -481,14 +482,14 @@ def _posterior(method, p: _Problem, seen, catalogue, seed) -> tuple[np.ndarray, 
     y = np.log([seen[i] for i in idx])
     mean = log_prior if method == "heterbo" else np.zeros(len(log_prior))
     kernel = (ConstantKernel(_PRIOR_SIGMA**2, (1e-4, 4.0))
-              * Matern(np.ones(x.shape[1]), (0.05, 50.0), nu=2.5)
+              * Matern(cast(Any, np.ones(x.shape[1])), (0.05, 50.0), nu=2.5)
               + WhiteKernel(0.05**2, (1e-6, 0.1)))
     gp = GaussianProcessRegressor(kernel, normalize_y=method != "heterbo",
                                   n_restarts_optimizer=1, random_state=seed)
     with warnings.catch_warnings():  # a length scale at its bound is no error of the search
         warnings.simplefilter("ignore", ConvergenceWarning)
         gp.fit(x[idx], y - mean[idx])
-    mu, sigma = gp.predict(x, return_std=True)
+    mu, sigma = cast(tuple[np.ndarray, np.ndarray], gp.predict(x, return_std=True))
     return mean + mu, sigma
 
 
