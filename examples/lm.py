@@ -11,7 +11,8 @@ and validation by file (a hash of each relative path: see ``lm_data.py``).
   for; the learning rate follows AdaScale (Adam: sqrt).
 * ``ElasticScale``: 8 -> 4 devices at 40% of the steps, back to 8 at 70%, each
   through an Orbax checkpoint and a restore onto the new mesh.
-* ``SwitchCompression``: 1-bit compression with error feedback switches on when
+* ``SwitchCompression``: ``natural()`` (8-bit codes, safe under AdamW, where
+  1-bit signs with error feedback spoil Adam's second moment) switches on when
   communication's modelled share of the step passes 50% (the link is modelled
   at ``--link-mbit`` Mbit/s; simulated devices have no real link).
 
@@ -324,7 +325,7 @@ def main(argv=None):
                 steps=max(steps // 10, 1),
             ),
             elastic,
-            ajp.SwitchCompression(ajc.onebit(), when_comm_share_above=0.5),
+            ajp.SwitchCompression(ajc.natural(), when_comm_share_above=0.5),
         ],
         hooks=hooks,
     )

@@ -91,7 +91,6 @@ def test_tiny_lm_on_sharded_meshes_prints_bytes_per_device(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore:onebit.*trains worse than dense sync:UserWarning")
 def test_the_sharded_lm_rescales_its_data_axis_and_back(tmp_path):
     # examples/lm.py --mesh through the controller: its ElasticScale moves it between shapes
     run_dir = tmp_path / "run"
