@@ -166,14 +166,14 @@ def make_controller(data, cfg, *, devices, batch, lr, seed, policies=(), on_step
     train_windows, _ = data
     spec = adaptjax.RunSpec(
         run_dir=tempfile.mkdtemp(prefix="adaptive_batch_"), devices=devices, batch_size=batch,
-        learning_rate=lr, policy_every=POLICY_EVERY,
+        learning_rate=lr, policy_every=POLICY_EVERY, policies=list(policies),
         # Every run pays for its own compiles: no persistent cache shared between runs.
         compile=adaptjax.CompileOptions(cache_dir=None),
     )
     return adaptjax.Controller(
         ByteLM(cfg, nnx.Rngs(params=seed, dropout=seed + 1)), loss_fn, optax.adam(lr),
         adaptjax.ArrayDataset({"tokens": train_windows}, seed=seed), spec,
-        policies=list(policies), hooks=[adaptjax.Hook(on_step)],
+        hooks=[adaptjax.Hook(on_step)],
     )
 
 

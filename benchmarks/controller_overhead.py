@@ -134,10 +134,10 @@ def measure(variant, args, arrays):
     hook = Alternate(args.block_steps, adaptjax.ArrayDataset(arrays, seed=0))
     with tempfile.TemporaryDirectory() as run_dir:
         spec = adaptjax.RunSpec(run_dir=run_dir, devices=DEVICES, batch_size=DEVICES * per_device,
-                                learning_rate=1e-3, policy_every=10)
+                                learning_rate=1e-3, policy_every=10,
+                                policies=[ajp.ReduceLROnPlateau("loss", patience=10**9)])
         ctrl = adaptjax.Controller(
             init_params(), loss_fn, optax.adam(1e-3), adaptjax.ArrayDataset(arrays, seed=0), spec,
-            policies=[ajp.ReduceLROnPlateau("loss", patience=10**9)],
             hooks=[*(adaptjax.default_hooks() if show else []), adaptjax.Hook(hook)],
         )
         ctrl.run((args.warmup_blocks + args.blocks + 1) * args.block_steps)

@@ -132,12 +132,13 @@ def lm_adaptive(args) -> dict:
     run_dir = tempfile.mkdtemp(prefix="adaptjax-precision-bench-")
     spec = adaptjax.RunSpec(
         run_dir=run_dir, devices=args.devices, batch_size=batch, microbatches=1, monitors=(),
-        policy_every=max(args.steps // 30, 1), compile=adaptjax.CompileOptions(cache_dir=None))
+        policy_every=max(args.steps // 30, 1), policies=[policy],
+        compile=adaptjax.CompileOptions(cache_dir=None))
     stamp = adaptjax.Hook(lambda c: stamps.append((c.step, c.config.precision or "float32",
                                                    time.perf_counter())))
     ctrl = adaptjax.Controller(
         ByteLM(cfg, nnx.Rngs(0)), lm_loss, optax.adam(args.lr),
-        adaptjax.ArrayDataset({"tokens": train}, seed=0), spec, policies=[policy], hooks=[stamp],
+        adaptjax.ArrayDataset({"tokens": train}, seed=0), spec, hooks=[stamp],
     )
     try:
         ctrl.run(args.steps)

@@ -9,7 +9,7 @@ starts from cold caches as a real job does), and compares:
 
 * ``in-process 8->4`` (training process): after a few steps of
   ``Controller.run`` on 8 devices and with the device idle,
-  ``ctrl.rescale(4)`` (drain, Orbax checkpoint, new mesh, restore with the new
+  ``ctrl.apply([Rescale(devices=4)])`` (drain, Orbax checkpoint, new mesh, restore with the new
   shardings) and then the first step on 4 devices (compilation included), until
   its result is ready. This is the controller's ``on_step`` hook calling
   ``rescale`` between two steps of ``Controller.run``, as an action would.
@@ -64,6 +64,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import adaptjax  # noqa: E402
+from adaptjax import policies as ajp  # noqa: E402
 
 _T_IMPORTED = time.time()
 
@@ -172,7 +173,7 @@ class Rescaler:
             label, devices = self.plan[ctrl.step]
             jax.block_until_ready(ctrl.state)
             t0 = time.perf_counter()
-            ctrl.rescale(devices)
+            ctrl.apply([ajp.Rescale(devices=devices)])
             self.open = (label, t0)
 
 

@@ -33,7 +33,6 @@ events.jsonl, tensorboard/ and checkpoints/.
 """
 
 import argparse
-import functools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -122,20 +121,6 @@ def main():
         policy_every=10,
         checkpoint=adaptjax.CheckpointOptions(every=100),
         link_bandwidth=10e6 / 8,
-    )
-    hooks = [adaptjax.Evaluate(make_eval(x_test, y_test), every=100), adaptjax.TensorBoard()]
-    if not args.no_progress:
-        hooks.append(adaptjax.ProgressBar())
-    if resume:  # the spec is read back from run_dir/spec.json
-        make = functools.partial(adaptjax.Controller.resume, args.run_dir)
-    else:
-        make = functools.partial(adaptjax.Controller, spec=spec)
-    ctrl = make(
-        model=MLP(nnx.Rngs(0)),
-        loss_fn=loss_fn,
-        optimizer=optax.adam(1e-3),
-        data=adaptjax.ArrayDataset({"x": x_train, "y": y_train}, seed=0),
-        hooks=hooks,
         policies=[
             ajp.cooldown(
                 ajp.AdaptiveBatchSize(max_batch_size=512, lr_rule="adascale",
@@ -145,6 +130,21 @@ def main():
             ajp.ElasticScale({150: 4, 300: 8}),
             ajp.SwitchCompression(ajc.natural(), when_comm_share_above=0.5),
         ],
+    )
+    hooks = [adaptjax.Evaluate(make_eval(x_test, y_test), every=100), adaptjax.TensorBoard()]
+    if not args.no_progress:
+        hooks.append(adaptjax.ProgressBar())
+    # On resume the configuration, data cursor and policy states come from the checkpoint;
+    # the spec is passed again for its policies (code, which spec.json names only).
+    make = adaptjax.Controller.resume if resume else adaptjax.Controller
+
+    ctrl = make(
+        model=MLP(nnx.Rngs(0)),
+        loss_fn=loss_fn,
+        optimizer=optax.adam(1e-3),
+        data=adaptjax.ArrayDataset({"x": x_train, "y": y_train}, seed=0),
+        spec=spec,
+        hooks=hooks,
     )
     t0 = time.perf_counter()
     ctrl.run(args.steps)

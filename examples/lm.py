@@ -305,6 +305,16 @@ def main(argv=None):
         **mesh,
         batch_size=args.batch_size,
         learning_rate=args.lr,  # the rate AdaptiveBatchSize scales
+        policies=[
+            ajp.cooldown(
+                ajp.AdaptiveBatchSize(max_batch_size=args.max_batch_size, min_batch_size=8,
+                                      lr_rule="adascale",
+                                      optimizer_kind="adam", multiple_of=8),
+                steps=max(steps // 10, 1),
+            ),
+            elastic,
+            ajp.SwitchCompression(ajc.natural(), when_comm_share_above=0.5),
+        ],
         policy_every=args.policy_every,
         checkpoint=adaptjax.CheckpointOptions(every=max(steps // 3, 1)),
         link_bandwidth=args.link_mbit * 1e6 / 8,
@@ -317,16 +327,6 @@ def main(argv=None):
         optax.adamw(args.lr, weight_decay=0.01),
         adaptjax.ArrayDataset({"tokens": train}, seed=args.seed),
         spec,
-        policies=[
-            ajp.cooldown(
-                ajp.AdaptiveBatchSize(max_batch_size=args.max_batch_size, min_batch_size=8,
-                                      lr_rule="adascale",
-                                      optimizer_kind="adam", multiple_of=8),
-                steps=max(steps // 10, 1),
-            ),
-            elastic,
-            ajp.SwitchCompression(ajc.natural(), when_comm_share_above=0.5),
-        ],
         hooks=hooks,
     )
     if args.mesh is not None:

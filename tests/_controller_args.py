@@ -1,5 +1,5 @@
 """The tests' shorthand for a Controller: one dictionary of settings, split into the
-Controller's arguments (code, :class:`adaptjax.RunSpec`, policies, hooks).
+Controller's arguments (code, :class:`adaptjax.RunSpec`, hooks).
 
 Test jobs keep their settings in one dictionary that a test overrides key by
 key (``job_kwargs(policies=[], checkpoint_every=None)``); :func:`make_controller`
@@ -25,7 +25,6 @@ def controller_args(**kw) -> dict:
     """``Controller``'s keyword arguments from the flat settings ``kw``."""
     kw = dict(kw)
     args = {k: kw.pop(k) for k in CODE if k in kw}
-    args["policies"] = kw.pop("policies", ())
     hooks = list(kw.pop("hooks", []))
     if kw.pop("progress", False):
         hooks.append(adaptjax.ProgressBar())

@@ -73,7 +73,7 @@ class NoPolicy(ajp.Policy):
         return []
 
 
-def check_arguments(model, loss_fn, optimizer, data, spec: RunSpec, policies, hooks,
+def check_arguments(model, loss_fn, optimizer, data, spec: RunSpec, hooks,
                     resume: bool) -> Checked:
     """Checks :class:`adaptjax.Controller`'s arguments; writes nothing, compiles nothing.
 
@@ -108,7 +108,7 @@ def check_arguments(model, loss_fn, optimizer, data, spec: RunSpec, policies, ho
         rows = replica_rows(config)
         check_loss_shapes(model, loss_fn, data.batch_at(0, rows), rows, spec.has_aux)
     check_run_dir(os.fspath(spec.run_dir), resume)
-    policies = list(policies)
+    policies = list(spec.policies)
     policy = ajp.any_of(*policies) if policies else NoPolicy()
     monitors = check_monitors(spec.monitors, devices, microbatches, resume)
     evaluates = any(isinstance(h, Evaluate) for h in hooks)

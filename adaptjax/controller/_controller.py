@@ -72,10 +72,8 @@ from adaptjax.launch._distributed import (
 from adaptjax.sync._strategy import consensus_params
 
 if TYPE_CHECKING:  # annotations only
-    from adaptjax._codec import GradientCodec
     from adaptjax.controller._checkpoint import RunCheckpoints
     from adaptjax.controller._run_log import NullRunLog, RunLog
-    from adaptjax.sync._strategy import SyncStrategy
 
 
 class NonFiniteTraining(RuntimeError):
@@ -174,9 +172,9 @@ class Controller:
         schedule, ``optax.inject_hyperparams(...)``, whose hyperparameters policies set).
       data: an :class:`adaptjax.ArrayDataset` (or anything with ``next_batch``,
         ``state_dict`` and ``load_state_dict``).
-      spec: the :class:`adaptjax.RunSpec` (run directory, devices, batch, ...); it is saved
-        in the run directory, so :meth:`resume` needs it only for fields JSON cannot hold.
-      policies: policies from :mod:`adaptjax.policies`, combined with ``any_of``.
+      spec: the :class:`adaptjax.RunSpec` (run directory, devices, batch, policies, ...); it
+        is saved in the run directory, so :meth:`resume` needs it only for fields JSON cannot
+        hold (policies among them).
       hooks: :class:`adaptjax.Hook` objects, each with its cadence (``None``:
         :func:`adaptjax.default_hooks`, a progress bar and TensorBoard; ``[]``: none).
 
@@ -186,10 +184,10 @@ class Controller:
       >>> x = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
       >>> data = adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0)
       >>> loss = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
-      >>> spec = adaptjax.RunSpec(run_dir=tempfile.mkdtemp(), devices=4, batch_size=32)
-      >>> ctrl = adaptjax.Controller(
-      ...     {"w": jnp.zeros(4)}, loss, optax.sgd(0.1), data, spec,
-      ...     policies=[ajp.Schedule({10: ajp.Rescale(devices=2)})], hooks=[])
+      >>> spec = adaptjax.RunSpec(run_dir=tempfile.mkdtemp(), devices=4, batch_size=32,
+      ...                         policies=[ajp.Schedule({10: ajp.Rescale(devices=2)})])
+      >>> ctrl = adaptjax.Controller({"w": jnp.zeros(4)}, loss, optax.sgd(0.1), data, spec,
+      ...                            hooks=[])
       >>> ctrl.run(steps=20)
       >>> ctrl.step, ctrl.config.devices, ctrl.data.cursor
       (20, 2, 640)
@@ -198,12 +196,11 @@ class Controller:
 
     def __init__(
         self, model: Any, loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
-        data: Any, spec: RunSpec, *, policies: Sequence[ajp.Policy] = (),
-        hooks: Sequence[Hook] | None = None,
+        data: Any, spec: RunSpec, *, hooks: Sequence[Hook] | None = None,
     ) -> None:
         """See the class. Checks every argument, then takes ``run_dir`` and the state."""
-        self._setup(check_arguments(model, loss_fn, optimizer, data, spec, policies, hooks,
-                                    resume=False), model, loss_fn, optimizer, data)
+        self._setup(check_arguments(model, loss_fn, optimizer, data, spec, hooks, resume=False),
+                    model, loss_fn, optimizer, data)
 
     def _setup(self, a: Checked, model, loss_fn, optimizer, data) -> None:
         """Builds the controller from its checked arguments (nothing touched the disk before)."""
@@ -273,8 +270,7 @@ class Controller:
     def resume(
         cls, run_dir: str | os.PathLike | None = None, *, model: Any,
         loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation, data: Any,
-        spec: RunSpec | None = None, policies: Sequence[ajp.Policy] = (),
-        hooks: Sequence[Hook] | None = None,
+        spec: RunSpec | None = None, hooks: Sequence[Hook] | None = None,
     ) -> Controller:
         """Continues the run in ``run_dir`` from its newest intact checkpoint.
 
@@ -286,8 +282,8 @@ class Controller:
         """
         spec = resumed_spec(run_dir, spec)
         ctrl = cls.__new__(cls)
-        ctrl._setup(check_arguments(model, loss_fn, optimizer, data, spec, policies, hooks,
-                                    resume=True), model, loss_fn, optimizer, data)
+        ctrl._setup(check_arguments(model, loss_fn, optimizer, data, spec, hooks, resume=True),
+                    model, loss_fn, optimizer, data)
         return ctrl
 
     @property
@@ -471,7 +467,13 @@ class Controller:
             self.apply(_within_reach(self, actions))
 
     def apply(self, actions: Sequence[ajp.Action]) -> None:
-        """Carries out actions now, as one transition (policies' actions go through here too)."""
+        """Carries out actions now, as one transition (policies' actions go through here too).
+
+        The one way to change a run by hand: ``ctrl.apply([ajp.SetBatchSize(256)])``,
+        ``ctrl.apply([ajp.Rescale(devices=4)])`` (or ``mesh_shape={"data": 1, "fsdp": 4}``),
+        ``ctrl.apply([ajp.SetHyperparams({"learning_rate": 1e-4})])``, ``ajp.SetCodec``,
+        ``ajp.SetSync``, ``ajp.Checkpoint()``, ``ajp.Stop()``, ...
+        """
         actions = ajp.validate_actions(list(actions))
         names = self.hyperparams.keys()
         plan = self._transition(actions, hyperparam_names=names)  # checks all, changes nothing
@@ -537,28 +539,6 @@ class Controller:
         write_rescale_request(processes, self.config.device_count)
         self.close()
         raise SystemExit(EXIT_RESCALE)
-
-    def set_hyperparams(self, values: Mapping[str, float]) -> None:
-        """Writes hyperparameters into the optimizer state: no compilation."""
-        self.apply([ajp.SetHyperparams(dict(values))])
-
-    def set_batch_size(self, batch_size: int, microbatches: int | None = None) -> None:
-        """Changes the global batch (and optionally the micro-batch count) from the next step."""
-        self.apply([ajp.SetBatchSize(batch_size, microbatches)])
-
-    def set_codec(self, codec: GradientCodec | None) -> None:
-        """Switches the sync's codec (``None``: dense). Optimizer and monitor states carry over."""
-        self.apply([ajp.SetCodec(codec)])
-
-    def set_sync(self, strategy: SyncStrategy | str | None) -> None:
-        """Switches the synchronisation strategy (a strategy, its name, or ``None``: S-SGD)."""
-        self.apply([ajp.SetSync(strategy)])
-
-    def rescale(self, devices: int | None = None, *,
-                mesh_shape: tuple[int, ...] | Mapping[str, int] | None = None) -> None:
-        """Moves training to ``devices`` replicas (at most ``max_devices``) or to ``mesh_shape``
-        (``{"data": 1, "fsdp": 4}``) through a checkpoint; the batch is rounded if needed."""
-        self.apply([ajp.Rescale(devices=devices, mesh_shape=mesh_shape)])
 
     def precompile(self, devices: int | None = None, batch_size: int | None = None,
                    microbatches: int | None = None, codec: Any = ...) -> float:

@@ -1,12 +1,12 @@
 """A run's settings in one frozen dataclass, checked when built and saved in its run directory.
 
 :class:`RunSpec` holds everything about a controller's run that is neither
-code the user writes (model, loss, optimizer, data, policies, hooks) nor state
-a checkpoint keeps. Its fields are checked in ``__post_init__`` (the checks
+code the user writes (model, loss, optimizer, data, hooks) nor state a
+checkpoint keeps. Its fields are checked in ``__post_init__`` (the checks
 that need the devices or the data run with the other arguments, still before
 anything touches the disk). :meth:`RunSpec.to_json` is what the run directory
-keeps in ``spec.json``; a field that cannot be written as JSON (a sharding
-function, a codec object, a schedule, monitors) is saved by name only, and
+keeps in ``spec.json``; a field that cannot be written as JSON (policies, a
+sharding function, a codec object, a schedule, monitors) is saved by name only, and
 :meth:`RunSpec.from_json` asks for it again in one line.
 """
 
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from adaptjax import policies as ajp
 from adaptjax._data import check_count
 from adaptjax._run_config import precision_key
 from adaptjax.controller._options import CheckpointOptions, CompileOptions, every_or_none
@@ -58,6 +59,8 @@ class RunSpec:
       monitors: :func:`adaptjax.sync_gradients`' monitors (``None``: noise scale,
         SNR, norm); norm_chunks: its ``norm_chunks``.
       loss_scale: float16's :func:`adaptjax.dynamic_loss_scale` options.
+      policies: the :class:`adaptjax.policies.Policy` objects that adapt the run
+        (``()``: none); they are code, so :meth:`adaptjax.Controller.resume` needs them again.
       policy_every: ask the policies every this many steps.
       max_devices: the most replicas a policy may ask for (``None``: all devices).
       link_bandwidth: bytes/s of the link: steps then report ``comm_time`` and
@@ -92,6 +95,7 @@ class RunSpec:
     monitors: Sequence[Any] | None = None
     norm_chunks: int | None = None
     loss_scale: Mapping[str, Any] | None = None
+    policies: Sequence[Any] = ()
     policy_every: int = 10
     max_devices: int | None = None
     link_bandwidth: float | None = None
@@ -105,6 +109,7 @@ class RunSpec:
         object.__setattr__(self, "run_dir", os.fspath(self.run_dir))
         for name in ("devices", "microbatches", "norm_chunks", "max_devices"):
             object.__setattr__(self, name, every_or_none(getattr(self, name), f"RunSpec.{name}"))
+        object.__setattr__(self, "policies", _check_policies(self.policies))
         object.__setattr__(self, "policy_every",
                            check_count(self.policy_every, "RunSpec.policy_every", positive=True))
         object.__setattr__(self, "max_nonfinite_steps", every_or_none(
@@ -183,6 +188,19 @@ def _saved(name: str, value: Any) -> Any:
     if isinstance(value, tuple) and all(isinstance(v, _JSON) for v in value):
         return list(value)  # monitors=(): none
     return _UNSAVED
+
+
+def _check_policies(policies) -> tuple:
+    if isinstance(policies, ajp.Policy):
+        policies = (policies,)
+    if not isinstance(policies, Sequence) or isinstance(policies, str):
+        raise ValueError(f"RunSpec.policies must be a sequence of adaptjax.policies.Policy, "
+                         f"got {type(policies).__name__}")
+    for p in policies:
+        if not isinstance(p, ajp.Policy):
+            raise ValueError("RunSpec.policies must hold adaptjax.policies.Policy objects, "
+                             f"got {type(p).__name__}")
+    return tuple(policies)
 
 
 def _check_bandwidth(bandwidth) -> None:

@@ -77,7 +77,7 @@ def test_a_negative_learning_rate_is_refused_in_one_line_and_changes_nothing(tmp
         run_dir=tmp_path / "run", **job.job_kwargs(policies=policies, policy_every=1)
     )
     with pytest.raises(ValueError) as e:
-        ctrl.set_hyperparams(bad.values) if how == "set_hyperparams" else ctrl.run(5)
+        ctrl.apply([ajp.SetHyperparams(bad.values)]) if how == "set_hyperparams" else ctrl.run(5)
     assert "learning_rate must be > 0, got -1.0" in _one_line(e)
     assert ctrl.hyperparams["learning_rate"] == pytest.approx(1e-2)
     ctrl.close()

@@ -169,7 +169,7 @@ def test_a_controllers_rescale_is_logged_complete_with_its_checkpoint(tmp_path):
         run_dir=tmp_path, progress=False, tensorboard=False, compilation_cache_dir=None,
     )
     ctrl.run(2)
-    ctrl.rescale(2)
+    ctrl.apply([ajp.Rescale(devices=2)])
     ctrl.close()
     events = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
     (i,) = [i for i, e in enumerate(events) if e["kind"] == "rescale"]

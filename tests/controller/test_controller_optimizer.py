@@ -140,7 +140,7 @@ def test_a_hyperparameter_not_exposed_is_named(tmp_path):
         with pytest.raises(ValueError, match=r"^the optimizer does not expose the hyperparameter "
                            r"'learning_rate'; it exposes \[\] \(build it with "
                            r"optax.inject_hyperparams"):
-            ctrl.set_hyperparams({"learning_rate": 1e-4})
+            ctrl.apply([ajp.SetHyperparams({"learning_rate": 1e-4})])
 
 
 def test_an_optimizer_factory_is_refused(tmp_path):

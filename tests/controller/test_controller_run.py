@@ -111,7 +111,7 @@ def test_learning_rate_change_compiles_nothing(tmp_path):
         ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
         ctrl.run(3)
         before_ctrl, before_jax = ctrl.compilations, len(compiles)
-        ctrl.set_hyperparams({"learning_rate": 1e-4})
+        ctrl.apply([ajp.SetHyperparams({"learning_rate": 1e-4})])
         ctrl.run(6)
         assert ctrl.compilations == before_ctrl == 1
         assert len(compiles) == before_jax
@@ -245,7 +245,7 @@ def test_rescale_to_more_devices_than_exist(tmp_path):
     ctrl.checkpoints.latest_step()
     before = snapshot(tmp_path / "checkpoints")
     with pytest.raises(ValueError) as e:
-        ctrl.rescale(16)
+        ctrl.apply([ajp.Rescale(devices=16)])
     assert "max_devices is 8" in _one_line(e)
     ctrl2 = make_controller(
         run_dir=tmp_path / "other", **job.job_kwargs(policies=[], max_devices=None)
@@ -264,7 +264,7 @@ def test_rescale_to_a_count_that_does_not_divide_the_batch_rounds_and_logs(tmp_p
         run_dir=tmp_path, **job.job_kwargs(policies=[], batch_size=48, devices=8)
     )
     ctrl.run(2)
-    ctrl.rescale(5)  # 48 is not a multiple of 5: documented rounding to 50
+    ctrl.apply([ajp.Rescale(devices=5)])  # 48 is not a multiple of 5: documented rounding to 50
     assert ctrl.config.batch_size == 50 and ctrl.config.devices == 5
     (ev,) = [e for e in ctrl.log.events if e["kind"] == "batch_rounded"]
     assert ev["requested"] == 48 and ev["batch_size"] == 50
@@ -383,7 +383,7 @@ def test_checkpoint_directory_not_writable(tmp_path):
 def test_optimizer_without_the_hyperparameter(tmp_path):
     ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(policies=[]))
     with pytest.raises(ValueError) as e:
-        ctrl.set_hyperparams({"momentum": 0.9})
+        ctrl.apply([ajp.SetHyperparams({"momentum": 0.9})])
     assert "does not expose the hyperparameter 'momentum'; it exposes ['b1'" in _one_line(e)
     ctrl.close()
 

@@ -93,7 +93,7 @@ def test_a_rescale_moves_the_state_and_changes_no_value(tmp_path, start, target)
     ctrl = make_controller(run_dir=tmp_path, **sharded_kwargs(start))
     ctrl.run(2)
     before, cursor = host(ctrl.state), ctrl.data.cursor
-    ctrl.rescale(mesh_shape=target)
+    ctrl.apply([ajp.Rescale(mesh_shape=target)])
     assert ctrl.config.axes == target and ctrl.config.devices == target["data"]
     after = host(ctrl.state)
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
@@ -121,7 +121,7 @@ def test_error_feedback_debt_is_preserved_when_the_data_axis_shrinks(tmp_path):
 
     old = residuals(ctrl.state)
     assert old and all(r.shape[0] == 2 for r in old) and any(np.any(r[0] != r[1]) for r in old)
-    ctrl.rescale(mesh_shape={"data": 1, "fsdp": 4})
+    ctrl.apply([ajp.Rescale(mesh_shape={"data": 1, "fsdp": 4})])
     new = residuals(ctrl.state)
     for o, n in zip(old, new, strict=True):
         assert n.shape == (1, *o.shape[1:])
@@ -154,7 +154,7 @@ def test_resume_restores_onto_the_checkpoints_mesh(tmp_path):
     kwargs = sharded_kwargs({"data": 2, "fsdp": 4}, checkpoint_every=2)
     ctrl = make_controller(run_dir=tmp_path, **kwargs)
     ctrl.run(2)
-    ctrl.rescale(mesh_shape={"data": 4, "fsdp": 2})
+    ctrl.apply([ajp.Rescale(mesh_shape={"data": 4, "fsdp": 2})])
     saved = host(ctrl.state)
     ctrl.close()
     back = resume_controller(tmp_path, **kwargs)  # the same spec: the checkpoint's mesh, quietly
@@ -213,22 +213,22 @@ def test_a_rescale_the_shardings_cannot_take_names_the_leaf_and_changes_nothing(
     ctrl.run(2)
     before = host(ctrl.state)
     with pytest.raises(ValueError) as e:
-        ctrl.rescale(mesh_shape={"data": 1, "fsdp": 8})
+        ctrl.apply([ajp.Rescale(mesh_shape={"data": 1, "fsdp": 8})])
     msg = one_line(e)
     assert msg.startswith("Rescale to a shape the model's shardings cannot take")
     assert "parameter ['w1'] of shape (8, 12)" in msg and "dimension 1 (12)" in msg
     with pytest.raises(ValueError) as e:
-        ctrl.rescale(mesh_shape={"data": 4, "fsdp": 4})
+        ctrl.apply([ajp.Rescale(mesh_shape={"data": 4, "fsdp": 4})])
     assert "it needs 16 devices and the job has 8" in one_line(e)
     with pytest.raises(ValueError) as e:
-        ctrl.rescale(mesh_shape=(2, 2, 2))
+        ctrl.apply([ajp.Rescale(mesh_shape=(2, 2, 2))])
     assert "gives 3 sizes for the run's mesh axes ('data', 'fsdp')" in one_line(e)
     assert ctrl.config.axes == {"data": 2, "fsdp": 4}
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(host(ctrl.state)), strict=True):
         np.testing.assert_array_equal(x, y)
     assert not [e for e in ctrl.log.events if e["kind"] == "rescale"]
     assert ctrl.checkpoints.all_steps() == [2]  # the end of run(2): nothing written since
-    ctrl.rescale(mesh_shape=(4, 2))  # the run's own axes, in order
+    ctrl.apply([ajp.Rescale(mesh_shape=(4, 2))])  # the run's own axes, in order
     assert ctrl.config.axes == {"data": 4, "fsdp": 2}
     ctrl.close()
 

@@ -42,11 +42,11 @@ def evaluate(model):
 
 def test_a_multimetric_made_once_evaluates_across_two_rescales(tmp_path):
     model = nnx.Linear(6, 2, rngs=nnx.Rngs(0))
-    spec = adaptjax.RunSpec(run_dir=tmp_path / "run", devices=8, batch_size=32)
     schedule = ajp.Schedule({10: ajp.Rescale(devices=4), 20: ajp.Rescale(devices=8)})
+    spec = adaptjax.RunSpec(run_dir=tmp_path / "run", devices=8, batch_size=32,
+                            policies=[schedule])
     ctrl = adaptjax.Controller(model, loss_fn, optax.adam(0.05), adaptjax.ArrayDataset(
-        {"x": X, "y": Y}, seed=0), spec, policies=[schedule], hooks=[adaptjax.Evaluate(
-            evaluate, every=5)])
+        {"x": X, "y": Y}, seed=0), spec, hooks=[adaptjax.Evaluate(evaluate, every=5)])
     ctrl.run(steps=30)
     devices = [e.get("devices_to") for e in ctrl.log.events if e["kind"] == "rescale"]
     evals = [e for e in ctrl.log.events if e["kind"] == "eval"]

@@ -61,14 +61,13 @@ def test_a_resumed_2d_job_warns_of_nothing_it_was_not_passed(tmp_path):
     # 2x4 -> 1x4: one replica then needs two micro-batches (the noise scale's two samples),
     # which the checkpoint keeps; the spec never named microbatches.
     loss = lambda p, b: jnp.mean(_residual(p, b) ** 2)  # noqa: E731
+    spec = adaptjax.RunSpec(run_dir=tmp_path, mesh_shape={"data": 2, "fsdp": 4}, batch_size=8,
+                            policy_every=1, policies=[ajp.Schedule({2: ajp.Rescale(
+                                mesh_shape={"data": 1, "fsdp": 4})})],
+                            compile=adaptjax.CompileOptions(cache_dir=None))
     ctrl = adaptjax.Controller(
         {"w": jnp.zeros(3)}, loss, optax.sgd(0.1),
-        adaptjax.ArrayDataset({"x": X, "y": X.sum(1)}, seed=0),
-        adaptjax.RunSpec(run_dir=tmp_path, mesh_shape={"data": 2, "fsdp": 4}, batch_size=8,
-                         policy_every=1,
-                         compile=adaptjax.CompileOptions(cache_dir=None)),
-        policies=[ajp.Schedule({2: ajp.Rescale(mesh_shape={"data": 1, "fsdp": 4})})],
-        hooks=[])
+        adaptjax.ArrayDataset({"x": X, "y": X.sum(1)}, seed=0), spec, hooks=[])
     ctrl.run(4)
     ctrl.close()
     assert ctrl.config.microbatches == 2 and ctrl.config.devices == 1
@@ -76,6 +75,6 @@ def test_a_resumed_2d_job_warns_of_nothing_it_was_not_passed(tmp_path):
         warnings.simplefilter("error")
         resumed = adaptjax.Controller.resume(
             tmp_path, model={"w": jnp.zeros(3)}, loss_fn=loss, optimizer=optax.sgd(0.1),
-            data=adaptjax.ArrayDataset({"x": X, "y": X.sum(1)}, seed=0), hooks=[])
+            data=adaptjax.ArrayDataset({"x": X, "y": X.sum(1)}, seed=0), spec=spec, hooks=[])
     assert (resumed.step, resumed.config) == (4, ctrl.config)
     resumed.close()

@@ -132,3 +132,37 @@ def test_a_resume_needs_a_spec_where_none_was_saved(tmp_path):
         adaptjax.Controller.resume(tmp_path, **_code())
     assert str(e.value) == (f"{tmp_path / 'spec.json'} does not exist: pass spec=RunSpec(...) "
                             "to Controller.resume")
+
+
+def test_policies_are_code_a_resume_asks_for_again(tmp_path):
+    from adaptjax import policies as ajp
+
+    policy = ajp.Schedule({1: ajp.SetBatchSize(16)})
+    spec = adaptjax.RunSpec(run_dir=tmp_path, devices=2, batch_size=8, policy_every=1,
+                            policies=[policy], compile=adaptjax.CompileOptions(cache_dir=None))
+    assert spec.policies == (policy,)
+    ctrl = adaptjax.Controller(**_code(), spec=spec, hooks=[])
+    ctrl.run(3)
+    ctrl.close()
+    assert ctrl.config.batch_size == 16  # the spec's policy decided
+    assert json.loads((tmp_path / "spec.json").read_text())["unsaved"] == ["policies"]
+    with pytest.raises(ValueError) as e:
+        adaptjax.Controller.resume(tmp_path, **_code(), hooks=[])
+    assert str(e.value) == (f"{tmp_path / 'spec.json'} set policies, which cannot be "
+                            "saved; pass spec=RunSpec(..., policies=...) again")
+    resumed = adaptjax.Controller.resume(tmp_path, **_code(), spec=spec, hooks=[])
+    assert (resumed.step, resumed.config.batch_size) == (3, 16)
+    resumed.close()
+
+
+@pytest.mark.parametrize("policies, message", [
+    ("AdaptiveBatchSize", "RunSpec.policies must be a sequence of adaptjax.policies.Policy, "
+                          "got str"),
+    ([print], "RunSpec.policies must hold adaptjax.policies.Policy objects, "
+              "got builtin_function_or_method"),
+])
+def test_policies_that_are_not_policies_are_one_line(tmp_path, policies, message):
+    with pytest.raises(ValueError) as e:
+        adaptjax.RunSpec(run_dir=tmp_path, batch_size=8, policies=policies)
+    assert str(e.value) == message
+    assert list(tmp_path.iterdir()) == []
