@@ -21,13 +21,17 @@ from adaptjax._grain_iter import GrainIterDataset
 N = 50
 
 
-def packed():
+def packed(prefetch=0):
     """Filtered, then packed: elements of 1..4 tokens (index i, i % 4 + 1 times), 1 in 3 dropped,
-    packed first-fit into rows of 8 tokens (0 pads; a range longer than any test reads)."""
+    packed first-fit into rows of 8 tokens (0 pads; a range longer than any test reads); with
+    ``prefetch``, that many rows are read ahead on a thread."""
     ds = grain.MapDataset.range(10**6).map(lambda i: {"tokens": np.full(i % 4 + 1, i)})
     ds = ds.to_iter_dataset().filter(lambda e: e["tokens"][0] % 3 != 0)
-    return grain.experimental.FirstFitPackIterDataset(ds, length_struct={"tokens": 8},
-                                                      num_packing_bins=2)
+    ds = grain.experimental.FirstFitPackIterDataset(ds, length_struct={"tokens": 8},
+                                                    num_packing_bins=2)
+    if prefetch:
+        ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
+    return ds
 
 
 def batches(ds, count):
@@ -46,14 +50,16 @@ def test_the_packed_stream_holds_every_kept_index_once_in_order():
     assert {i for i in range(max(counts) - 8) if i % 3} <= set(counts)
 
 
+@pytest.mark.parametrize("prefetch", [0, 6])
 @pytest.mark.parametrize("stop", [0, 1, 4, 9])
-def test_a_resume_continues_at_the_exact_element(stop):
+def test_a_resume_continues_at_the_exact_element(stop, prefetch):
+    # read ahead or not, the saved state is that of the rows handed out
     whole = batches(GrainIterDataset(packed(), batch_size=4), 12)
-    first = GrainIterDataset(packed(), batch_size=4)
+    first = GrainIterDataset(packed(prefetch), batch_size=4)
     head = batches(first, stop)
     state = json.loads(json.dumps(first.state_dict()))
     assert state["cursor"] == 4 * stop
-    again = GrainIterDataset(packed(), batch_size=4)
+    again = GrainIterDataset(packed(prefetch), batch_size=4)
     again.load_state_dict(state)
     tail = batches(again, 12 - stop)
     for a, b in zip(whole, head + tail, strict=True):
