@@ -28,6 +28,11 @@ measured over ``data``; the script prints ``params+optimizer bytes per device:
 <n>`` before training, through the same controller and policies, with
 ``ElasticScale`` moving between mesh shapes (the data axis halved at 40% of
 the steps, back at 70%; from one replica, the fsdp axis instead).
+``--loader grain`` reads the same windows through a grain pipeline
+(``grain.MapDataset.source(windows).shuffle(seed)`` in an
+``adaptjax.GrainDataset``, read ahead on host threads; ``pip install
+"adaptjax[grain]"``) instead of an ``adaptjax.ArrayDataset``.
+
 On GPUs or TPUs the same flag shards a larger model over real devices: put
 ``fsdp``/``model`` last so they stay inside a node, and leave the
 ``XLA_FLAGS`` device count unset.
@@ -35,6 +40,7 @@ On GPUs or TPUs the same flag shards a larger model over real devices: put
 Usage:
   python examples/lm.py [--steps 300] [--size small] [--run-dir runs/lm] [--data DIR]
   python examples/lm.py --mesh data=2,fsdp=4 --size base --steps 50
+  python examples/lm.py --loader grain
   adaptjax report runs/lm        # report.png and summary.md of the run
 
 Prints ``validation bits per byte: <x>`` as its last line; ``RUN_DIR`` holds
@@ -199,10 +205,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", default="runs/lm")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--loader", choices=("array", "grain"), default="array",
+                        help="feed the windows from an ArrayDataset or a grain pipeline")
     parser.add_argument(
         "--mesh", default=None, help="a sharded mesh, e.g. data=2,fsdp=4 or data=2,fsdp=2,model=2"
     )
     return parser
+
+
+def train_data(windows: np.ndarray, loader: str, seed: int):
+    """The training windows as ``{"tokens": window}`` batches: an ArrayDataset or grain."""
+    if loader == "array":
+        return adaptjax.ArrayDataset({"tokens": windows}, seed=seed)
+    try:
+        import grain
+    except ImportError:
+        raise SystemExit(
+            "lm.py: --loader grain needs grain: pip install 'adaptjax[grain]'"
+        ) from None
+    pipeline = grain.MapDataset.source(windows).shuffle(seed=seed).map(lambda w: {"tokens": w})
+    return adaptjax.GrainDataset(pipeline)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -321,11 +343,12 @@ def main(argv=None):
     )
     hooks = [adaptjax.Evaluate(evaluate, every=args.eval_every or max(steps // 6, 1)),
              adaptjax.TensorBoard(), *([] if args.no_progress else [adaptjax.ProgressBar()])]
+    data = train_data(train, args.loader, args.seed)
     ctrl = adaptjax.Controller(
         model,
         loss_fn,
         optax.adamw(args.lr, weight_decay=0.01),
-        adaptjax.ArrayDataset({"tokens": train}, seed=args.seed),
+        data,
         spec,
         hooks=hooks,
     )
@@ -349,6 +372,7 @@ def main(argv=None):
           f"noise scale: {ctrl.latest_metrics.get('noise_scale', float('nan')):.1f}")
     print(f"run directory: {ctrl.run_dir} (adaptjax report {ctrl.run_dir})")
     ctrl.close()
+    getattr(data, "close", lambda: None)()  # GrainDataset's reading threads
     print(f"validation loss: {result['loss']:.4f} nats/byte")
     print(f"validation bits per byte: {result['bpb']:.4f}")
     return result

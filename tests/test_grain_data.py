@@ -205,6 +205,9 @@ RANGE = grain.MapDataset.range
         (lambda: iter(RANGE(N).to_iter_dataset()), "got an IterDataset's"),
         (lambda: RANGE(N)[1::2],
          "already sharded (SliceMapDataset[1:100:2]); pass the unsharded dataset"),
+        (lambda: RANGE(N).slice(slice(0, None, 4)).map(lambda i: {"i": i}),
+         "already sharded (SliceMapDataset[0:100:4]); pass the unsharded dataset"),
+        (lambda: RANGE(N).batch(8).map(lambda b: b + 1), "this one is batched; remove .batch"),
         (lambda: RANGE(N).filter(lambda i: i % 2), "through .filter(...)"),
         (lambda: RANGE(0), "the MapDataset is empty"),
         (lambda: list(range(N)),
@@ -236,16 +239,24 @@ def test_bad_reads_and_states_are_one_line_errors():
     assert "\n" not in str(err.value)
 
 
-def test_elements_the_loss_cannot_take_are_refused_before_anything_compiles(tmp_path):
-    # one feature too many: the controller's shape check reads the first batch (batch_at)
+@pytest.mark.parametrize("element", ["one feature too many", "keys the loss does not read"])
+def test_elements_the_loss_cannot_take_are_refused_before_anything_compiles(tmp_path, element):
+    # the controller's shape check reads the first batch (batch_at) before compiling
     job = controller_job()
     arrays = job.make_data()
-    wide = grain.MapDataset.source(np.arange(640)).map(
-        lambda i: {"x": np.append(arrays["x"][i], 0.0).astype(np.float32), "y": arrays["y"][i]}
-    )
+    if element == "one feature too many":
+        def make(i):
+            return {"x": np.append(arrays["x"][i], 0.0).astype(np.float32), "y": arrays["y"][i]}
+    else:
+        def make(i):
+            return {"features": arrays["x"][i], "label": arrays["y"][i]}
+    wide = grain.MapDataset.source(np.arange(640)).map(make)
     with pytest.raises(ValueError, match="loss_fn cannot run on this data's batches") as err:
         make_controller(run_dir=tmp_path, **job.job_kwargs(data=adaptjax.GrainDataset(wide)))
     assert "\n" not in str(err.value) and not (tmp_path / "checkpoints").exists()
+    if element != "one feature too many":
+        assert "features: float32[" in str(err.value)
+        assert "the batch has no key 'x'; make the data's shapes match" in str(err.value)
 
 
 class Recording:

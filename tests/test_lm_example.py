@@ -109,3 +109,17 @@ def test_the_sharded_lm_rescales_its_data_axis_and_back(tmp_path):
     assert moves == [(two, one), (one, two)]
     assert [r["step"] for r in map(json.loads, open(run_dir / "metrics.jsonl"))] == list(
         range(1, 21))
+
+
+def test_the_grain_loader_serves_every_window_once_an_epoch():
+    import grain  # noqa: F401  (the [dev] extra installs it)
+    import lm
+    import numpy as np
+
+    windows = np.arange(40, dtype=np.uint8).reshape(10, 4)  # window i starts with byte 4 * i
+    data = lm.train_data(windows, "grain", seed=0)
+    firsts = [data.next_batch(b)["tokens"][:, 0] for b in (4, 2, 4)]  # the batch size changes
+    data.close()
+    assert sorted(np.concatenate(firsts).tolist()) == list(range(0, 40, 4))
+    array = lm.train_data(windows, "array", seed=0).next_batch(10)["tokens"]
+    assert sorted(array[:, 0].tolist()) == list(range(0, 40, 4))

@@ -190,10 +190,11 @@ def check_loss_shapes(model, loss_fn, batch, rows: int, has_aux: bool) -> None:
 
     The loss is traced with :func:`jax.eval_shape` on the shapes alone (one
     replica's micro-batch: ``rows`` rows of each leaf): nothing is computed or
-    compiled. A shape or dtype mismatch (a ``TypeError`` or ``ValueError``
-    while tracing) is reported with the line of ``loss_fn`` that failed and the
-    batch's leaves; any other error (a collective over an axis only the step
-    binds) is left for the step to raise.
+    compiled. A shape, dtype or structure mismatch (a ``TypeError``,
+    ``ValueError`` or ``KeyError`` while tracing: the batch lacks a key the loss
+    reads) is reported with the line of ``loss_fn`` that failed and the batch's
+    leaves; any other error (a collective over an axis only the step binds) is
+    left for the step to raise.
     """
 
     def struct(x):
@@ -208,11 +209,14 @@ def check_loss_shapes(model, loss_fn, batch, rows: int, has_aux: bool) -> None:
 
     try:
         out = jax.eval_shape(loss, params, model_state, batch)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, KeyError) as e:
         leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
         shown = [f"{_leaf_name(path)}: {x.dtype}[{', '.join(map(str, x.shape))}]"
                  for path, x in leaves[:6]] + (["..."] if len(leaves) > 6 else [])
-        text = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
+        if isinstance(e, KeyError):
+            text = f"the batch has no key {e.args[0]!r}" if e.args else "KeyError"
+        else:
+            text = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")
         raise ValueError(
             f"loss_fn cannot run on this data's batches ({', '.join(shown)} per replica)"
             f"{_user_line(e)}: {text}; make the data's shapes match the model's"
