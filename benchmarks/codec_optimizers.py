@@ -31,7 +31,7 @@ at init (``codec.pairing_warning``).
 
 Usage:
   python benchmarks/codec_optimizers.py [--quick] [--seeds 2] [--workloads cnn,lm]
-      [--codecs dense,topk] [--steps N]
+      [--codecs dense,topk] [--steps N] [--optimizers adamw] [--freeze-fraction 0.15]
 
 ``--quick``: one seed, 100 steps of each workload, the codecs dense, onebit,
 powersgd and onebit_adam (7.5 minutes on 2 busy cores; one seed of every
@@ -69,7 +69,7 @@ import lm_data  # noqa: E402
 from lm import SIZES, ByteLM, loss_fn, make_eval  # noqa: E402
 
 DEVICES = 8
-FREEZE_FRACTION = 0.15
+FREEZE_FRACTION = [0.15]  # --freeze-fraction sets it
 
 CODECS = {  # name -> the codec's default construction (None: dense sync)
     "dense": lambda: None,
@@ -171,7 +171,7 @@ def lm_workload() -> Workload:
 def optimizer(kind: str, lr: float, wd, codec_name: str, steps: int):
     """``(tx, freeze_step or None)`` of one pairing."""
     if codec_name == "onebit_adam":
-        freeze = max(1, round(FREEZE_FRACTION * steps))
+        freeze = max(1, round(FREEZE_FRACTION[0] * steps))
         return ajc.onebit_adam(lr, weight_decay=wd, freeze_step=freeze), freeze
     inner = optax.sgd(lr, momentum=0.9) if kind == "sgdm" else optax.adamw(lr, weight_decay=wd)
     return adaptjax.chain(adaptjax.sync_gradients("data", codec=CODECS[codec_name]()), inner), None
@@ -212,16 +212,16 @@ def gap(metric: float, dense: float, higher_better: bool) -> float:
     return (dense - metric) / dense if higher_better else (metric - dense) / dense
 
 
-def pairings(work: Workload, codecs) -> list[tuple[str, str]]:
+def pairings(work: Workload, codecs, kinds=None) -> list[tuple[str, str]]:
     """``(optimizer, codec)`` of a workload: 1-bit Adam with AdamW only."""
     return [(kind, c) for kind in work.optimizers for c in codecs
-            if c != "onebit_adam" or kind == "adamw"]
+            if (c != "onebit_adam" or kind == "adamw") and (kinds is None or kind in kinds)]
 
 
-def measure(work: Workload, codecs, seeds: int, steps: int, mesh) -> list[dict]:
+def measure(work: Workload, codecs, seeds: int, steps: int, mesh, kinds=None) -> list[dict]:
     """One row per pairing of ``work``: metric (mean over seeds), gap to dense, bytes."""
     rows = []
-    for kind, codec in pairings(work, codecs):
+    for kind, codec in pairings(work, codecs, kinds):
         t0 = time.perf_counter()
         rows.append({"workload": work.name, "optimizer": kind, "codec": codec,
                      **train(work, kind, codec, seeds, steps, mesh)})
@@ -273,22 +273,27 @@ def main(argv=None):
     parser.add_argument("--workloads", default="cnn,lm")
     parser.add_argument("--codecs", default=None, help="comma-separated names of CODECS")
     parser.add_argument("--steps", type=int, default=None, help="steps of every workload")
+    parser.add_argument("--optimizers", default=None, help="comma-separated: adamw, sgdm")
+    parser.add_argument("--freeze-fraction", type=float, default=FREEZE_FRACTION[0],
+                        help="onebit_adam's freeze_step as a fraction of the steps")
     args = parser.parse_args(argv)
     seeds = args.seeds or (1 if args.quick else 2)
     codecs = QUICK_CODECS if args.quick else tuple(CODECS)
     codecs = tuple(args.codecs.split(",")) if args.codecs else codecs
     steps = {"cnn": 100, "lm": 100} if args.quick else {"cnn": 200, "lm": 250}
     steps = {k: args.steps or v for k, v in steps.items()}
+    FREEZE_FRACTION[0] = args.freeze_fraction
+    kinds = args.optimizers.split(",") if args.optimizers else None
     mesh = adaptjax.make_mesh(DEVICES)
     builders = {"cnn": digits_workload, "lm": lm_workload}
     rows = []
     t0 = time.perf_counter()
     for name in args.workloads.split(","):
         print(f"{name}: {steps[name]} steps, {seeds} seed(s), {DEVICES} devices", flush=True)
-        rows += measure(builders[name](), codecs, seeds, steps[name], mesh)
+        rows += measure(builders[name](), codecs, seeds, steps[name], mesh, kinds)
     print(table(rows))
     print(f"({time.perf_counter() - t0:.0f} s in all; onebit_adam freeze_step = "
-          f"{FREEZE_FRACTION:.0%} of the steps)")
+          f"{FREEZE_FRACTION[0]:.0%} of the steps)")
     print(summary(rows))
 
 

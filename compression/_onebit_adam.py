@@ -26,6 +26,16 @@ and ``NcclBackend.compressed_allreduce``), each chosen for a reason:
 * Scale: the project's sign format sends ``mean |x|`` per block of ``block``
   elements (the scale minimising ``‖x − s·sign(x)‖²``); DeepSpeed sends one
   ``‖x‖₂/√d`` per tensor (worker) or per chunk (server).
+* Two safeguards of the frozen variance (DeepSpeed has neither built in):
+  where ``nu`` is exactly 0 (every warm-up gradient there was 0: a dead
+  unit, a byte never seen) the momentum is set to 0 after each exchange,
+  DeepSpeed's ``exp_avg_mask`` found automatically (signs cannot send a 0,
+  and ``m/(0 + eps)`` is ``1e8·m``); and each element's step ``m̂/(√ν̂ + eps)``
+  is clipped to Adam's own bound (``adam_step_bound``, 3.16 at the
+  defaults). Without them a frozen ``nu`` of 1e-18 (a nearly dead ReLU unit
+  after a short warm-up) turns the block-wide magnitude of the 1-bit momentum
+  into steps of 1e5·lr, and the flax MNIST-tutorial CNN diverged on the
+  first compressed step.
 * Server error: the owner's re-encoding error joins its own worker residual
   (``N`` times it, on the chunk it owns) instead of a separate server buffer,
   so ``mean_i(e_i)`` is the whole debt (see :mod:`adaptjax.compression._base`).
@@ -75,6 +85,16 @@ def _check_freeze_step(freeze_step) -> None:
         )
 
 
+def adam_step_bound(b1, b2) -> jax.Array:
+    """Adam's bound on ``|m̂/√v̂|``: ``(1 − b1)/√(1 − b2)`` where that exceeds 1, else 1.
+
+    Kingma & Ba 2015, section 2.1 (3.16 at the defaults). Adam's own ``v``
+    grows with the gradient and keeps its step under it; a frozen ``v`` does
+    not, so 1-bit Adam clips its compressed-phase step to it.
+    """
+    return jnp.maximum(1.0, (1 - b1) / jnp.sqrt(1 - b2))  # arrays under inject_hyperparams
+
+
 def onebit_adam(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
@@ -93,8 +113,10 @@ def onebit_adam(
     all-reduce, bit for bit. Then the second moment is frozen and each replica
     sends its momentum ``b1·m + (1 − b1)·g_i`` through ``codec`` (error
     feedback keeps what the signs lost and sends it later); the mean is the
-    new momentum, and the update is ``m̂ / (√ν̂ + eps)`` with ``ν̂`` frozen
-    (module docstring: bias correction and the differences from DeepSpeed).
+    new momentum (0 where ``ν`` is 0), and the update is ``m̂ / (√ν̂ + eps)``
+    with ``ν̂`` frozen, clipped elementwise to Adam's bound ``(1 − b1)/√(1 − b2)``
+    (module docstring: bias correction, the safeguards, the differences from
+    DeepSpeed).
 
     Give it each replica's gradient inside ``jax.shard_map`` over
     ``axis_name`` (or :func:`adaptjax.data_parallel_step`): it syncs them
@@ -154,6 +176,7 @@ def onebit_adam(
             f"codec must be an adaptjax.compression codec, got {codec!r}; e.g. "
             "adaptjax.compression.onebit(block=256)"
         )
+    bound = adam_step_bound(b1, b2)
     decay = not (isinstance(weight_decay, int | float) and weight_decay == 0)
     adam = optax.scale_by_adam(b1, b2, eps)
     scale = optax.scale_by_learning_rate(learning_rate)
@@ -187,10 +210,12 @@ def onebit_adam(
             local = optax.tree.update_moment(updates, state.mu, b1, 1)
             mu, feedback = codec_sync(codec, local, state.feedback, axis_name=axis_name,
                                       step=state.count, layout=shard_layout)
+            mu = jax.tree.map(lambda m, v: jnp.where(v == 0, jnp.zeros_like(m), m), mu, state.nu)
             count_inc = optax.safe_increment(state.count)
             mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
             nu_hat = optax.tree.bias_correction(state.nu, b2, jnp.minimum(count_inc, freeze_step))
-            out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+            out = jax.tree.map(lambda m, v: jnp.clip(m / (jnp.sqrt(v) + eps), -bound, bound),
+                               mu_hat, nu_hat)
             return out, mu, state.nu, feedback
 
         out, mu, nu, feedback = jax.lax.cond(state.count < freeze_step, warm_up, compressed)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from adaptjax.compression import _onebit_adam as ajc_onebit_adam
 from jax.sharding import PartitionSpec as P
 
 import adaptjax
@@ -146,10 +147,77 @@ def test_after_the_freeze_nu_is_constant_and_the_update_uses_it():
             np.testing.assert_array_equal(state.nu[k], frozen[k])
             m = np.asarray(state.mu[k], np.float64)
             v = np.asarray(frozen[k], np.float64) / (1 - b2**freeze)
-            want = -lr * (m / (1 - b1**t)) / (np.sqrt(v) + eps)
+            bound = float(ajc_onebit_adam.adam_step_bound(b1, b2))
+            want = -lr * np.clip((m / (1 - b1**t)) / (np.sqrt(v) + eps), -bound, bound)
             # float32 rounds b2**F to an ulp of 1: relative eps32 / (1 − b2**F) in ν̂
             rtol = 8 * np.finfo(np.float32).eps / (1 - b2**freeze)
             np.testing.assert_allclose(u[k], want, rtol=rtol, atol=0)
+
+
+def _run(tx, grads):
+    """``tx`` in a user shard_map over the per-replica ``grads``; each step's ``(u, state)``."""
+    mesh = adaptjax.make_mesh(N)
+    state = adaptjax.stack_replicas(tx.init(_params()), N)
+    update = _shard_update(tx, mesh, state)
+    out = []
+    for g in grads:
+        u, state = update(g, state)
+        out.append((u, state))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:.*compresses nothing:UserWarning")
+def test_with_an_exact_codec_it_is_adam_with_the_variance_frozen():
+    """A codec that compresses nothing (a float32 psum) after the freeze.
+
+    ``m_t = b1·m_{t−1} + (1 − b1)·mean_i(g_i,t)`` and the step is
+    ``m̂_t/(√ν̂_F + eps)`` (clipped to Adam's bound), ``ν`` as the warm-up left it.
+    """
+    lr, b1, b2, freeze = 0.01, 0.9, 0.999, 2
+    tx = ajc.onebit_adam(lr, b1, b2, freeze_step=freeze, codec=ajc.onebit(min_size=10**9))
+    rng = np.random.default_rng(2)
+    grads = [_grads(rng, scale=0.1) for _ in range(freeze + 4)]
+    history = _run(tx, grads)
+    m = {k: np.asarray(history[freeze - 1][1].mu[k], np.float64) for k in SHAPES}
+    frozen = history[freeze - 1][1].nu
+    bound = float(ajc_onebit_adam.adam_step_bound(b1, b2))
+    for t in range(freeze + 1, freeze + 5):
+        u, state = history[t - 1]
+        for k in SHAPES:
+            m[k] = b1 * m[k] + (1 - b1) * grads[t - 1][k].astype(np.float64).mean(axis=0)
+            np.testing.assert_allclose(state.mu[k], m[k], rtol=1e-5, atol=1e-7)
+            np.testing.assert_array_equal(state.nu[k], frozen[k])
+            v = np.asarray(frozen[k], np.float64) / (1 - b2**freeze)
+            want = -lr * np.clip(m[k] / (1 - b1**t) / (np.sqrt(v) + 1e-8), -bound, bound)
+            # float32 rounds b2**F to an ulp of 1: relative eps32 / (1 − b2**F) in ν̂
+            rtol = 8 * np.finfo(np.float32).eps / (1 - b2**freeze)
+            np.testing.assert_allclose(u[k], want, rtol=rtol, atol=1e-9)
+
+
+def test_a_frozen_variance_that_is_zero_or_tiny_never_makes_a_step_larger_than_adams():
+    """Gradients of 1e-6 (0 in column 0 of w) through the warm-up, then of 1: the CNN's dead units.
+
+    Where ``nu`` is 0 the momentum and the step are 0 (DeepSpeed's
+    ``exp_avg_mask``, found automatically); elsewhere every step is at most
+    ``lr·(1 − b1)/√(1 − b2)``, Adam's bound, and reaches it (unclipped it
+    would be about 1e5 times that).
+    """
+    lr, b1, b2, freeze = 0.01, 0.9, 0.999, 3
+    rng = np.random.default_rng(5)
+    warm = [_grads(rng, scale=1e-6) for _ in range(freeze)]
+    for g in warm:
+        g["w"][:, :, 0] = 0.0
+    history = _run(ajc.onebit_adam(lr, b1, b2, freeze_step=freeze),
+                   warm + [_grads(rng) for _ in range(3)])
+    bound = float(ajc_onebit_adam.adam_step_bound(b1, b2))
+    assert bound == pytest.approx(0.1 / np.sqrt(0.001))
+    for u, state in history[freeze:]:
+        assert not np.asarray(state.nu["w"][:, 0]).any()
+        assert not np.asarray(state.mu["w"][:, 0]).any()
+        assert not np.asarray(u["w"][:, 0]).any()
+        for k in SHAPES:
+            assert np.abs(np.asarray(u[k])).max() <= lr * bound * (1 + 1e-6)
+        assert np.abs(np.asarray(u["w"][:, 1:])).max() == pytest.approx(lr * bound, rel=1e-6)
 
 
 def test_the_momentum_error_feedback_telescopes():
