@@ -90,6 +90,8 @@ def build_parser():
     parser.add_argument("--accumulate-rounds", type=int, default=20,
                         help="benchmarks/accumulate.py's rounds (0: skip it)")
     parser.add_argument("--curves-out", default=None, help="write every run's curve as JSON")
+    parser.add_argument("--plot", default=None,
+                        help="draw every run's validation loss against steps into this PNG")
     return parser
 
 
@@ -213,6 +215,27 @@ def print_curves(runs, every=4):
                                          list(zip(steps, losses, strict=True))[every - 1::every]))
 
 
+def plot(curves, target, path):
+    """Every run's validation loss against steps (log steps), one colour per run, L* dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for i, (name, runs) in enumerate(curves.items()):
+        for seed, (steps, losses) in enumerate(runs):
+            ax.plot(steps, losses, color=f"C{i % 10}", alpha=1.0 if seed == 0 else 0.35,
+                    linestyle="-" if name.startswith("fixed-") else "--",
+                    label=name if seed == 0 else None)
+    ax.axhline(target, color="k", linestyle=":", label="L*")
+    ax.set(xscale="log", xlabel="optimizer steps", ylabel="validation loss",
+           ylim=(target * 0.97, target * 1.3))
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"curves drawn in {path}")
+
+
 def main():
     parser = build_parser()
     args = parser.parse_args()
@@ -236,6 +259,8 @@ def main():
     if args.curves_out:
         with open(args.curves_out, "w") as out:
             json.dump({n: [curve(r) for r in rs] for n, rs in runs.items()}, out)
+    if args.plot:
+        plot({n: [curve(r) for r in rs] for n, rs in runs.items()}, target, args.plot)
     report(runs, args, target, s, f)
 
 
@@ -260,7 +285,8 @@ def report(runs, args, target, s, f):
           f"vs {mean[f'step-decay-{b}']:.4f}", flush=True)
     acc = {"ratio": math.nan, "recompiles": -1}
     if args.accumulate_rounds:
-        acc = accumulate.main(["--k", "4", "--rounds", str(args.accumulate_rounds)])
+        acc = accumulate.main(["--k", "4", "--rounds", str(args.accumulate_rounds),
+                               "--devices", str(min(8, len(jax.devices())))])
     m, lo, hi, vs = first
     print(f"frontier_steps_ratio={m:.4f} spread={lo:.4f}-{hi:.4f} loss_vs_target={vs:.4f} "
           f"seesaw_steps_ratio={statistics.fmean(sd_ratios):.4f} "
