@@ -125,6 +125,7 @@ def main(argv=None):
           f"compile_s_per_change_one_step={last['one']:.1f} "
           f"compile_s_per_change_accumulated={last['acc']:.2f} "
           f"recompiles_per_change={last['recompiles']}")
+    return last
 
 
 if __name__ == "__main__":

@@ -177,9 +177,12 @@ def make_controller(data, cfg, *, devices, batch, lr, seed, policies=(), on_step
     )
 
 
-def train(data, cfg, *, budget, evaluate, probe=None, **kwargs):
-    """One run to ``budget`` samples (probed three times with ``probe``); what the table needs."""
-    checkpoints = [budget * (i + 1) // CURVE_POINTS for i in range(CURVE_POINTS)]
+def train(data, cfg, *, budget, evaluate, probe=None, curve_points=CURVE_POINTS, **kwargs):
+    """One run to ``budget`` samples (probed three times with ``probe``); what the table needs.
+
+    The validation curve has ``curve_points`` points, evenly spaced in samples.
+    """
+    checkpoints = [budget * (i + 1) // curve_points for i in range(curve_points)]
     recorder = Recorder(budget, evaluate, checkpoints, probe)
     ctrl = make_controller(data, cfg, on_step=recorder, **kwargs)
     run_dir = ctrl.run_dir

@@ -57,3 +57,50 @@ def test_bad_curves_are_one_line(fr):
         fr.steps_to_loss([0, 1], [1.0], 0.5)
     with pytest.raises(ValueError, match="^target_loss needs at least one fixed run$"):
         fr.target_loss({})
+
+
+def test_the_best_rate_is_the_lowest_final_loss_and_a_tie_goes_to_the_rule(fr):
+    assert fr.best_multiplier({0.5: 2.10, 1.0: 2.00, 2.0: 1.95}) == 2.0
+    assert fr.best_multiplier({0.5: 2.00, 1.0: 2.00, 2.0: 2.00}) == 1.0  # the rule's own rate
+    assert fr.best_multiplier({0.5: 2.00, 1.0: 2.10, 2.0: 2.00}) == 0.5  # equally near: smaller
+    assert fr.best_multiplier({0.5: math.nan, 1.0: math.inf, 2.0: 3.0}) == 2.0  # diverged runs
+
+
+def test_best_rate_bad_inputs_are_one_line(fr):
+    with pytest.raises(ValueError, match="^best_multiplier needs at least one rate's final loss$"):
+        fr.best_multiplier({})
+    with pytest.raises(ValueError, match=r"^no rate gave a finite final loss: \{0.5: nan\}$"):
+        fr.best_multiplier({0.5: math.nan})
+
+
+def test_steps_at_follows_a_batch_that_grows(fr):
+    sizes = [8] * 10 + [16] * 5 + [32] * 5  # 80 samples at step 10, 160 at 15, 320 at 20
+    assert fr.steps_at(sizes, [8, 80, 81, 96, 161, 240, 320]) == [1, 10, 11, 11, 16, 18, 20]
+    with pytest.raises(ValueError, match="^the run saw 320 samples, fewer than 321$"):
+        fr.steps_at(sizes, [321])
+
+
+def test_milestones_of_a_doubling_batch_come_in_fewer_steps(fr):
+    # 1/2 of 3200 samples at batch 16: step 100; then batch 32 for 1/4 more: 25 steps
+    assert fr.milestone_steps([0.5, 0.75], 3200, 16) == [100, 150]
+    assert fr.milestone_steps([0.75, 0.5], 3200, 16, growth=2) == [100, 125]
+    with pytest.raises(ValueError, match="^every milestone fraction must be in"):
+        fr.milestone_steps([1.0], 3200, 16)
+
+
+def test_seesaw_against_its_schedule_on_synthetic_curves(fr):
+    """Equal losses at equal samples, the batch doubled after half the samples: on
+    the curves against steps the Seesaw run reaches the baseline's final loss at
+    (N/2 + N/4) / N = 3/4 of the baseline's steps."""
+    n = 400
+    steps = list(range(0, n + 1, 10))
+    losses = [3.0 - s / n for s in steps]  # linear in samples, ends at 2.0
+    seesaw_steps = [s if s <= n // 2 else n // 2 + (s - n // 2) / 2 for s in steps]
+    target, ratios = fr.paired_steps_ratio([(steps, losses)], [(seesaw_steps, losses)],
+                                           margin=0.0)
+    assert target == 2.0
+    assert ratios == [pytest.approx(0.75)]
+    _, never = fr.paired_steps_ratio([(steps, losses)], [(steps, [x + 0.5 for x in losses])])
+    assert never == [math.inf]
+    with pytest.raises(ValueError, match="^baseline and other need one run per seed each"):
+        fr.paired_steps_ratio([(steps, losses)], [])
