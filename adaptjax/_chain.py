@@ -22,7 +22,7 @@ class SyncChain(optax.GradientTransformationExtraArgs):
 
     Example:
       >>> import jax.numpy as jnp, optax, adaptjax
-      >>> tx = adaptjax.named_chain(("sync", adaptjax.sync_gradients("data")),
+      >>> tx = named_chain(("sync", adaptjax.sync_gradients("data")),
       ...                           ("optimizer", optax.sgd(0.1)))
       >>> sync_state, rest = tx.split_state(tx.init({"w": jnp.zeros(2)}))
       >>> type(sync_state).__name__, list(rest)
@@ -70,7 +70,7 @@ def chain(*transforms: optax.GradientTransformation) -> SyncChain:
     all-reduce and skips only the transformations after the sync. With a plain
     ``optax.chain`` the guard needs a collective of its own before the whole
     update: a barrier that costs 2–4% of a small LM's step on 8 simulated CPU
-    devices (``benchmarks/lm_overhead.py``).
+    devices (the benchmarks page of the docs).
 
     Args:
       *transforms: optax transformations, applied in order.
@@ -103,7 +103,7 @@ def named_chain(*transforms: tuple[str, optax.GradientTransformation]) -> SyncCh
 
     Example:
       >>> import jax.numpy as jnp, optax, adaptjax
-      >>> tx = adaptjax.named_chain(("sync", adaptjax.sync_gradients("data")),
+      >>> tx = named_chain(("sync", adaptjax.sync_gradients("data")),
       ...                           ("optimizer", optax.sgd(0.1)))
       >>> sorted(tx.init({"w": jnp.zeros(3)}))
       ['optimizer', 'sync']
@@ -120,7 +120,7 @@ def _checked(tx: SyncChain) -> SyncChain:
     """``tx`` whose first ``init`` warns when its codec pairs badly with the optimizer.
 
     The codec's optional ``pairing_warning(optimizer_state)`` (see
-    :class:`adaptjax.GradientCodec`) reads the state of the links after the
+    :class:`adaptjax.compression.Codec`) reads the state of the links after the
     sync; a line it returns is warned once per chain (and Python shows each
     line once per run).
     """

@@ -25,7 +25,7 @@ class GradientCodec(Protocol):
     the axis as every replica sees it (identical on all replicas), plus the new
     state. ``step`` is the int32 step counter (for warm-ups and keys).
 
-    The controller keys a codec by its ``repr`` (:func:`adaptjax.codec_key`:
+    The controller keys a codec by its ``repr`` (``codec_key``:
     compiled steps, run configurations, checkpoints), so the ``repr`` must be
     stable across processes and differ between codecs that compute differently;
     the codecs of :mod:`adaptjax.compression` print the factory call that builds
@@ -42,7 +42,7 @@ class GradientCodec(Protocol):
     Optionally, ``pairing_warning(optimizer_state)`` returns ``None`` or one
     line saying that this codec is known to train worse than dense sync with
     the optimizer whose init state it is given, and what to use instead;
-    :func:`adaptjax.chain` (so :func:`adaptjax.sync_chain` and the
+    :func:`adaptjax.chain` (so :func:`adaptjax.sync.sync_chain` and the
     controller's chain too) asks it once, at the chain's first ``init``, and
     warns with the line.
     """

@@ -89,7 +89,7 @@ class ArrayDataset:
     dataset keeps only their codes (int8 with a per-column scale and offset,
     or bfloat16), batches carry the codes (a quarter or half of the bytes to
     move to the devices: :attr:`bytes_per_sample`,
-    :func:`adaptjax.batch_bytes`), and :meth:`decode` — called inside the
+    ``batch_bytes``), and :meth:`decode` — called inside the
     compiled step, e.g. through ``adaptjax.with_precision(loss_fn, precision,
     decode=ds.decode)`` — returns the floats. The stream, its position
     (:meth:`state_dict`, whose fingerprint describes the arrays as given) and
@@ -232,7 +232,8 @@ class ArrayDataset:
           >>> ds = adaptjax.ArrayDataset({"x": x, "y": np.arange(6)}, shuffle=False,
           ...                            features=adaptjax.InputCodec("int8"))
           >>> batch = ds.next_batch(4)
-          >>> batch["x"].dtype, adaptjax.batch_bytes(batch), ds.bytes_per_sample
+          >>> from adaptjax._input_codec import batch_bytes
+          >>> batch["x"].dtype, batch_bytes(batch), ds.bytes_per_sample
           (dtype('int8'), 40, 10)
           >>> error = np.abs(np.asarray(ds.decode(batch)["x"]) - x[:4])
           >>> bool(np.all(error <= ds.codecs["x"].max_error() + 1e-7))

@@ -180,7 +180,7 @@ def batch_bytes(batch: Any) -> int:
 
     Example:
       >>> import numpy as np, adaptjax
-      >>> adaptjax.batch_bytes({"x": np.zeros((8, 64), np.int8), "y": np.zeros(8, np.int32)})
+      >>> batch_bytes({"x": np.zeros((8, 64), np.int8), "y": np.zeros(8, np.int32)})
       544
     """
     leaves = jax.tree.leaves(batch)

@@ -12,30 +12,26 @@ from __future__ import annotations
 
 import importlib
 import sys
-import warnings
 from collections.abc import Callable, Mapping
 
 
 def attach(
-    package: str, names: Mapping[str, str], deprecated: Mapping[str, str] | None = None
+    package: str, names: Mapping[str, str]
 ) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``'s module namespace.
 
     Args:
       package: the package's ``__name__``.
       names: each public name -> the module that defines it.
-      deprecated: old public names -> their new names; an old name still works
-        for one release and warns with a ``DeprecationWarning``.
 
     Returns:
       The two module-level functions of PEP 562.
 
     Example:
-      >>> getattr_, dir_ = attach("json", {"dumps": "json"}, {"to_text": "dumps"})
+      >>> getattr_, dir_ = attach("json", {"dumps": "json"})
       >>> getattr_("dumps")({"a": 1})
       '{"a": 1}'
     """
-    old_names = dict(deprecated or {})
 
     def __getattr__(name: str) -> object:
         module = names.get(name)
@@ -43,15 +39,6 @@ def attach(
             value = getattr(importlib.import_module(module), name)
             setattr(sys.modules[package], name, value)  # later lookups skip __getattr__
             return value
-        if name in old_names:
-            new = old_names[name]
-            warnings.warn(
-                f"{package}.{name} is renamed {package}.{new}; the old name goes in the next "
-                "release",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return getattr(sys.modules[package], new)
         # Unknown names raise AttributeError, so `from adaptjax import compression`
         # falls through to importing the subpackage.
         raise AttributeError(f"module {package!r} has no attribute {name!r}")

@@ -27,7 +27,7 @@ def collect_metrics(opt_state: Any) -> dict:
     Example:
       >>> import jax, jax.numpy as jnp, optax, adaptjax
       >>> tx = optax.chain(optax.sgd(1.0), adaptjax.update_norm())
-      >>> jax.jit(adaptjax.collect_metrics)(tx.init(jnp.zeros(2)))
+      >>> jax.jit(collect_metrics)(tx.init(jnp.zeros(2)))
       {'update_norm': Array(0., dtype=float32)}
     """
     out: dict = {}
@@ -46,7 +46,7 @@ def read_metrics(opt_state: Any) -> dict[str, float]:
     """Every monitor's current values as a flat dict of Python floats.
 
     Finds each state in the tree that carries a ``metrics`` dict (the sync
-    transformation's :class:`adaptjax.SyncState`, :func:`adaptjax.update_norm`)
+    transformation's ``SyncState``, :func:`adaptjax.update_norm`)
     and merges them. Inside ``jit`` use :func:`collect_metrics` instead.
 
     Args:

@@ -87,13 +87,14 @@ class GradientMonitor(Protocol):
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, adaptjax
       >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> from adaptjax._tree import tree_sq_norm
       >>> class MeanReplicaNorm:  # mean over replicas of ‖g_i‖, and how often measured
       ...     def metric_names(self):
       ...         return ("replica_norm", "replica_norm_steps")
       ...     def init(self, params):
       ...         return jnp.zeros((), jnp.int32)
       ...     def local_scalars(self, local_grads, state):
-      ...         return {"norm": jnp.sqrt(adaptjax.tree_sq_norm(local_grads))}
+      ...         return {"norm": jnp.sqrt(tree_sq_norm(local_grads))}
       ...     def update(self, stats, state, **extra):
       ...         state = state + 1
       ...         mean = stats.summed["norm"] / stats.n_replicas
@@ -102,7 +103,8 @@ class GradientMonitor(Protocol):
       True
       >>> mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
       >>> tx = adaptjax.sync_gradients("data", monitors=(MeanReplicaNorm(),))
-      >>> f = jax.shard_map(lambda g: adaptjax.collect_metrics(tx.update(g, tx.init(g))[1]),
+      >>> from adaptjax._metrics import collect_metrics
+      >>> f = jax.shard_map(lambda g: collect_metrics(tx.update(g, tx.init(g))[1]),
       ...                   mesh=mesh, in_specs=P("data"), out_specs=P())
       >>> {k: float(v) for k, v in jax.jit(f)(jnp.arange(4.0)).items()}  # replica i holds i
       {'replica_norm': 1.5, 'replica_norm_steps': 1.0}

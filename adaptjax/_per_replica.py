@@ -68,7 +68,7 @@ class PerReplica:
         >>> import jax.numpy as jnp
         >>> import adaptjax
         >>> r = adaptjax.PerReplica(jnp.zeros(3))
-        >>> adaptjax.state_partition_specs({"ef": r, "count": jnp.int32(0)})
+        >>> state_partition_specs({"ef": r, "count": jnp.int32(0)})
         {'count': P(), 'ef': PerReplica(value=P('data',), merge='mean')}
     """
 
@@ -112,7 +112,7 @@ def has_per_replica(tree: Any) -> bool:
 
     Example:
         >>> import adaptjax
-        >>> adaptjax.has_per_replica({"a": 1.0, "b": adaptjax.PerReplica(2.0)})
+        >>> has_per_replica({"a": 1.0, "b": adaptjax.PerReplica(2.0)})
         True
     """
     return any(_is_marker(x) for x in jax.tree.leaves(tree, is_leaf=_is_marker))
@@ -175,7 +175,7 @@ def state_partition_specs(
 
     Example:
         >>> import adaptjax
-        >>> specs = adaptjax.state_partition_specs({"m": 0.0, "e": adaptjax.PerReplica(0.0)})
+        >>> specs = state_partition_specs({"m": 0.0, "e": adaptjax.PerReplica(0.0)})
         >>> specs["m"], specs["e"].value
         (P(), P('data',))
     """
@@ -202,7 +202,7 @@ def state_shardings(
     Example:
         >>> import adaptjax
         >>> mesh = adaptjax.make_mesh(2)
-        >>> adaptjax.state_shardings(adaptjax.PerReplica(0.0), mesh).value.spec
+        >>> state_shardings(adaptjax.PerReplica(0.0), mesh).value.spec
         P('data',)
     """
     specs = state_partition_specs(tree, axis_name, params=params, param_specs=param_specs)
@@ -214,7 +214,7 @@ def to_local(tree: Any) -> Any:
 
     Example:
         >>> import jax.numpy as jnp, adaptjax
-        >>> adaptjax.to_local(adaptjax.PerReplica(jnp.zeros((1, 3)))).value.shape
+        >>> adaptjax.sync.to_local(adaptjax.PerReplica(jnp.zeros((1, 3)))).value.shape
         (3,)
     """
     return _map_marked(lambda x: x[0], lambda x: x, tree)
@@ -225,7 +225,7 @@ def to_global(tree: Any) -> Any:
 
     Example:
         >>> import jax.numpy as jnp, adaptjax
-        >>> adaptjax.to_global(adaptjax.PerReplica(jnp.zeros(3))).value.shape
+        >>> adaptjax.sync.to_global(adaptjax.PerReplica(jnp.zeros(3))).value.shape
         (1, 3)
     """
     return _map_marked(lambda x: x[None], lambda x: x, tree)
@@ -236,7 +236,7 @@ def stack_replicas(tree: Any, n_replicas: int) -> Any:
 
     Example:
         >>> import jax.numpy as jnp, adaptjax
-        >>> adaptjax.stack_replicas(adaptjax.PerReplica(jnp.zeros(3)), 8).value.shape
+        >>> stack_replicas(adaptjax.PerReplica(jnp.zeros(3)), 8).value.shape
         (8, 3)
     """
     return _map_marked(
@@ -294,7 +294,7 @@ def merge_replicas(tree: Any, new_n_replicas: int) -> Any:
         >>> import numpy as np
         >>> import adaptjax
         >>> old = {"ef": adaptjax.PerReplica(np.array([[1.0], [3.0]]))}
-        >>> adaptjax.merge_replicas(old, 4)["ef"].value[:, 0].tolist()
+        >>> adaptjax.sync.merge_replicas(old, 4)["ef"].value[:, 0].tolist()
         [2.0, 2.0, 2.0, 2.0]
     """
     if new_n_replicas < 1:

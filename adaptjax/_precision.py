@@ -299,7 +299,7 @@ def check_precision(
     never run), a one-line ``ValueError`` for:
 
     * ``compute="float16"`` without dynamic loss scaling in ``tx`` (no
-      :class:`adaptjax.LossScaleState` in its state): float16 gradients
+      ``LossScaleState`` in its state): float16 gradients
       underflow to zero and its activations overflow past 65504; wrap the
       optimizer in :func:`adaptjax.dynamic_loss_scale`;
     * a parameter whose magnitude is beyond the compute dtype's largest finite
@@ -316,14 +316,14 @@ def check_precision(
     Example:
       >>> import jax.numpy as jnp, optax, adaptjax
       >>> params = {"w": jnp.ones(3)}
-      >>> adaptjax.check_precision("bfloat16", params, optax.sgd(0.1)).compute
+      >>> check_precision("bfloat16", params, optax.sgd(0.1)).compute
       'bfloat16'
-      >>> adaptjax.check_precision("float16", params, optax.sgd(0.1))
+      >>> check_precision("float16", params, optax.sgd(0.1))
       Traceback (most recent call last):
       ...
       ValueError: compute='float16' needs dynamic loss scaling: wrap the optimizer in adaptjax.dynamic_loss_scale(tx), or use compute='bfloat16'
       >>> tx = adaptjax.dynamic_loss_scale(optax.sgd(0.1))
-      >>> adaptjax.check_precision("float16", params, tx).key
+      >>> check_precision("float16", params, tx).key
       'float16'
     """  # noqa: E501
     from adaptjax._loss_scale import has_loss_scale

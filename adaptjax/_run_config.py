@@ -26,8 +26,8 @@ class RunConfig:
         mesh, the devices).
       batch_size: global batch (samples per step).
       microbatches: gradient accumulation steps per replica.
-      codec: the codec's key (see :func:`codec_key`), or ``None`` for a dense sync.
-      sync: the synchronisation strategy's key (see :func:`adaptjax.sync_key`),
+      codec: the codec's key (its ``repr``), or ``None`` for a dense sync.
+      sync: the synchronisation strategy's key (its ``repr``),
         or ``None`` for S-SGD.
       precision: the compute precision's key (:attr:`adaptjax.Precision.key`,
         e.g. ``"bfloat16"``; a :class:`adaptjax.Precision` or an alias such as
@@ -72,7 +72,7 @@ class RunConfig:
             raise ValueError(f"codec must be a codec key (str) or None, got {self.codec!r}")
         if self.sync is not None and not isinstance(self.sync, str):
             raise ValueError(
-                f"sync must be a strategy key (adaptjax.sync_key(strategy)) or None, "
+                f"sync must be a strategy key (str, the strategy's repr) or None, "
                 f"got {self.sync!r}"
             )
         object.__setattr__(self, "precision", precision_key(self.precision))
@@ -184,7 +184,7 @@ def controller_precision(precision) -> str | None:
     float16, whose steps the controller builds with dynamic loss scaling
     (:class:`adaptjax.controller._step_cache.StepCache`); what a model cannot
     run in (a parameter beyond float16's range) is refused by
-    :func:`adaptjax.check_precision` when the run starts.
+    ``check_precision`` when the run starts.
 
     Example:
       >>> from adaptjax._run_config import controller_precision
@@ -214,7 +214,7 @@ def codec_key(codec: object) -> str | None:
     """A stable name for a codec object: its ``repr`` without memory addresses.
 
     Example:
-      >>> from adaptjax import codec_key
+      >>> from adaptjax._run_config import codec_key
       >>> codec_key(None) is None
       True
     """

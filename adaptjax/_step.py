@@ -200,7 +200,7 @@ def data_parallel_step(
     sync's all-reduce over ``"data"`` moves each device's shard, the
     optimizer updates shards, and the new state is constrained to the same
     shardings (donation keeps working). ``tx.update`` also receives
-    ``shard_layout`` (an :class:`adaptjax.ShardLayout`): the monitors' norms
+    ``shard_layout`` (an ``ShardLayout``): the monitors' norms
     are summed over each replica's shards in one scalar all-reduce, and a
     codec compresses each device's shard over ``"data"``.
 
@@ -219,7 +219,7 @@ def data_parallel_step(
     need its collectives written by hand. ``Explicit`` axis types reject an
     unmodified flax model (``nnx.Embed``'s lookup of fsdp-sharded rows by
     fsdp-sharded tokens asks for an ``out_sharding``), so every axis is
-    ``Auto``. (``benchmarks/sharded.py`` prints the per-axis bytes.)
+    ``Auto``. (:func:`adaptjax.wire_bytes` counts the per-axis bytes.)
 
     On CPU with a mesh over several processes (gloo), each gradient leaf keeps
     its own all-reduce (XLA:CPU's all-reduce combiner is off for the step), so
@@ -249,11 +249,11 @@ def data_parallel_step(
         check's two scalars ride in the gradients' all-reduce and only the
         links after the sync are skipped; with any other ``tx`` the check is
         an all-reduce of its own before the whole update.
-      sync: the :class:`adaptjax.SyncStrategy` ``tx`` was built with (by
-        :func:`adaptjax.sync_chain`), or its name; checked against the mesh
+      sync: the :class:`adaptjax.sync.SyncStrategy` ``tx`` was built with (by
+        :func:`adaptjax.sync.sync_chain`), or its name; checked against the mesh
         (e.g. gossip needs two replicas) before anything compiles. Whatever
         it is, a replica differentiates at its local model when ``tx`` keeps
-        one (:func:`adaptjax.local_params`) and ``tx.update`` then also
+        one (:func:`adaptjax.sync.local_params`) and ``tx.update`` then also
         receives ``local_params``.
       sharding: how parameters lie on a sharded mesh: ``None`` (the
         :class:`adaptjax.FSDP` rule), an :class:`adaptjax.FSDP`, a tree of
@@ -263,7 +263,7 @@ def data_parallel_step(
         (``tx`` itself when ``tx`` is one; that is the default then): the
         step scales the loss by it and moves the scale (see above). Needs
         ``skip_nonfinite``; the optimizer state must hold exactly one
-        :class:`adaptjax.LossScaleState`.
+        ``LossScaleState``.
 
     Returns:
       A :class:`DataParallelStep`.
@@ -307,7 +307,7 @@ def data_parallel_step(
 
 
 def _check_loss_scale(loss_fn, tx, loss_scale, skip_nonfinite: bool) -> LossScaled | None:
-    """``loss_scale`` checked (``tx`` itself when it is a :class:`adaptjax.LossScaled`)."""
+    """``loss_scale`` checked (``tx`` itself when it is a ``LossScaled``)."""
     if loss_scale is None and isinstance(tx, LossScaled):
         loss_scale = tx
     if loss_scale is not None and not isinstance(loss_scale, LossScaled):

@@ -114,7 +114,7 @@ def _sq_norm(inputs, tree, chunks: int):
 def codec_sync(codec, grads, state, *, axis_name, step, layout=None):
     """``codec.sync`` over ``axis_name``; on a sharded mesh, on each device's shards.
 
-    With a :class:`adaptjax.ShardLayout` the codec runs inside a ``shard_map``
+    With a ``ShardLayout`` the codec runs inside a ``shard_map``
     manual over the model's axes: each device compresses its own shard of
     every leaf over the data axis (a quantiser's blocks stay inside a shard;
     top-k keeps ``ratio`` of each shard's elements, so ``k`` is per shard),
@@ -130,12 +130,12 @@ def codec_sync(codec, grads, state, *, axis_name, step, layout=None):
     so the result is a bfloat16 mean, never a wrong one.
 
     Args:
-      codec: a :class:`adaptjax.GradientCodec`.
+      codec: a codec (:class:`adaptjax.compression.Codec`).
       grads: this replica's gradients.
       state: the codec's state (local view).
       axis_name: the data axis.
       step: int32 step counter.
-      layout: the step's :class:`adaptjax.ShardLayout`, or ``None``.
+      layout: the step's ``ShardLayout``, or ``None``.
 
     Returns:
       ``(mean, new state)`` as ``codec.sync`` returns them.
@@ -405,7 +405,7 @@ def sync_gradients(
       axis_name: the data-parallel mesh axis (or a tuple of axes).
       wire_dtype: ``None`` (the gradients' dtype), ``jnp.float32`` or
         ``jnp.bfloat16``/``jnp.float16`` (cast for the all-reduce, cast back).
-      codec: a :class:`adaptjax.GradientCodec` (see ``adaptjax.compression``);
+      codec: a codec (:class:`adaptjax.compression.Codec`) (see ``adaptjax.compression``);
         it then owns the collective.
       monitors: monitors such as :class:`adaptjax.GradientNoiseScale`; any object
         following :class:`adaptjax.GradientMonitor` works.
@@ -431,13 +431,13 @@ def sync_gradients(
       norm_chunks: read only one of this many rotating chunks of each gradient
         leaf of 4096 elements or more for ``‖g_i‖²`` and ``‖Ḡ‖²`` (scaled up,
         unbiased, exact over any ``norm_chunks`` consecutive steps; see
-        :func:`adaptjax.tree_sq_norm_sampled`); 1 reads everything. Those two
+        ``tree_sq_norm_sampled``); 1 reads everything. Those two
         norm passes are where monitoring's time goes: XLA fuses neither into
         the backward pass nor into the all-reduce, so exact norms read every
         gradient twice more (+20–36% of a plain step for a 2M-parameter MLP
         at 32 samples per device on 8 simulated CPU devices). The default 32
         cuts that to about 1/32 of it, within the measurement noise of a
-        plain step (``benchmarks/monitor_overhead.py`` shows both settings).
+        plain step (the docs' benchmarks page shows both settings).
         The variance it adds is small against the estimator's own: there,
         after the EMA (decay 0.95), the chunked noise scale differs from the
         exact one at the same step by about 0.5% (relative std; 0.3–0.5% at
@@ -495,7 +495,8 @@ def _sync_config(
     monitors = tuple(monitors)
     if codec is not None and not isinstance(codec, GradientCodec):
         raise ValueError(
-            f"codec {codec!r} does not follow adaptjax.GradientCodec (needs init and sync); "
+            f"codec {codec!r} does not follow adaptjax.compression.Codec's protocol "
+            "(needs init and sync); "
             "build one with adaptjax.compression"
         )
     if not 0.0 < float(codec_sample) <= 1.0:

@@ -13,6 +13,7 @@ from adaptjax._run_config import (
     controller_precision,
     round_batch,
 )
+from adaptjax.policies._policy import validate_actions
 from adaptjax.sync._registry import resolve_sync, sync_key
 
 _KEEP = object()  # "SetCodec was not asked for" (None means: back to a dense sync)
@@ -40,7 +41,7 @@ class Transition:
       hyperparams: hyperparameter values to write into the optimizer state.
       codec: the codec object to switch to (``None``: dense) when ``codec_changed``.
       codec_changed: whether the codec changes.
-      sync: the :class:`adaptjax.SyncStrategy` to switch to when ``sync_changed``.
+      sync: the :class:`adaptjax.sync.SyncStrategy` to switch to when ``sync_changed``.
       sync_changed: whether the synchronisation strategy changes.
       precision_changed: whether the precision changes (``config.precision``
         is the new one's key, ``None`` for float32).
@@ -184,7 +185,7 @@ def _fold(actions: Sequence[ajp.Action], config: RunConfig) -> _Asked:
     asked = _Asked(
         devices=config.devices, mesh_shape=config.mesh_shape, microbatches=config.microbatches
     )
-    for action in ajp.validate_actions(list(actions)):
+    for action in validate_actions(list(actions)):
         if isinstance(action, ajp.SetHyperparams):
             asked.hyperparams.update({k: float(v) for k, v in action.values.items()})
         elif isinstance(action, ajp.SetBatchSize):

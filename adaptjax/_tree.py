@@ -46,7 +46,7 @@ def tree_sq_norm(tree: Any) -> jax.Array:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from adaptjax import tree_sq_norm
+        >>> from adaptjax._tree import tree_sq_norm
         >>> float(tree_sq_norm({"a": jnp.array([3.0]), "b": jnp.array([4.0])}))
         25.0
     """
@@ -58,7 +58,7 @@ def tree_vdot(a: Any, b: Any) -> jax.Array:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from adaptjax import tree_vdot
+        >>> from adaptjax._tree import tree_vdot
         >>> float(tree_vdot({"a": jnp.array([1.0, 2.0])}, {"a": jnp.array([3.0, 4.0])}))
         11.0
     """
@@ -143,7 +143,7 @@ def tree_sq_norm_sampled(
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from adaptjax import tree_sq_norm, tree_sq_norm_sampled
+      >>> from adaptjax._tree import tree_sq_norm, tree_sq_norm_sampled
       >>> x = {"w": jnp.arange(8192.0) % 3}
       >>> est = [float(tree_sq_norm_sampled(x, jnp.int32(i), 4)) for i in range(4)]
       >>> sum(est) / 4 == float(tree_sq_norm(x))
@@ -214,7 +214,7 @@ class ShardLayout:
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
       >>> mesh = adaptjax.make_mesh({"data": 2, "fsdp": 4})
       >>> g = {"w": jnp.ones((8, 4)), "b": jnp.ones(3)}
-      >>> layout = adaptjax.ShardLayout.of(g, mesh, sharding={"w": P("fsdp"), "b": P()})
+      >>> layout = ShardLayout.of(g, mesh, sharding={"w": P("fsdp"), "b": P()})
       >>> on = lambda spec: NamedSharding(mesh, spec)
       >>> g = jax.device_put(g, {"w": on(P("fsdp")), "b": on(P())})
       >>> float(jax.jit(layout.sq_norm)(g))   # 32 + 3, the replicated leaf counted once

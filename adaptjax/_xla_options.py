@@ -24,7 +24,7 @@ def step_compiler_options(mesh: Mesh) -> dict[str, str] | None:
     all-reduce per gradient leaf instead of letting XLA fuse them into one:
     each is issued as soon as its gradient exists and its transfer overlaps
     the rest of the backward pass, as PyTorch DDP's buckets do.
-    ``benchmarks/network.py`` measures the dense step against the fused
+    The benchmarks page of the docs measures the dense step against the fused
     all-reduce (``dense_combined``): 5-13% faster at 2 processes, on a 1 Gbit/s
     link and uncapped. Within one process the simulated devices' collectives
     are memory copies, and one fused collective is cheaper; on GPU and TPU

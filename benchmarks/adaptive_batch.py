@@ -116,6 +116,7 @@ from adaptjax import policies as ajp  # noqa: E402
 # The main job's model, loss and data (examples/lm.py), so both measure the same thing.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import lm_data  # noqa: E402
+from adaptjax.policies._goodput import fit_throughput
 from lm import ByteLM, LMConfig, loss_fn, make_eval  # noqa: E402
 
 PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
@@ -422,7 +423,7 @@ def profiles(data, cfg, args, devices):
     cpu_times = measure_step_times(data, cfg, args.sizes, devices=devices,
                                    steps=args.profile_steps)
     cpu_points = sorted(cpu_times.items())
-    alpha, beta = ajp.fit_throughput(*zip(*cpu_points, strict=True))
+    alpha, beta = fit_throughput(*zip(*cpu_points, strict=True))
     print("this machine's T(M), ms: " + ", ".join(f"{b}: {t * 1e3:.2f}" for b, t in cpu_points)
           + f" (fit {alpha * 1e3:.2f} ms + {beta * 1e6:.1f} us x M)", flush=True)
     gpu_path, gpu = find_gpu_profile(cfg, args.gpu_profile)

@@ -89,6 +89,7 @@ else:
 
     import adaptjax
     from adaptjax import compression as ajc
+    from adaptjax._per_replica import stack_replicas, state_partition_specs
 
 MODEL = {
     "w1": (784, 2048), "b1": (2048,),
@@ -126,14 +127,14 @@ def _size(shape):
 def _sync_report(codec, mesh, axis):
     n = mesh.size
     params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in MODEL.items()}
-    state = jax.eval_shape(lambda: adaptjax.stack_replicas(codec.init(
+    state = jax.eval_shape(lambda: stack_replicas(codec.init(
         {k: jnp.zeros(s) for k, s in MODEL.items()}), n))
-    specs = adaptjax.state_partition_specs(state, axis)
+    specs = state_partition_specs(state, axis)
 
     def f(g, s):
         g = jax.tree.map(lambda x: x[0], g)
-        out, s = codec.sync(g, adaptjax.to_local(s), axis_name=axis, step=jnp.int32(0))
-        return out, adaptjax.to_global(s)
+        out, s = codec.sync(g, adaptjax.sync.to_local(s), axis_name=axis, step=jnp.int32(0))
+        return out, adaptjax.sync.to_global(s)
 
     fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(axis), specs),
                                out_specs=(P(), specs), check_vma=False))
@@ -225,12 +226,12 @@ def step_time_rows(names, repeats):
     def make(codec):
         tx = optax.chain(adaptjax.sync_gradients("data", codec=codec),
                          optax.sgd(0.01, momentum=0.9))
-        state = adaptjax.stack_replicas(tx.init(params), n)
-        specs = adaptjax.state_partition_specs(state, "data")
+        state = stack_replicas(tx.init(params), n)
+        specs = state_partition_specs(state, "data")
 
         def step(p, s, x, y):
-            u, s = tx.update(jax.grad(loss)(p, x, y), adaptjax.to_local(s), p)
-            return optax.apply_updates(p, u), adaptjax.to_global(s)
+            u, s = tx.update(jax.grad(loss)(p, x, y), adaptjax.sync.to_local(s), p)
+            return optax.apply_updates(p, u), adaptjax.sync.to_global(s)
 
         fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
                                    out_specs=(P(), specs), check_vma=False),

@@ -2,7 +2,7 @@
 
 8 simulated CPU devices, the ~2M-parameter MLP of ``monitor_overhead.py``, 32
 samples per device by default (global batch 256), Adam. Both loops call the *same*
-:class:`adaptjax.DataParallelStep` (the controller's own compiled step for its
+:class:`DataParallelStep` (the controller's own compiled step for its
 configuration, so the same optimizer chain, monitors and executable) on
 batches from the same kind of source (an :class:`adaptjax.ArrayDataset` over
 the same arrays, each loop with its own cursor):

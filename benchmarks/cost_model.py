@@ -5,7 +5,7 @@ MLP of about 333K parameters (128-512-512-10), SGD, and every codec of
 ``adaptjax.compression`` (plus the dense sync):
 
 1. **Calibration** (what a run sees anyway): the α–β fit of each collective
-   kind from timed micro-collectives (:func:`adaptjax.costs.calibrate_links`),
+   kind from timed micro-collectives (:func:`calibrate_links`),
    the dense step at 9 configurations (1, 2, 4 and 8 devices, several batch
    sizes, two with 2 micro-batches) and each codec at 2 configurations
    (2 devices x 64 and 8 devices x 128).
@@ -20,7 +20,7 @@ MLP of about 333K parameters (128-512-512-10), SGD, and every codec of
    veth pair capped at 1 Gbit/s, gloo. Its calibration is what a run there
    would have: the dense step at 4 configurations and each codec at 2
    devices x 64 timed in ONE process on 2 simulated devices (no network),
-   and the link's α–β timed by :func:`adaptjax.costs.calibrate_links` in
+   and the link's α–β timed by :func:`calibrate_links` in
    the two processes. Held out: every codec and the dense sync at a global
    batch of 128 and 256 across the link (22 configurations, each differs from
    every calibration step in its link and its batch).
@@ -76,12 +76,11 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import adaptjax  # noqa: E402
-from adaptjax import (  # noqa: E402
-    RunConfig,
-    codec_key,
-    costs,  # noqa: E402
-)
+from adaptjax import RunConfig, costs  # noqa: E402
 from adaptjax import compression as ajc  # noqa: E402
+from adaptjax._run_config import codec_key  # noqa: E402
+from adaptjax.costs._calibrate import calibrate_links  # noqa: E402
+from adaptjax.costs._model import Observation
 
 SIZES = (128, 512, 512, 10)
 NET_SIZES = (1024, 2048, 2048, 1024, 10)  # benchmarks/network.py's MLP
@@ -208,7 +207,7 @@ def link_worker(rank: int, coordinator: str, rounds: int, steps: int) -> dict:
     _network()._jax_start(rank, coordinator)  # gloo, jax.distributed.initialize
     t0 = time.perf_counter()
     # What a run there does at start-up; 4 MB too, the dense step sends 34 MB.
-    links = costs.calibrate_links(2, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22))
+    links = calibrate_links(2, sizes=(1 << 12, 1 << 16, 1 << 20, 1 << 22))
     t_links = time.perf_counter() - t0
     all_codecs = codecs()
     runners = {(name, b): Runner(name, all_codecs[name], 2, b, sizes=NET_SIZES)
@@ -247,7 +246,7 @@ def link_rows(args, local_links, all_codecs) -> list[dict] | None:
                for spec in calib}
     time_rounds(runners, args.rounds, args.steps, seed=1)
     model = costs.StepTimeModel.fit(local_links, [
-        costs.Observation(r.config, r.wire, r.measured) for r in runners.values()])
+        Observation(r.config, r.wire, r.measured) for r in runners.values()])
     del runners
     print(f"\nlink workload {'-'.join(map(str, NET_SIZES))}: {len(calib)} calibration "
           f"configurations in one process on 2 simulated devices in "
@@ -298,7 +297,7 @@ def main():
         return 0
 
     t_start = time.perf_counter()
-    links = costs.calibrate_links(8)
+    links = calibrate_links(8)
     t_links = time.perf_counter() - t_start
     print(f"links calibrated in {t_links:.1f} s (8 devices, {len(links)} kinds):")
     for kind, link in links.items():
@@ -328,7 +327,7 @@ def main():
 
     time_rounds(runners, args.rounds, args.steps, seed=0)
 
-    obs = [costs.Observation(runners[s].config, runners[s].wire, runners[s].measured)
+    obs = [Observation(runners[s].config, runners[s].wire, runners[s].measured)
            for s in calib]
     model = costs.StepTimeModel.fit(links, obs)
     print(f"compute model: {model.compute}")
@@ -374,7 +373,7 @@ def main():
     tau = min(tau_sim, tau_link) if on_link else tau_sim
     # The same against each configuration's fastest round (load only ever adds time).
     model_min = costs.StepTimeModel.fit(links, [
-        costs.Observation(runners[s].config, runners[s].wire, runners[s].fastest) for s in calib])
+        Observation(runners[s].config, runners[s].wire, runners[s].fastest) for s in calib])
     err_min = sorted(abs(model_min.predict(runners[s].config, runners[s].wire).step_time
                          - runners[s].fastest) / runners[s].fastest for s in held)
     print(f"\nagainst the fastest round instead of the median (side figure): median error "
@@ -382,7 +381,7 @@ def main():
     # And against CPU seconds per step (all threads), which other jobs' load barely moves:
     # how well the model's structure fits when contention is taken out (side figure).
     model_cpu = costs.StepTimeModel.fit(links, [
-        costs.Observation(runners[s].config, runners[s].wire, runners[s].cpu) for s in calib])
+        Observation(runners[s].config, runners[s].wire, runners[s].cpu) for s in calib])
     pred_cpu = [model_cpu.predict(runners[s].config, runners[s].wire).step_time for s in held]
     meas_cpu = [runners[s].cpu for s in held]
     err_cpu = sorted(abs(p - m) / m for p, m in zip(pred_cpu, meas_cpu, strict=True))

@@ -175,7 +175,7 @@ JAX_CODECS = {  # variant -> how its step is built
     "powersgd4": Jax(("powersgd", 4), guard=False),
     "powersgd4_unbucketed": Jax(("powersgd", 4), bucketed=False, guard=False),
 }
-JAX_SYNCS = {  # variant -> the adaptjax.SyncStrategy the step runs (no codec)
+JAX_SYNCS = {  # variant -> the adaptjax.sync.SyncStrategy the step runs (no codec)
     "sma": ("ModelAveraging",),
     "localsgd32": ("LocalSGD", 32),
     "diloco32": ("DiLoCo", 32),
@@ -222,7 +222,7 @@ def _jax_step(jax, variant: str, mesh, bucket_bytes: int):
     if variant in JAX_SYNCS:
         name, *args = JAX_SYNCS[variant]
         sync = getattr(adaptjax, name)(*args)
-        tx = adaptjax.sync_chain(inner, sync)
+        tx = adaptjax.sync.sync_chain(inner, sync)
     else:
         tx = adaptjax.chain(adaptjax.sync_gradients("data", codec=codec), inner)
     state = adaptjax.init_state(params, tx, mesh)

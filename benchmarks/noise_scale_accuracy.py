@@ -30,6 +30,7 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import adaptjax  # noqa: E402
+from adaptjax._metrics import collect_metrics
 
 D, SIGMA, LOCAL_BATCH, DEVICES, STEPS = 16, 1.0, 16, 8, 1000
 
@@ -61,7 +62,7 @@ def run(monitor, scales, delta, seeds):
             y = SIGMA * jax.random.normal(ky, (LOCAL_BATCH,))
             g = jax.grad(loss)(params, x, y)
             _, state = tx.update(g, state, params, local_batch_size=LOCAL_BATCH)
-            return state, adaptjax.collect_metrics(state)
+            return state, collect_metrics(state)
 
         return jax.lax.scan(body, tx.init(params), jnp.arange(STEPS))[1]
 

@@ -33,7 +33,7 @@ are the bytes a step moves host -> device.
 
 **Input codec, on digits** (``examples/digits.py``'s MLP and data, Adam 1e-3,
 batch 64 on 2 replicas): bytes moved host -> device per step (the bytes of the
-numpy batch handed to the step, :func:`adaptjax.batch_bytes`) with the float32
+numpy batch handed to the step, :func:`batch_bytes`) with the float32
 features and with ``ArrayDataset(..., features=adaptjax.InputCodec("int8"))``,
 and the test accuracy of both runs (the int8 run's test features encoded with
 the codec fitted on the training set, decoded inside the step).
@@ -74,6 +74,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import lm_data  # noqa: E402
 from lm import SIZES, ByteLM, make_eval  # noqa: E402
 from lm import loss_fn as lm_loss  # noqa: E402
+
+from adaptjax._input_codec import batch_bytes
 
 PRECISIONS = ("float32", "bfloat16")
 
@@ -194,7 +196,7 @@ def digits_run(steps: int, codec=None) -> tuple[float, int]:
     moved = []
     for _ in range(steps):
         batch = data.next_batch(64)
-        moved.append(adaptjax.batch_bytes(batch))  # what the step's call transfers
+        moved.append(batch_bytes(batch))  # what the step's call transfers
         state, _ = step(state, batch)
     test = {"x": x_test if codec is None else data.codecs["x"].encode(x_test), "y": y_test}
     logits = state.model(jnp.asarray(data.decode(test)["x"]))

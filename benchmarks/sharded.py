@@ -14,7 +14,7 @@ rule. For each mesh:
 * ``time``: seconds per step relative to ``(8,)`` (median over rounds of
   each round's ratio; every mesh runs in each round, in a fresh random order);
 * wire bytes per device by mesh axis, from the compiled HLO
-  (:attr:`adaptjax.WireReport.axis_totals`): ``data`` is the sync, ``fsdp`` the
+  (:attr:`WireReport.axis_totals`): ``data`` is the sync, ``fsdp`` the
   all-gathers of weights and the reductions of gradients the compiler inserted.
 
 The steps compared across meshes carry no monitors (one replica, at (1, 8),

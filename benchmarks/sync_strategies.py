@@ -10,7 +10,7 @@ and step count, this prints:
   (:func:`adaptjax.wire_bytes`; local SGD and DiLoCo amortised over ``H``:
   the outer sync sits in one branch of a ``lax.cond``),
 * the final validation loss of the model each strategy ends with (the mean of
-  the replicas' models, :func:`adaptjax.consensus_params`) and its gap to
+  the replicas' models, :func:`adaptjax.sync.consensus_params`) and its gap to
   S-SGD's,
 * the first evaluated step at which the validation loss reaches ``--target``
   and its ratio to S-SGD's.
@@ -121,14 +121,14 @@ def strategies(outer_lr: float = 0.7, outer_momentum: float = 0.9) -> dict:
     """The strategies compared; DiLoCo's outer step as given (the paper's 0.7 / 0.9 by default)."""
     outer = {"outer_lr": outer_lr, "outer_momentum": outer_momentum}
     return {
-        "S-SGD": adaptjax.SSGD(),
-        "SMA": adaptjax.ModelAveraging(),
-        "local SGD H=8": adaptjax.LocalSGD(H=8),
-        "local SGD H=32": adaptjax.LocalSGD(H=32),
-        "DiLoCo H=32": adaptjax.DiLoCo(H=32, **outer),
-        "DiLoCo H=128": adaptjax.DiLoCo(H=128, **outer),
-        "gossip ring": adaptjax.Gossip("ring"),
-        "gossip exp": adaptjax.Gossip("exponential"),
+        "S-SGD": adaptjax.sync.SSGD(),
+        "SMA": adaptjax.sync.ModelAveraging(),
+        "local SGD H=8": adaptjax.sync.LocalSGD(H=8),
+        "local SGD H=32": adaptjax.sync.LocalSGD(H=32),
+        "DiLoCo H=32": adaptjax.sync.DiLoCo(H=32, **outer),
+        "DiLoCo H=128": adaptjax.sync.DiLoCo(H=128, **outer),
+        "gossip ring": adaptjax.sync.Gossip("ring"),
+        "gossip exp": adaptjax.sync.Gossip("exponential"),
     }
 
 
@@ -154,7 +154,7 @@ def learning_rate(base: float, schedule: str, steps: int):
 def run(work: Workload, strategy, *, devices: int, steps: int, batch: int, eval_every: int,
         schedule: str = "constant", inner_lr: float | None = None):
     lr = learning_rate(inner_lr or work.learning_rate, schedule, steps)
-    tx = adaptjax.sync_chain(optax.adamw(lr, weight_decay=1e-4), strategy)
+    tx = adaptjax.sync.sync_chain(optax.adamw(lr, weight_decay=1e-4), strategy)
     mesh = adaptjax.make_mesh(devices)
     state = adaptjax.init_state(work.params, tx, mesh)
     step = adaptjax.data_parallel_step(work.loss_fn, tx, mesh, sync=strategy)
@@ -166,7 +166,7 @@ def run(work: Workload, strategy, *, devices: int, steps: int, batch: int, eval_
     for t, b in enumerate(batches(work.train, steps, batch, seed=0), start=1):
         state, _ = step(state, b)
         if t % eval_every == 0 or t == steps:
-            model = adaptjax.consensus_params(state.params, state.opt_state)
+            model = adaptjax.sync.consensus_params(state.params, state.opt_state)
             model = jax.device_put(jax.device_get(model), jax.devices()[0])
             curve.append((t, float(val_loss(model, work.val))))
     return wire, curve

@@ -63,19 +63,12 @@ from adaptjax._lazy import attach
 # __all__ and the TYPE_CHECKING imports agree).
 _NAMES = {
     "Codec": "adaptjax.compression._base",
-    "CompressionState": "adaptjax.compression._base",
-    "SumToAll": "adaptjax.compression._base",
+    "BlockCodec": "adaptjax.compression._quantizers",
+    "Blocks": "adaptjax.compression._blocks",
     "factory": "adaptjax.compression._base",
     "pack_bits": "adaptjax.compression._bits",
     "unpack_bits": "adaptjax.compression._bits",
-    "Blocks": "adaptjax.compression._blocks",
-    "OnebitAdamState": "adaptjax.compression._onebit_adam",
-    "onebit_adam": "adaptjax.compression._onebit_adam",
-    "Plan": "adaptjax.compression._plan",
-    "PlanRow": "adaptjax.compression._plan",
     "plan": "adaptjax.compression._plan",
-    "powersgd": "adaptjax.compression._powersgd",
-    "BlockCodec": "adaptjax.compression._quantizers",
     "bf16": "adaptjax.compression._quantizers",
     "fp16": "adaptjax.compression._quantizers",
     "natural": "adaptjax.compression._quantizers",
@@ -85,15 +78,17 @@ _NAMES = {
     "dgc": "adaptjax.compression._sparse",
     "randomk": "adaptjax.compression._sparse",
     "topk": "adaptjax.compression._sparse",
+    "powersgd": "adaptjax.compression._powersgd",
+    "onebit_adam": "adaptjax.compression._onebit_adam",
     "native_topk_available": "adaptjax.compression._topk_native",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
-    from adaptjax.compression._base import Codec, CompressionState, SumToAll, factory
+    from adaptjax.compression._base import Codec, factory
     from adaptjax.compression._bits import pack_bits, unpack_bits
     from adaptjax.compression._blocks import Blocks
-    from adaptjax.compression._onebit_adam import OnebitAdamState, onebit_adam
-    from adaptjax.compression._plan import Plan, PlanRow, plan
+    from adaptjax.compression._onebit_adam import onebit_adam
+    from adaptjax.compression._plan import plan
     from adaptjax.compression._powersgd import powersgd
     from adaptjax.compression._quantizers import (
         BlockCodec,
@@ -108,30 +103,25 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax.compression._topk_native import native_topk_available
 
 __all__ = [
+    "Codec",
     "BlockCodec",
     "Blocks",
-    "Codec",
-    "CompressionState",
-    "OnebitAdamState",
-    "Plan",
-    "PlanRow",
-    "SumToAll",
-    "bf16",
-    "dgc",
     "factory",
+    "pack_bits",
+    "unpack_bits",
+    "plan",
+    "bf16",
     "fp16",
-    "native_topk_available",
     "natural",
     "onebit",
-    "onebit_adam",
-    "pack_bits",
-    "plan",
-    "powersgd",
     "qsgd",
-    "randomk",
     "terngrad",
+    "dgc",
+    "randomk",
     "topk",
-    "unpack_bits",
+    "powersgd",
+    "onebit_adam",
+    "native_topk_available",
 ]
 
 __getattr__, __dir__ = attach(__name__, _NAMES)

@@ -4,8 +4,8 @@ Every codec of :mod:`adaptjax.compression` is a frozen dataclass (hashable, so
 a policy can hold it and a compiled step can be cached on it) that works two
 ways:
 
-* as ``codec=`` of :func:`adaptjax.sync_gradients` (it follows
-  :class:`adaptjax.GradientCodec`: ``init(params)`` and
+* as ``codec=`` of :func:`adaptjax.sync_gradients` (its protocol:
+  ``init(params)`` and
   ``sync(grads, state, *, axis_name, step)``), and
 * as an optax transformation on its own: ``init(params)`` and
   ``update(grads, state, params=None)`` inside ``shard_map`` with
@@ -71,7 +71,6 @@ from adaptjax.compression._plan import Plan, leaf_plan, plan, warn_if_nothing_co
 from adaptjax import PerReplica
 
 _EF_MODES = (None, "ef14", "ef21")
-_NEW_FIELDS = ("bucket_bytes", "transport")  # not in 0.1.0's repr unless set
 
 
 class CompressionState(NamedTuple):
@@ -374,23 +373,6 @@ class Codec:
             return _call_repr(name, _class_signature(type(self)), self)
         return _call_repr(self.name, sig, self)
 
-    def _legacy_repr(self) -> str:
-        """The ``repr`` of adaptjax 0.1.0: a dataclass repr (``bucket_bytes`` only when set).
-
-        Runs recorded before the factory-call ``repr`` keep it as their codec key
-        (:func:`adaptjax.codec_key`), so a resume can map their key to this codec.
-        Fields added since (``bucket_bytes`` on every codec, ``transport``) show
-        only when set; ``bucket_bytes`` where 0.1.0's quantizers had it, after
-        ``fast_axis``.
-        """
-        names = [f.name for f in dataclasses.fields(self) if f.name not in _NEW_FIELDS
-                 or getattr(self, f.name) is not None]
-        if "bucket_bytes" in names and "fast_axis" in names:
-            names.remove("bucket_bytes")
-            names.insert(names.index("fast_axis") + 1, "bucket_bytes")
-        body = ", ".join(f"{name}={getattr(self, name)!r}" for name in names)
-        return f"{type(self).__qualname__}({body})"
-
     # ------------------------------------------------------------------ flags
     @property
     def bits(self) -> float | None:
@@ -585,7 +567,7 @@ class Codec:
         :func:`adaptjax.chain` asks at its first ``init``, with the state of the
         links after the sync, and warns with the line (see
         ``compression/_pairing.py``: the pairings
-        ``benchmarks/codec_optimizers.py`` measured more than 1% behind dense).
+        the codec-optimizer benchmark measured more than 1% behind dense).
         """
         return pairing_warning(self, optimizer_state)
 

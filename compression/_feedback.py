@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from adaptjax import tree_sq_norm
+from adaptjax._tree import tree_sq_norm
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,7 +64,7 @@ class OnebitAdamState(NamedTuple):
         compressed mean of the replicas' momenta).
       nu: the second moment; constant from ``freeze_step`` on.
       feedback: the momentum codec's state (a
-        :class:`adaptjax.compression.CompressionState`): its error-feedback
+        ``CompressionState``): its error-feedback
         residuals are :class:`adaptjax.PerReplica` (merge ``"mean"``), zero
         until the freeze.
     """

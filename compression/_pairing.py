@@ -1,6 +1,6 @@
 """Which codec defaults train worse than dense sync with which optimizers, and what to use.
 
-``benchmarks/codec_optimizers.py`` trains every codec's default construction
+The codec-optimizer benchmark (docs/benchmarks.md) trains every codec's default construction
 with SGD+momentum and with AdamW (a CNN on digits, a byte-level LM) and
 compares each with dense sync at equal steps. Where a default pairing falls
 more than 1% behind dense, :meth:`adaptjax.compression.Codec.pairing_warning`
@@ -56,7 +56,7 @@ _SCALED = "each sent coordinate is scaled by 1/ratio, a variance far above the g
 _OWN_MOMENTUM = "dgc() applies momentum itself, "
 
 # (codec name, optimizer family) -> (what goes wrong, the better choice), for
-# the default pairings benchmarks/codec_optimizers.py measured more than 1%
+# the default pairings the codec-optimizer benchmark measured more than 1%
 # behind dense sync (its table is in docs/guide/compression.md).
 _RULES: dict[tuple[str, str], tuple[str, str]] = {
     ("onebit", "adam"): ("signs with error feedback spoil Adam's second moment", _FOR_ADAM),

@@ -155,7 +155,7 @@ class BlockCodec(Codec, BlockFormat):
 
     def reduce(self, leaves: Sequence[Any], ctx: Any) -> list[Any]:  # _lanes' private types
         """One bucket by owner-compute, all-gather or the two-level mode (``_exchange``)."""
-        # BUCKET_MAX read when traced: benchmarks/compile_time.py sets it to 0 (per leaf)
+        # BUCKET_MAX is read when traced, so a caller may set it to 0 (per leaf)
         return leaf_outs(*reduce_blocks(self, leaves, ctx, stages=(0, 1), pack_max=BUCKET_MAX,
                                         transport=self.transport, fast_axis=self.fast_axis))
 

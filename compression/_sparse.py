@@ -608,7 +608,7 @@ def topk(
         when the sample brackets the k-th largest by 4.5 standard deviations
         each way, which it did in every measurement (recall 1.0), and
         ``lax.top_k`` under 32768 elements. See
-        ``benchmarks/topk_selection.py``); ``"exact"`` (``lax.top_k``); ``"approx"``
+        the docs' benchmarks page); ``"exact"`` (``lax.top_k``); ``"approx"``
         (``lax.approx_max_k``, exact and slow on CPU) or ``"sampled"``
         (threshold from a sample, fixed capacity ``k``, recall ~0.8).
       axis_name: the data-parallel axis of the optax form.

@@ -4,7 +4,7 @@
 is found) selects the exact top-k of ``|x|`` in one pass over the leaf: a
 sampled threshold, a vectorized compaction of the entries above it, and a
 histogram selection among those. On CPU it is about 2-3x faster than the
-same selection in XLA operations (``benchmarks/topk_selection.py``), which
+same selection in XLA operations (the docs' benchmarks page), which
 stay the lane on other platforms and where the kernel was not built.
 """
 

@@ -35,7 +35,9 @@ html_title = "adaptjax"
 myst_heading_anchors = 3
 
 # The packages whose ``__all__`` the reference documents, name for name.
-PUBLIC_PACKAGES = ("adaptjax", "adaptjax.compression", "adaptjax.policies", "adaptjax.costs")
+PUBLIC_PACKAGES = (
+    "adaptjax", "adaptjax.sync", "adaptjax.compression", "adaptjax.policies", "adaptjax.costs"
+)
 
 # --- API reference: one page per public name, generated from the docstrings.
 # The stubs are build products: start from none, so a removed name leaves no page.
@@ -65,6 +67,9 @@ nitpick_ignore_regex = [
     (r"py:class", r"NullRunLog"),
     # A catalogue's device kinds: a private record (Catalogue's docstring describes it).
     (r"py:class", r"adaptjax\.costs\._deploy\._Kind"),
+    # Types from private modules (a return value's class that is not a public name,
+    # such as data_parallel_step's): shown as their name, not linked.
+    (r"py:.*", r"adaptjax\.(\w+\.)*_\w+(\..*)?"),
 ]
 
 # Constants are documented by a ``#:`` comment where they are defined; their

@@ -29,9 +29,11 @@ from adaptjax._lazy import attach
 # Public name -> the private module that defines it (a test checks this table,
 # __all__ and the TYPE_CHECKING imports agree).
 _NAMES = {
-    "ACTION_TYPES": "adaptjax.policies._actions",
+    "Policy": "adaptjax.policies._policy",
+    "Context": "adaptjax.policies._context",
     "Action": "adaptjax.policies._actions",
     "Checkpoint": "adaptjax.policies._actions",
+    "Probe": "adaptjax.policies._actions",
     "Rescale": "adaptjax.policies._actions",
     "Rollback": "adaptjax.policies._actions",
     "SetBatchSize": "adaptjax.policies._actions",
@@ -40,44 +42,28 @@ _NAMES = {
     "SetPrecision": "adaptjax.policies._actions",
     "SetSync": "adaptjax.policies._actions",
     "Stop": "adaptjax.policies._actions",
-    "with_reason": "adaptjax.policies._actions",
     "AdaptiveBatchSize": "adaptjax.policies._batch_size",
-    "Probe": "adaptjax.policies._actions",
-    "CriticalBatchFit": "adaptjax.policies._critical_batch",
-    "CriticalBatchProbe": "adaptjax.policies._critical_batch",
-    "fit_critical_batch": "adaptjax.policies._critical_batch",
     "BatchSizeWarmup": "adaptjax.policies._warmup",
-    "read_metric": "adaptjax.policies._checks",
-    "any_of": "adaptjax.policies._combinators",
-    "cooldown": "adaptjax.policies._combinators",
-    "hysteresis": "adaptjax.policies._combinators",
-    "when": "adaptjax.policies._combinators",
-    "Context": "adaptjax.policies._context",
+    "CriticalBatchProbe": "adaptjax.policies._critical_batch",
     "ElasticScale": "adaptjax.policies._elastic",
-    "adascale_gain": "adaptjax.policies._goodput",
-    "fit_throughput": "adaptjax.policies._goodput",
-    "goodput": "adaptjax.policies._goodput",
-    "lr_scale": "adaptjax.policies._goodput",
-    "statistical_efficiency": "adaptjax.policies._goodput",
-    "Candidate": "adaptjax.policies._planner",
-    "Predictor": "adaptjax.policies._planner",
     "EarlyStop": "adaptjax.policies._plateau",
     "ReduceLROnPlateau": "adaptjax.policies._plateau",
     "PrecisionPolicy": "adaptjax.policies._precision",
-    "Policy": "adaptjax.policies._policy",
-    "required_metrics": "adaptjax.policies._policy",
-    "upcoming": "adaptjax.policies._policy",
-    "validate_actions": "adaptjax.policies._policy",
     "Schedule": "adaptjax.policies._schedule",
     "Seesaw": "adaptjax.policies._seesaw",
     "SwitchCompression": "adaptjax.policies._switch_compression",
     "SwitchSync": "adaptjax.policies._switch_sync",
+    "any_of": "adaptjax.policies._combinators",
+    "cooldown": "adaptjax.policies._combinators",
+    "hysteresis": "adaptjax.policies._combinators",
+    "when": "adaptjax.policies._combinators",
+    "goodput": "adaptjax.policies._goodput",
+    "Candidate": "adaptjax.policies._planner",
+    "Predictor": "adaptjax.policies._planner",
 }
-_DEPRECATED = {"Planner": "Predictor"}  # old -> new, for one release
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
     from adaptjax.policies._actions import (
-        ACTION_TYPES,
         Action,
         Checkpoint,
         Probe,
@@ -89,28 +75,16 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
         SetPrecision,
         SetSync,
         Stop,
-        with_reason,
     )
     from adaptjax.policies._batch_size import AdaptiveBatchSize
-    from adaptjax.policies._checks import read_metric
     from adaptjax.policies._combinators import any_of, cooldown, hysteresis, when
     from adaptjax.policies._context import Context
-    from adaptjax.policies._critical_batch import (
-        CriticalBatchFit,
-        CriticalBatchProbe,
-        fit_critical_batch,
-    )
+    from adaptjax.policies._critical_batch import CriticalBatchProbe
     from adaptjax.policies._elastic import ElasticScale
-    from adaptjax.policies._goodput import (
-        adascale_gain,
-        fit_throughput,
-        goodput,
-        lr_scale,
-        statistical_efficiency,
-    )
+    from adaptjax.policies._goodput import goodput
     from adaptjax.policies._planner import Candidate, Predictor
     from adaptjax.policies._plateau import EarlyStop, ReduceLROnPlateau
-    from adaptjax.policies._policy import Policy, required_metrics, upcoming, validate_actions
+    from adaptjax.policies._policy import Policy
     from adaptjax.policies._precision import PrecisionPolicy
     from adaptjax.policies._schedule import Schedule
     from adaptjax.policies._seesaw import Seesaw
@@ -119,49 +93,37 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax.policies._warmup import BatchSizeWarmup
 
 __all__ = [
-    "ACTION_TYPES",
-    "Action",
-    "AdaptiveBatchSize",
-    "BatchSizeWarmup",
-    "Candidate",
-    "Checkpoint",
-    "Context",
-    "CriticalBatchFit",
-    "CriticalBatchProbe",
-    "EarlyStop",
-    "ElasticScale",
-    "Predictor",
     "Policy",
-    "PrecisionPolicy",
+    "Context",
+    "Action",
+    "Checkpoint",
     "Probe",
-    "ReduceLROnPlateau",
     "Rescale",
     "Rollback",
-    "Schedule",
-    "Seesaw",
     "SetBatchSize",
     "SetCodec",
     "SetHyperparams",
     "SetPrecision",
     "SetSync",
     "Stop",
+    "AdaptiveBatchSize",
+    "BatchSizeWarmup",
+    "CriticalBatchProbe",
+    "ElasticScale",
+    "EarlyStop",
+    "ReduceLROnPlateau",
+    "PrecisionPolicy",
+    "Schedule",
+    "Seesaw",
     "SwitchCompression",
     "SwitchSync",
-    "adascale_gain",
     "any_of",
     "cooldown",
-    "fit_critical_batch",
-    "fit_throughput",
-    "goodput",
     "hysteresis",
-    "lr_scale",
-    "read_metric",
-    "required_metrics",
-    "statistical_efficiency",
-    "upcoming",
-    "validate_actions",
     "when",
-    "with_reason",
+    "goodput",
+    "Candidate",
+    "Predictor",
 ]
 
-__getattr__, __dir__ = attach(__name__, _NAMES, _DEPRECATED)
+__getattr__, __dir__ = attach(__name__, _NAMES)

@@ -203,7 +203,7 @@ class SetSync:
     """Switch how replicas synchronise (recompiles once per strategy; state is kept).
 
     Args:
-      strategy: a strategy the user built (e.g. ``adaptjax.DiLoCo(H=32)``) or
+      strategy: a strategy the user built (e.g. ``adaptjax.sync.DiLoCo(H=32)``) or
         its name (``"ssgd"``, ``"sma"``, ``"local_sgd"``, ``"diloco"``,
         ``"gossip"``), held as an opaque value and never inspected here;
         ``None`` means S-SGD.

@@ -31,7 +31,7 @@ class Context:
       codec: the active compression codec (opaque), or ``None`` when uncompressed.
       samples_seen: training samples consumed so far, >= 0.
       base_batch_size: the batch size the hyperparameters were tuned for (M₀), if known.
-      sync: the active synchronisation strategy (opaque, e.g. ``adaptjax.DiLoCo``),
+      sync: the active synchronisation strategy (opaque, e.g. ``adaptjax.sync.DiLoCo``),
         or ``None`` for S-SGD.
       precision: the running compute precision: its key (``"float32"``,
         ``"bfloat16"``; the controller passes one) or an opaque precision

@@ -176,7 +176,7 @@ class CriticalBatchProbe(StatefulPolicy):
       sizes: the branches' batch sizes (3 or more distinct), or ``None`` (see above).
       steps: optimizer steps of the largest branch, >= 1 (every branch trains
         on as many samples). The default, 16, is what
-        ``benchmarks/adaptive_batch.py`` probes its byte-level LM with; with
+        the adaptive-batch benchmark probes its byte-level LM with; with
         the default rate sweep every batch's best drop was positive there.
       start: the first step a probe may be asked at, >= 0.
       lr_rule: how a branch's learning rate follows its batch from the current

@@ -2,7 +2,7 @@
 
 FedTune (Yi, 2022) tunes on proxy data the server holds: simulated clients
 at several heterogeneity levels, the best inner learning rate of each level
-found by a Bayesian tuner (:func:`adaptjax.sync.fedtune_search`, which needs
+found by a Bayesian tuner (:func:`adaptjax.sync._fedtune.fedtune_search`, which needs
 scikit-learn and so lives outside this pure layer), and a fitted mapping
 from the measured metric to the rate. Here is the mapping and how it reads
 the replicas' metrics: pure numpy, no jax.

@@ -84,7 +84,8 @@ def required_metrics(policy: Any) -> frozenset[str]:
     """The metrics ``policy`` needs in order to act (policies without the method need none).
 
     Example:
-      >>> from adaptjax.policies import SwitchCompression, any_of, cooldown, required_metrics
+      >>> from adaptjax.policies import SwitchCompression, any_of, cooldown
+      >>> from adaptjax.policies._policy import required_metrics
       >>> sorted(required_metrics(any_of(cooldown(SwitchCompression("c"), steps=5))))
       ['comm_share']
     """
@@ -98,7 +99,8 @@ def upcoming(policy: Any, ctx: Context) -> list[Action]:
     """``policy.upcoming(ctx)``, checked; ``[]`` for a policy without the method.
 
     Example:
-      >>> from adaptjax.policies import Context, ElasticScale, any_of, upcoming
+      >>> from adaptjax.policies import Context, ElasticScale, any_of
+      >>> from adaptjax.policies._policy import upcoming
       >>> ctx = Context(step=10, batch_size=64, microbatches=1, devices=8, max_devices=8,
       ...               hyperparams={})
       >>> upcoming(any_of(ElasticScale({150: 4, 300: 8})), ctx)
@@ -129,7 +131,8 @@ def validate_actions(actions: Any, *, source: Any = None) -> list[Action]:
         ones, when ``actions`` is not a list/tuple or holds anything else.
 
     Example:
-      >>> from adaptjax.policies import Checkpoint, validate_actions
+      >>> from adaptjax.policies import Checkpoint
+      >>> from adaptjax.policies._policy import validate_actions
       >>> validate_actions((Checkpoint(),))
       [Checkpoint()]
       >>> validate_actions(["stop"])

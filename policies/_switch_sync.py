@@ -20,7 +20,7 @@ class SwitchSync(Policy):
     S-SGD), or back to S-SGD (``to=None``) when a loss plateaus. It never
     emits the strategy already running (``ctx.sync``, compared by ``==``), so
     it is stateless and safe to ask every evaluation. The strategy is an
-    opaque value built by the user (``adaptjax.DiLoCo(H=32)``) or its name.
+    opaque value built by the user (``adaptjax.sync.DiLoCo(H=32)``) or its name.
 
     Args:
       to: the strategy to switch to; ``None`` means S-SGD.

@@ -56,7 +56,7 @@ class BatchSizeWarmup(BatchSizePolicy):
     4. moves the learning rate with the batch by ``lr_rule``: base_lr ×
        rule(M/M₀), M₀ the batch of the first decision.
 
-    **Defaults, from ``benchmarks/adaptive_batch.py``** (``examples/lm.py``'s
+    **Defaults, from the adaptive-batch benchmark** (``examples/lm.py``'s
     byte-level LM, 135k parameters, Adam at 2e-3 from batch 8, 3.2M tokens, two
     seeds): ``fraction=0.5``, ``window=5``, ``lr_rule="none"``, no shrinking.
     There the noise scale measured at batch 8 rises to 30-50 in the first few

@@ -8,7 +8,7 @@ Hangs and timeouts (see the README's test section):
   cannot get one thread per device and the process deadlocks with the CPU
   idle. ``PJRT_NPROC`` sizes that pool: twice the device count leaves one
   thread per device free even while every device's launch is blocked.
-  (``adaptjax.DataParallelStep`` also bounds its steps in flight on CPU; this
+  (``DataParallelStep`` also bounds its steps in flight on CPU; this
   covers the tests' own ``shard_map`` loops too.)
 * A collective that still waits ``_COLLECTIVE_TIMEOUT_S`` aborts the run with
   XLA's message naming the rendezvous (and pytest's faulthandler dump of every

@@ -51,7 +51,7 @@ CHAINS = {
     "dense": lambda: adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-2)),
     "onebit+ef": lambda: adaptjax.chain(
         adaptjax.sync_gradients("data", codec=ajc.onebit(min_size=64)), optax.adam(1e-2)),
-    "diloco": lambda: adaptjax.sync_chain(optax.adam(1e-2), adaptjax.DiLoCo(H=2)),
+    "diloco": lambda: adaptjax.sync.sync_chain(optax.adam(1e-2), adaptjax.sync.DiLoCo(H=2)),
 }
 
 

@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import adaptjax
+from adaptjax._input_codec import batch_bytes
 
 
 def _features(seed=0, n=200):
@@ -50,7 +51,7 @@ def test_dataset_keeps_codes_and_decodes_inside_a_shard_map_step():
     coded = adaptjax.ArrayDataset({"x": x, "y": y}, seed=1, features=adaptjax.InputCodec("int8"))
     assert plain.bytes_per_sample == 5 * 4 + 4 and coded.bytes_per_sample == 5 + 4
     b_plain, b_coded = plain.next_batch(64), coded.next_batch(64)
-    assert adaptjax.batch_bytes(b_plain) == 64 * 24 and adaptjax.batch_bytes(b_coded) == 64 * 9
+    assert batch_bytes(b_plain) == 64 * 24 and batch_bytes(b_coded) == 64 * 9
     np.testing.assert_array_equal(b_coded["y"], b_plain["y"])  # the same samples
     assert set(coded.codecs) == {"x"}
     mesh = adaptjax.make_mesh(8)

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import adaptjax
+from adaptjax._tree import tree_sq_norm
 
 
 class ReplicaSpread:
@@ -21,12 +22,12 @@ class ReplicaSpread:
 
     def local_scalars(self, local_grads, state):
         del state
-        return {"sq": adaptjax.tree_sq_norm(local_grads)}
+        return {"sq": tree_sq_norm(local_grads)}
 
     def update(self, stats, state, **extra):
         mean_sq_local = stats.summed["sq"] / stats.n_replicas
         # Σ_i ‖g_i − Ḡ‖² / n = mean ‖g_i‖² − ‖Ḡ‖² (an identity, no extra collective).
-        spread = mean_sq_local - adaptjax.tree_sq_norm(stats.mean_grads)
+        spread = mean_sq_local - tree_sq_norm(stats.mean_grads)
         state = state + 1
         return state, {
             "replica_sq": mean_sq_local,

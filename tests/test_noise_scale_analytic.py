@@ -17,6 +17,9 @@ import pytest
 from _controller_args import make_controller  # noqa: E402
 
 import adaptjax
+from adaptjax._metrics import collect_metrics
+from adaptjax._monitors import GradStats
+from adaptjax._tree import tree_sq_norm
 
 D = 16
 SIGMA = 1.0
@@ -218,7 +221,7 @@ def _scan_run(monitor, *, scales, delta, sigma, steps, seeds, local_batch=16, de
             y = sigma * jax.random.normal(ky, (local_batch,))
             g = jax.grad(_loss)(params, {"x": x, "y": y})
             _, state = tx.update(g, state, params, local_batch_size=local_batch)
-            return state, adaptjax.collect_metrics(state)
+            return state, collect_metrics(state)
 
         return jax.lax.scan(body, tx.init(params), jnp.arange(steps))[1]
 
@@ -358,9 +361,9 @@ def test_differencing_over_several_leaves_is_the_two_step_estimate():
     state = mon.init(g1)
     assert state.prev_grads.shape == (12 + 5 + 8,)
     for g in (g1, g2):
-        stats = adaptjax.GradStats(
-            local_grads=g, mean_grads=g, local_sq=adaptjax.tree_sq_norm(g),
-            mean_sq=adaptjax.tree_sq_norm(g), n_replicas=1, samples_per_replica=1,
+        stats = GradStats(
+            local_grads=g, mean_grads=g, local_sq=tree_sq_norm(g),
+            mean_sq=tree_sq_norm(g), n_replicas=1, samples_per_replica=1,
             local_batch_size=8, summed={}, mean_sample=None,
         )
         state, metrics = mon.update(stats, state)

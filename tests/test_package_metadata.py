@@ -39,6 +39,7 @@ FACADES = {
     "adaptjax.costs": ROOT / "adaptjax" / "costs" / "__init__.py",
     "adaptjax.compression": ROOT / "compression" / "__init__.py",
     "adaptjax.policies": ROOT / "policies" / "__init__.py",
+    "adaptjax.sync": ROOT / "adaptjax" / "sync" / "__init__.py",
 }
 
 
@@ -74,15 +75,12 @@ def test_type_checking_imports_list_the_same_names(package):
 
 
 @pytest.mark.parametrize(
-    ("package", "old", "new"),
-    [("adaptjax", "CheckpointManager", "RunCheckpoints"),
-     ("adaptjax.policies", "Planner", "Predictor")],
+    ("package", "old"), [("adaptjax", "CheckpointManager"), ("adaptjax.policies", "Planner")]
 )
-def test_renamed_names_still_work_for_one_release_and_warn(package, old, new):
-    facade = importlib.import_module(package)
-    with pytest.warns(DeprecationWarning, match=rf"^{package}\.{old} is renamed {package}\.{new}"):
-        value = getattr(facade, old)
-    assert value is getattr(facade, new)
+def test_names_renamed_in_0_2_are_gone(package, old):
+    # 0.x keeps no aliases: the old name is an AttributeError, not a warning
+    with pytest.raises(AttributeError, match=f"no attribute '{old}'"):
+        getattr(importlib.import_module(package), old)
 
 
 def test_unknown_name_raises_attribute_error_and_subpackages_still_import():

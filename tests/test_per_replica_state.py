@@ -80,7 +80,7 @@ def test_merge_rules(m):
             "zeros": adaptjax.PerReplica(old, merge="zeros"),
             "custom": adaptjax.PerReplica(old, merge=lambda o, m: np.repeat(o[-1:], m, 0)),
             "shared": old}
-    new = adaptjax.merge_replicas(tree, m)
+    new = adaptjax.sync.merge_replicas(tree, m)
     assert new["shared"] is old  # replicated leaves are untouched
     np.testing.assert_allclose(new["mean"].value.mean(0), old.mean(0))  # EF debt preserved
     np.testing.assert_allclose(new["sum"].value.sum(0), old.sum(0))
@@ -96,9 +96,9 @@ def test_merge_errors():
         adaptjax.PerReplica(0.0, merge="median")
     bad = {"e": adaptjax.PerReplica(np.zeros((8, 2)), merge=lambda o, m: o)}
     with pytest.raises(ValueError, match="must return"):
-        adaptjax.merge_replicas(bad, 4)
+        adaptjax.sync.merge_replicas(bad, 4)
     with pytest.raises(ValueError, match=">= 1"):
-        adaptjax.merge_replicas(bad, 0)
+        adaptjax.sync.merge_replicas(bad, 0)
 
 
 def test_the_struct_of_a_batch_has_the_dtype_jax_gives_the_array():

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 import adaptjax
+from adaptjax._precision import check_precision
 
 
 def test_names_aliases_and_dtypes_normalise_to_one_value():
@@ -140,13 +141,13 @@ def test_nnx_batch_statistics_still_update_in_the_data_parallel_step():
 )
 def test_check_precision_refuses_float16_that_cannot_work(precision, params, tx, message):
     with pytest.raises(ValueError) as info:
-        adaptjax.check_precision(precision, params, tx)
+        check_precision(precision, params, tx)
     assert str(info.value) == message
 
 
 def test_check_precision_accepts_what_can_work():
     big = {"w": jnp.array([1.0, 7e4])}
-    assert adaptjax.check_precision("bfloat16", big, optax.sgd(0.1)).compute == "bfloat16"
+    assert check_precision("bfloat16", big, optax.sgd(0.1)).compute == "bfloat16"
     tx = optax.chain(optax.clip(1.0), adaptjax.dynamic_loss_scale(optax.sgd(0.1)))
     model = _Net(nnx.Rngs(0))
-    assert adaptjax.check_precision("float16", model, tx).needs_loss_scale
+    assert check_precision("float16", model, tx).needs_loss_scale

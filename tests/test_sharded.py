@@ -15,7 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 import adaptjax
 from adaptjax import compression as ajc
+from adaptjax._per_replica import stack_replicas, state_partition_specs, state_shardings
 from adaptjax._sync import codec_sync
+from adaptjax._tree import ShardLayout
 
 RULE = adaptjax.FSDP(min_size=64)  # the test model is small: shard everything >= 64 elements
 RNG = np.random.default_rng(0)
@@ -179,7 +181,7 @@ def test_bad_specs_name_the_leaf(sharding, words):
 
 def test_every_device_holds_one_fsdp_share_of_a_sharded_leaf():
     mesh = adaptjax.make_mesh({"data": 2, "fsdp": 4})
-    tx = adaptjax.sync_chain(optax.adam(0.1), adaptjax.DiLoCo(H=2))
+    tx = adaptjax.sync.sync_chain(optax.adam(0.1), adaptjax.sync.DiLoCo(H=2))
     state = adaptjax.init_state(mlp(), tx, mesh, sharding=RULE)
     local = adaptjax.sync._strategy.find_model_sync(state.opt_state).local.value
     adam = state.opt_state[1].value[0]
@@ -240,8 +242,8 @@ def test_tensor_parallel_mesh_with_a_rule_function():
 
 def test_diloco_equals_with_the_same_replicas():
     # DiLoCo keeps a model per replica: the same 2 replicas, laid out 3 ways.
-    strategy = adaptjax.DiLoCo(H=4)
-    tx = adaptjax.sync_chain(optax.adam(1e-2), strategy)
+    strategy = adaptjax.sync.DiLoCo(H=4)
+    tx = adaptjax.sync.sync_chain(optax.adam(1e-2), strategy)
     ref, _ = train(2, tx, sync=strategy)
     for shape in ({"data": 2, "fsdp": 4}, {"data": 2, "fsdp": 1}):
         state, _ = train(shape, tx, sync=strategy)
@@ -251,11 +253,11 @@ def test_diloco_equals_with_the_same_replicas():
 
 @pytest.mark.parametrize(
     "strategy",
-    [adaptjax.ModelAveraging(), adaptjax.LocalSGD(H=2), adaptjax.Gossip("ring")],
+    [adaptjax.sync.ModelAveraging(), adaptjax.sync.LocalSGD(H=2), adaptjax.sync.Gossip("ring")],
     ids=repr,
 )
 def test_every_strategy_runs_sharded(strategy):
-    tx = adaptjax.sync_chain(optax.adam(1e-2), strategy)
+    tx = adaptjax.sync.sync_chain(optax.adam(1e-2), strategy)
     ref, _ = train(2, tx, steps=4, sync=strategy)
     state, _ = train({"data": 2, "fsdp": 4}, tx, steps=4, sync=strategy)
     assert_trees_close(state.opt_state, ref.opt_state, atol=1e-5)
@@ -278,7 +280,7 @@ def test_batch_not_divisible_by_the_data_axis_raises_before_compiling():
 def test_norm_over_shards_is_one_scalar_all_reduce():
     mesh = adaptjax.make_mesh({"data": 2, "fsdp": 4})
     params = mlp()
-    layout = adaptjax.ShardLayout.of(params, mesh, sharding=RULE)
+    layout = ShardLayout.of(params, mesh, sharding=RULE)
     specs = adaptjax.param_specs(params, mesh, sharding=RULE)
     placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
     norm = jax.jit(layout.sq_norm)
@@ -303,18 +305,18 @@ def test_codec_compresses_each_shard_over_data(codec):
     # alone, over the 2 replicas of a 1-D mesh (a top-k keeps k per shard).
     grads = [jax.tree.map(lambda x, i=i: x * (1 + i) + 0.01 * i, mlp()) for i in range(2)]
     mesh = adaptjax.make_mesh({"data": 2, "fsdp": 4})
-    layout = adaptjax.ShardLayout.of(grads[0], mesh, sharding=RULE)
+    layout = ShardLayout.of(grads[0], mesh, sharding=RULE)
     specs = adaptjax.param_specs(grads[0], mesh, sharding=RULE)
     stacked = jax.tree.map(lambda *g: jnp.stack(g), *grads)
     on = lambda spec: NamedSharding(mesh, P("data", *spec))
     stacked = jax.device_put(stacked, jax.tree.map(on, specs))
-    state = adaptjax.stack_replicas(codec.init(grads[0]), 2)
+    state = stack_replicas(codec.init(grads[0]), 2)
     state = jax.device_put(
-        state, adaptjax.state_shardings(state, mesh, params=grads[0], param_specs=specs)
+        state, state_shardings(state, mesh, params=grads[0], param_specs=specs)
     )
 
     def sharded(g, s):
-        s = adaptjax.to_local(s)
+        s = adaptjax.sync.to_local(s)
         mean, s = codec_sync(
             codec,
             jax.tree.map(lambda x: x[0], g),
@@ -323,9 +325,9 @@ def test_codec_compresses_each_shard_over_data(codec):
             step=jnp.int32(0),
             layout=layout,
         )
-        return mean, adaptjax.to_global(s)
+        return mean, adaptjax.sync.to_global(s)
 
-    s_specs = adaptjax.state_partition_specs(state)
+    s_specs = state_partition_specs(state)
     f = jax.jit(
         jax.shard_map(
             sharded,
@@ -348,17 +350,17 @@ def test_codec_compresses_each_shard_over_data(codec):
             return x if not s else np.split(np.asarray(x), 4, axis=list(s).index("fsdp"))[j]
 
         local = [jax.tree.map(cut, g, specs) for g in grads]
-        s = adaptjax.stack_replicas(codec.init(local[0]), 2)
-        s_specs1 = adaptjax.state_partition_specs(s)
+        s = stack_replicas(codec.init(local[0]), 2)
+        s_specs1 = state_partition_specs(s)
 
         def one(g, s):
             mean, s = codec.sync(
                 jax.tree.map(lambda x: x[0], g),
-                adaptjax.to_local(s),
+                adaptjax.sync.to_local(s),
                 axis_name="data",
                 step=jnp.int32(0),
             )
-            return mean, adaptjax.to_global(s)
+            return mean, adaptjax.sync.to_global(s)
 
         g1 = jax.tree.map(lambda *g: jnp.stack(g), *local)
         f1 = jax.jit(

@@ -9,6 +9,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import adaptjax
+from adaptjax._chain import named_chain
+from adaptjax._sync import SyncState
 
 
 def _mlp_params(seed=0):
@@ -294,7 +296,7 @@ def test_adaptjax_chain_has_optax_chains_state_and_updates():
     links = [optax.scale_by_adam(), optax.scale(-0.1)]
     for ours, theirs in (
         (adaptjax.chain(*links), optax.chain(*links)),
-        (adaptjax.named_chain(("a", links[0]), ("s", links[1])),
+        (named_chain(("a", links[0]), ("s", links[1])),
          optax.named_chain(("a", links[0]), ("s", links[1]))),
     ):
         s1, s2 = ours.init(params), theirs.init(params)
@@ -305,12 +307,12 @@ def test_adaptjax_chain_has_optax_chains_state_and_updates():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
         assert ours.sync is None  # no sync link first: the step guards it like optax.chain
     sync = adaptjax.sync_gradients("data")
-    tx = adaptjax.named_chain(
+    tx = named_chain(
         ("sync", sync), ("opt", optax.sgd(0.1)), ("n", adaptjax.update_norm())
     )
     state = tx.init(params)
     first, rest = tx.split_state(state)
-    assert tx.sync is sync and isinstance(first, adaptjax.SyncState)
+    assert tx.sync is sync and isinstance(first, SyncState)
     assert sorted(rest) == ["n", "opt"]
     assert jax.tree.structure(tx.join_state(first, rest)) == jax.tree.structure(state)
 

@@ -11,12 +11,12 @@ import pytest
 import adaptjax
 
 STRATEGIES = (
-    "adaptjax.SSGD()",
-    "adaptjax.ModelAveraging()",
-    "adaptjax.LocalSGD(H=8)",
-    "adaptjax.DiLoCo(H=32)",
-    "adaptjax.Gossip('ring')",
-    "adaptjax.Gossip('exponential')",
+    "adaptjax.sync.SSGD()",
+    "adaptjax.sync.ModelAveraging()",
+    "adaptjax.sync.LocalSGD(H=8)",
+    "adaptjax.sync.DiLoCo(H=32)",
+    "adaptjax.sync.Gossip('ring')",
+    "adaptjax.sync.Gossip('exponential')",
 )
 PARAMS = {"w": jnp.zeros((1000,)), "b": jnp.zeros((24,))}
 PARAM_BYTES = 4 * 1024
@@ -30,7 +30,7 @@ def loss(p, b):
 
 def measured(strategy, n) -> float:
     """Amortised bytes per device per step of the data-parallel step on ``n`` devices."""
-    tx = adaptjax.sync_chain(optax.sgd(0.1), strategy)
+    tx = adaptjax.sync.sync_chain(optax.sgd(0.1), strategy)
     mesh = adaptjax.make_mesh(n)
     state = adaptjax.abstract_state(PARAMS, tx, mesh)
     sds = jax.ShapeDtypeStruct
@@ -55,12 +55,12 @@ def test_wire_bytes_match_formula_on_8_devices(src):
 
 
 def test_formulas_state_the_savings():
-    ssgd = adaptjax.SSGD().wire_formula(PARAM_BYTES, 8)
+    ssgd = adaptjax.sync.SSGD().wire_formula(PARAM_BYTES, 8)
     # DiLoCo sends the deltas once per 32 steps, and 12 bytes of measurements per replica
-    diloco = adaptjax.DiLoCo(H=32).wire_formula(PARAM_BYTES, 8)
+    diloco = adaptjax.sync.DiLoCo(H=32).wire_formula(PARAM_BYTES, 8)
     assert diloco == (ssgd + 7 * 12) / 32
-    assert adaptjax.Gossip().wire_formula(PARAM_BYTES, 16) == PARAM_BYTES  # not 2(N-1)/N
-    assert adaptjax.ModelAveraging().wire_formula(PARAM_BYTES, 8) == ssgd
+    assert adaptjax.sync.Gossip().wire_formula(PARAM_BYTES, 16) == PARAM_BYTES  # not 2(N-1)/N
+    assert adaptjax.sync.ModelAveraging().wire_formula(PARAM_BYTES, 8) == ssgd
 
 
 _SCRIPT = textwrap.dedent(

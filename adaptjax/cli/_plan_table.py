@@ -7,7 +7,7 @@ noise scale of its metrics. It imports the cost model, hence jax: the
 
 A run on a sharded mesh is ranked over mesh shapes: every factorisation of
 the device count into the run's axes whose ``"data"`` size divides the batch
-(:func:`adaptjax.costs.mesh_shapes`), each with the parameter and optimizer
+(``mesh_shapes``), each with the parameter and optimizer
 bytes a device would hold there (``state/dev``, from :attr:`Planner.memory`).
 """
 
@@ -21,7 +21,7 @@ from adaptjax.costs._meshes import mesh_shapes
 from adaptjax.costs._model import CannotPredict, Prediction, StepTimeModel
 from adaptjax.costs._planner import Planner, shape_label
 from adaptjax.costs._simulate import Cluster, wire_for
-from adaptjax.policies import statistical_efficiency
+from adaptjax.policies._goodput import statistical_efficiency
 
 
 def ranked_table(run_dir: str, *, devices: int | None, bandwidth: float | None,

@@ -43,6 +43,7 @@ from adaptjax.controller._run_dir import (
 from adaptjax.controller._run_lock import RunLock
 from adaptjax.controller._spec import RunSpec
 from adaptjax.launch._distributed import can_give, is_primary
+from adaptjax.policies._policy import required_metrics
 from adaptjax.sync._registry import resolve_sync, sync_key
 
 
@@ -316,7 +317,7 @@ def warn_unproducible_metrics(policy, monitors, link_bandwidth, evaluates: bool)
     if all(isinstance(m, builtin) for m in monitors):  # a user's monitor may produce any
         for key, cls in (("noise_scale", GradientNoiseScale), ("grad_snr", GradientSNR)):
             produced_by[key] = any(isinstance(m, cls) for m in monitors)
-    for metric in sorted(ajp.required_metrics(policy)):
+    for metric in sorted(required_metrics(policy)):
         if metric.startswith("eval_") and not evaluates:
             reason = "no adaptjax.Evaluate hook was given"
         elif produced_by.get(metric, True):

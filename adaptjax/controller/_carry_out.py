@@ -73,7 +73,7 @@ def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> C
     every precision); then the batch, micro-batches and devices of ``plan.config`` (a rounded
     batch is a ``batch_rounded`` event). A new
     device count on the 1-D mesh moves the state to the new mesh in memory by
-    the rule a restore applies (:func:`adaptjax.merge_replicas`); a move to or
+    the rule a restore applies (:func:`adaptjax.sync.merge_replicas`); a move to or
     from a sharded mesh goes through a checkpoint and an Orbax restore onto
     the new shardings (:attr:`Carried.restore`); either waits for a relaunch
     when it needs another process count (:attr:`Carried.relaunch`).
@@ -138,7 +138,7 @@ def swap_precision(state, config: RunConfig, precision: str | None, steps: StepC
     """``state`` (of ``config``) for steps in ``precision`` (a :attr:`RunConfig.precision`).
 
     float32 and bfloat16 share one state. Into float16 the optimizer's state
-    is wrapped in a :class:`adaptjax.LossScaleState` at the loss scale's
+    is wrapped in a ``LossScaleState`` at the loss scale's
     ``initial_scale`` (``good_steps`` 0); out of float16 it is unwrapped and
     the scale is dropped (a later return to float16 starts from
     ``initial_scale`` again). Parameters, optimizer moments, hyperparameters,

@@ -31,7 +31,7 @@ abandon writes its threads go on with.
 
 Restoring onto a mesh with a different replica count reads replicated leaves
 straight onto the new mesh and per-replica leaves at their saved count (as host
-arrays), maps them to the new count with :func:`adaptjax.merge_replicas`
+arrays), maps them to the new count with :func:`adaptjax.sync.merge_replicas`
 (each marker's rule, e.g. error-feedback debt's mean is preserved) and places
 the result with :func:`adaptjax.train_state_shardings`. Every leaf lands on the
 target's own sharding when it has one (a state from :func:`adaptjax.init_state`
@@ -651,7 +651,7 @@ class RunCheckpoints:
 
         ``mesh`` may have a different replica count than the mesh the
         checkpoint was saved from: per-replica leaves are read at the saved
-        count and mapped with :func:`adaptjax.merge_replicas`. Before any array
+        count and mapped with :func:`adaptjax.sync.merge_replicas`. Before any array
         is read, the checkpoint's fingerprints are compared with
         ``target_state``'s (a different model or optimizer state raises a
         one-line ``ValueError``); nothing on disk is changed by a restore.

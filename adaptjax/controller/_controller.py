@@ -69,6 +69,7 @@ from adaptjax.launch._distributed import (
     heartbeat,
     write_rescale_request,
 )
+from adaptjax.policies._policy import upcoming, validate_actions
 from adaptjax.sync._strategy import consensus_params
 
 if TYPE_CHECKING:  # annotations only
@@ -304,7 +305,7 @@ class Controller:
 
     @property
     def log(self) -> RunLog | NullRunLog:
-        """The :class:`adaptjax.RunLog` (``log.events``: this session's events); on processes
+        """The ``RunLog`` (``log.events``: this session's events); on processes
         other than 0, a stand-in that keeps ``events`` in memory and writes nothing."""
         assert self._dir.log is not None  # set when the run directory is opened
         return self._dir.log
@@ -455,7 +456,7 @@ class Controller:
         if jax.process_count() > 1:
             # Step times are measured per process: every process decides on process 0's.
             metrics = broadcast_json(metrics)
-        actions = ajp.validate_actions(
+        actions = validate_actions(
             self.policy.decide(metrics, self.context(snapshot.step)), source=self.policy)
         said = [repr(a) for a in actions]
         if decisions_checked():
@@ -474,7 +475,7 @@ class Controller:
         ``ctrl.apply([ajp.SetHyperparams({"learning_rate": 1e-4})])``, ``ajp.SetCodec``,
         ``ajp.SetSync``, ``ajp.Checkpoint()``, ``ajp.Stop()``, ...
         """
-        actions = ajp.validate_actions(list(actions))
+        actions = validate_actions(list(actions))
         names = self.hyperparams.keys()
         plan = self._transition(actions, hyperparam_names=names)  # checks all, changes nothing
         if plan.rollback is not None:
@@ -560,7 +561,7 @@ class Controller:
         :meth:`BackgroundCompiler.submit_upcoming`), once the step in force has compiled."""
         self._hints_waiting = self._compiler.enabled and not self.steps.has_run(self.config)
         if self._compiler.enabled and not self._hints_waiting:
-            hints = ajp.upcoming(self.policy, self.context())
+            hints = upcoming(self.policy, self.context())
             self._compiler.submit_upcoming(hints, lambda a: self._transition(a).config, self.data)
 
     def _checkpoint(self, transition: dict | None = None, since: float | None = None) -> None:

@@ -140,7 +140,7 @@ class ProgressBar(Hook):
 class TensorBoard(Hook):
     """Writes every ``every``-th step's metrics as TensorBoard scalars in ``run_dir/tensorboard``.
 
-    (The loop's :class:`adaptjax.RunLog` writes them as it logs each row.)
+    (The loop's ``RunLog`` writes them as it logs each row.)
 
     Example:
       >>> import adaptjax

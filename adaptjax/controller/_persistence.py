@@ -48,17 +48,8 @@ def checkpoint_meta(*, step: int, samples_seen: int, nonfinite_count: int, confi
 
 
 def config_from(meta: Mapping, steps: StepCache) -> RunConfig:
-    """A checkpoint's configuration, once its codec and strategy are known to ``steps``.
-
-    A codec recorded under adaptjax 0.1.0's key (its private dataclass repr,
-    ``_OneBit(axis_name='data', ...)``) is the registered codec with that
-    legacy repr; the configuration continues under the codec's key today.
-    """
+    """A checkpoint's configuration, once its codec and strategy are known to ``steps``."""
     config = RunConfig(**meta["config"])
-    legacy = {getattr(c, "_legacy_repr", lambda: None)(): key for key, c in steps.codecs.items()
-              if c is not None}
-    if config.codec not in steps.codecs and config.codec in legacy:
-        config = config.replace(codec=legacy[config.codec])
     if config.codec not in steps.codecs:
         raise ValueError(
             f"the checkpoint was written with codec {config.codec!r}; pass that codec "

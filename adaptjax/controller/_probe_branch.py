@@ -13,7 +13,7 @@ the state the run is in (its dispatched steps recorded), every branch
   batch; for ``"adascale"`` the gain from the recorded ``grad_variance`` and
   ``grad_sqnorm``, taken whole for an optimizer without a second moment (no
   ``nu`` in its state: SGD, momentum) and as its square root for every other
-  optimizer, as :func:`adaptjax.policies.lr_scale` does for Adam);
+  optimizer, as ``lr_scale`` does for Adam);
 * for ``"adascale"`` and an optimizer with a second moment, with the
   second-moment estimate ν of every Adam-like state (a ``nu`` field) divided
   by the same gain r (see below);
@@ -24,7 +24,7 @@ and is then evaluated on the E samples that follow the T (E = T, at least
 :data:`MIN_EVAL_SAMPLES`), as is the state the branches started from. With
 ``lr_multipliers`` a batch trains once per factor on its rate and its lowest
 loss counts. The drops L0 - L_B are fitted by
-:func:`adaptjax.policies.fit_critical_batch`.
+``fit_critical_batch``.
 Nothing of the main run changes: its state, data cursor, metrics and step
 count are those of a run that never probed.
 
@@ -44,7 +44,7 @@ refit it. With σ² and μ² as AdaScale reads them, E[g²] at batch B is
 AdaScale gain; ``"adascale"`` for Adam scales the rate by √r on the premise
 that ν is the batch's, so the branch gets that ν (ν / r), and its update is
 r times the run's: AdaScale's SGD gain, the ratio of the best rates ε*(B) /
-ε*(M). Measured on the byte-level LM (``benchmarks/adaptive_batch.py``, 8-step
+ε*(M). Measured on the byte-level LM (the adaptive-batch benchmark, 8-step
 probes): from a batch-32 state, a batch-8 branch lost 0.075 with ν kept and
 0.018 with ν / r; from a batch-16 state it gained 0.014 and 0.029. Other
 rules leave ν as it is (they are rules for a run that keeps its moments).
@@ -78,6 +78,8 @@ from adaptjax.controller._carry_out import hyperparams_of, write_hyperparams
 from adaptjax.controller._metrics_reader import MetricsReader
 from adaptjax.controller._run_clock import RunClock
 from adaptjax.controller._step_cache import OPTIMIZER, StepCache
+from adaptjax.policies._critical_batch import CriticalBatchFit, fit_critical_batch
+from adaptjax.policies._goodput import lr_scale
 from adaptjax.sync._strategy import consensus_params
 
 #: The fewest samples a probe evaluates its branches on (they share them, so their
@@ -116,7 +118,7 @@ def branch_lr_factor(rule: str, scale: float, metrics: Mapping[str, float],
     """
     kind = "sgd" if sgd else "adam"
     if rule != "adascale":
-        return ajp.lr_scale(rule, scale)
+        return lr_scale(rule, scale)
     variance, sqnorm = metrics.get("grad_variance"), metrics.get("grad_sqnorm")
     phi = metrics.get("noise_scale")
     if _finite(variance) and _finite(sqnorm) and sqnorm > 0:
@@ -125,7 +127,7 @@ def branch_lr_factor(rule: str, scale: float, metrics: Mapping[str, float],
         sigma_sq, mu_sq = max(phi, 0.0) / batch_size, 1.0
     else:
         return None
-    return ajp.lr_scale(rule, scale, optimizer_kind=kind, sigma_sq=sigma_sq, mu_sq=mu_sq)
+    return lr_scale(rule, scale, optimizer_kind=kind, sigma_sq=sigma_sq, mu_sq=mu_sq)
 
 
 def _is_moment(x) -> bool:
@@ -292,9 +294,9 @@ class ProbeRunner:
             for b, loss in zip(branches, all_losses, strict=True):
                 event["sweep"][str(b.config.batch_size)].append([b.lr_multiplier, loss])
         try:
-            fit = ajp.fit_critical_batch(sizes, drops, steps=[b.steps for b in best])
+            fit = fit_critical_batch(sizes, drops, steps=[b.steps for b in best])
         except ValueError as error:  # e.g. a branch that diverged: nothing to fit
-            fit = ajp.CriticalBatchFit(math.nan, math.nan, math.nan)
+            fit = CriticalBatchFit(math.nan, math.nan, math.nan)
             event["error"] = str(error)
         event.update(critical_batch=fit.critical_batch, max_improvement=fit.max_improvement,
                      fit_rmse=fit.rmse, latency_s=time.perf_counter() - t0)

@@ -26,7 +26,7 @@ class ProgressBar:
     def __init__(self, *, total: int, initial: int, show: bool):
         # Drawn at most twice a second: each draw costs ~0.35 ms of the main thread
         # (tqdm measures the line's display width), at tqdm's default 10 a second
-        # 0.19 ms of every 54 ms step of benchmarks/controller_overhead.py.
+        # 0.19 ms of every 54 ms step of the controller-overhead benchmark.
         self._bar = tqdm(total=total, initial=initial, disable=not show or not is_primary(),
                          desc="adaptjax", dynamic_ncols=True, mininterval=0.5)
         self._latest: tuple[Mapping[str, float], RunConfig] | None = None

@@ -25,7 +25,7 @@ def rebuild_state(state, new_tx, mesh, *, carry_sync: bool, sharding=None):
     global parameters. With ``carry_sync`` (S-SGD to S-SGD) the sync's count,
     monitor states and metrics carry over too; the codec's state and a DiLoCo
     outer momentum start afresh. A float16 run's loss scale (a
-    :class:`adaptjax.LossScaleState` around the optimizer's state) is looked
+    ``LossScaleState`` around the optimizer's state) is looked
     through: the optimizer's own state is carried as above, and the scale and
     its count carry over as they are (replicated). ``new_tx`` is the controller's named chain
     (``"sync"``, ``"optimizer"``, ...) or a :func:`sync_chain` (a tuple).

@@ -44,7 +44,7 @@ class RunLog:
     Example:
       >>> import json, tempfile, adaptjax
       >>> d = tempfile.mkdtemp()
-      >>> log = adaptjax.RunLog(d, tensorboard=False)
+      >>> log = RunLog(d, tensorboard=False)
       >>> log.event("checkpoint", step=10, latency_s=0.5)
       >>> log.close()
       >>> json.loads(open(d + "/events.jsonl").read())["kind"]
@@ -86,8 +86,8 @@ class RunLog:
 
         ``SummaryWriter.add_scalar`` writes an event per scalar and converts each
         through numpy: ~0.1 ms a scalar on the main thread, 3.9 ms a step for 30
-        metrics, most of the controller's host work in
-        ``benchmarks/controller_overhead.py``; one event of 30 values costs 0.02 ms
+        metrics, most of the controller's host work in the
+        controller-overhead benchmark; one event of 30 values costs 0.02 ms
         to build. Tags are cleaned as ``add_scalar`` cleans them, once per key.
         """
         from tensorboardX.proto.summary_pb2 import (  # generated: no stubs

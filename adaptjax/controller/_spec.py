@@ -53,7 +53,7 @@ class RunSpec:
         with, if not injected: policies set it as a factor on the updates.
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       codec: the initial gradient codec (``None``: dense fp32 sync).
-      sync: the initial :class:`adaptjax.SyncStrategy` or its name (``None``: S-SGD).
+      sync: the initial :class:`adaptjax.sync.SyncStrategy` or its name (``None``: S-SGD).
       precision: :class:`adaptjax.Precision` or its key (``None``: float32).
       sharding: how parameters lie on a sharded mesh (``None``: :class:`adaptjax.FSDP`).
       monitors: :func:`adaptjax.sync_gradients`' monitors (``None``: noise scale,

@@ -48,7 +48,7 @@ class StepCache:
     optimizer's state whatever else the chain holds (a policy's learning rate
     is its factor, or an ``inject_hyperparams`` value: see
     :mod:`adaptjax.controller._hyperparams`). Under a synchronisation strategy with
-    local models (``RunConfig.sync``, see :class:`adaptjax.SyncStrategy`) the
+    local models (``RunConfig.sync``, see :class:`adaptjax.sync.SyncStrategy`) the
     chain is ``("sync", pass-through), ("optimizer", with_rate_factor(per-replica optimizer)),
     ("model_sync", the strategy's post step), ("update_norm", ...)``. Meshes
     are cached by shape (:attr:`RunConfig.mesh_shape`, or the device count of
@@ -71,7 +71,7 @@ class StepCache:
     wrapped in :func:`adaptjax.dynamic_loss_scale` (with the options in
     ``loss_scale``: ``initial_scale``, ``period``, ``factor``, ``min_scale``)
     and the step is built with it as ``loss_scale=``, so
-    ``state.opt_state["optimizer"]`` is a :class:`adaptjax.LossScaleState`
+    ``state.opt_state["optimizer"]`` is a ``LossScaleState``
     whose ``inner_state`` is the optimizer's state (readers look through it:
     :func:`adaptjax._loss_scale.split_loss_scale`); the step reports the
     metric ``loss_scale``.
@@ -245,7 +245,7 @@ class StepCache:
         """The :attr:`RunConfig.precision` of ``precision``, checked for this model.
 
         A one-line ``ValueError`` for an unknown precision or what
-        :func:`adaptjax.check_precision` refuses (float16 and a parameter
+        ``check_precision`` refuses (float16 and a parameter
         beyond its range); nothing is compiled.
         """
         key = controller_precision(precision)

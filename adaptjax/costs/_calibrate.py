@@ -173,7 +173,7 @@ def calibrate_links(
 
     Example:
       >>> import jax
-      >>> from adaptjax.costs import calibrate_links
+      >>> from adaptjax.costs._calibrate import calibrate_links
       >>> links = calibrate_links(min(len(jax.devices()), 2), kinds=("all-reduce",),
       ...                         sizes=(4096, 65536), repeats=3)
       >>> links["all-reduce"].beta >= 0
@@ -255,7 +255,7 @@ def calibrate_axis_links(
     (:meth:`~adaptjax.costs.StepTimeModel.link`).
 
     Example:
-      >>> from adaptjax.costs import calibrate_axis_links
+      >>> from adaptjax.costs._calibrate import calibrate_axis_links
       >>> links = calibrate_axis_links({"data": 2, "fsdp": 4}, kinds=("all-gather",),
       ...                              sizes=(4096, 65536), repeats=3)
       >>> sorted(links)

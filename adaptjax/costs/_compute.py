@@ -123,7 +123,7 @@ def fit_compute(
       The fitted model.
 
     Example:
-      >>> from adaptjax.costs import fit_compute
+      >>> from adaptjax.costs._compute import fit_compute
       >>> bs = [8, 16, 32, 64, 64]
       >>> secs = [0.02 + 0.003 * b / 2 for b in bs]  # 2 replicas: 3 ms per replica sample
       >>> m = fit_compute([2] * 5, bs, [1] * 5, secs)

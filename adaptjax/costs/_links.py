@@ -33,7 +33,7 @@ def message_steps(kind: str, group_size: int) -> int:
     """Latency-bound message steps of a ring collective of ``kind`` over ``group_size``.
 
     Example:
-      >>> from adaptjax.costs import message_steps
+      >>> from adaptjax.costs._links import message_steps
       >>> message_steps("all-reduce", 4), message_steps("all-gather", 4), message_steps("all-reduce", 1)
       (6, 3, 0)
     """  # noqa: E501
@@ -58,7 +58,7 @@ class LinkModel:
     psums into one instruction with an operand per leaf) may pay a latency per
     operand: over gloo across processes each operand costs about a whole
     collective's latency, while XLA:CPU in one process moves them together.
-    :func:`adaptjax.costs.calibrate_links` measures ``alpha_operand``.
+    ``calibrate_links`` measures ``alpha_operand``.
 
     Attributes:
       alpha: seconds per message step (latency), >= 0.
@@ -134,7 +134,7 @@ def fit_alpha_beta(
       The fitted :class:`LinkModel`.
 
     Example:
-      >>> from adaptjax.costs import fit_alpha_beta, message_steps
+      >>> from adaptjax.costs._links import fit_alpha_beta, message_steps
       >>> sizes = [1e3, 1e5, 1e6, 1e3, 1e6]
       >>> groups = [2, 2, 2, 8, 8]
       >>> secs = [message_steps("all-gather", n) * 2e-5 + b * 1e-9 for n, b in zip(groups, sizes)]
@@ -189,7 +189,8 @@ def fit_operand_alpha(link: LinkModel, kind: str, group_sizes: Sequence[int],
     (operands - 1)``.
 
     Example:
-      >>> from adaptjax.costs import LinkModel, fit_operand_alpha
+      >>> from adaptjax.costs import LinkModel
+      >>> from adaptjax.costs._links import fit_operand_alpha
       >>> link = LinkModel(1e-4, 1e-9)
       >>> secs = [2 * (1e-4 + 7 * 5e-4) + 8e3 * 1e-9, 14 * (1e-4 + 7 * 5e-4) + 8e3 * 1e-9]
       >>> round(fit_operand_alpha(link, "all-reduce", [2, 8], [8, 8], [8e3, 8e3],

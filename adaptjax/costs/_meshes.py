@@ -31,7 +31,7 @@ def mesh_shapes(devices: int, axes: Sequence[str], batch_size: int,
     and whose ``"data"`` size divides ``batch_size`` into ``microbatches`` equal parts.
 
     Example:
-      >>> from adaptjax.costs import mesh_shapes
+      >>> from adaptjax.costs._meshes import mesh_shapes
       >>> [tuple(s.values()) for s in mesh_shapes(8, ("data", "fsdp"), 64)]
       [(1, 8), (2, 4), (4, 2), (8, 1)]
       >>> [tuple(s.values()) for s in mesh_shapes(8, ("data", "fsdp"), 12)]

@@ -16,7 +16,7 @@ collective kind, or per kind and mesh axis: ``"all-gather@fsdp"`` prices
 FSDP's all-gathers on the link inside a replica, ``"all-reduce@data"`` the
 sync between replicas; :func:`reshape_report` moves a step's collectives to
 another mesh shape); branches of a ``lax.cond`` are averaged as in
-:attr:`adaptjax.WireReport.total`. Collectives XLA schedules asynchronously
+``WireReport.total``. Collectives XLA schedules asynchronously
 (``-start``/``-done``) may hide behind computation: ``overlap`` (fitted, 0 when
 the program has none) is the fraction of compute they can hide behind.
 
@@ -54,12 +54,12 @@ class CannotPredict(ValueError):
 def config_key(config: Any) -> tuple[int, int, int, str | None, str | None]:
     """``(devices, batch_size, microbatches, codec, sync)`` of a RunConfig-like object.
 
-    ``codec`` is the codec's key (:func:`adaptjax.codec_key`); ``sync`` the
+    ``codec`` is the codec's key (``codec_key``); ``sync`` the
     sync strategy's name when the configuration has one (``None``: synchronous).
 
     Example:
       >>> from adaptjax import RunConfig
-      >>> from adaptjax.costs import config_key
+      >>> from adaptjax.costs._model import config_key
       >>> config_key(RunConfig(devices=4, batch_size=64))
       (4, 64, 1, None, None)
     """
@@ -117,7 +117,7 @@ def _sent(kind: str, n: int, message: float) -> float:
 
 
 def as_report(wire: WireReport | Sequence[Collective]) -> WireReport:
-    """A :class:`adaptjax.WireReport` from a report or a sequence of collectives."""
+    """A ``WireReport`` from a report or a sequence of collectives."""
     if isinstance(wire, WireReport):
         return wire
     return WireReport(tuple(wire))
@@ -210,7 +210,7 @@ class Observation:
     Attributes:
       config: a :class:`adaptjax.RunConfig` (or anything with ``devices``,
         ``batch_size``, ``microbatches``, ``codec`` and optionally ``sync``).
-      wire: its :class:`adaptjax.WireReport` (or the collectives).
+      wire: its ``WireReport`` (or the collectives).
       step_time: the measured seconds per step (a median).
     """
 
@@ -235,7 +235,7 @@ class Prediction:
       codec: the codec's own encode/decode seconds (0 for a dense sync).
       comm: the collectives' seconds (before overlap).
       hidden: communication seconds hidden behind computation.
-      bytes: bytes each device sends per step (:attr:`adaptjax.WireReport.total`).
+      bytes: bytes each device sends per step (``WireReport.total``).
     """
 
     step_time: float
@@ -262,7 +262,7 @@ class StepTimeModel:
     """Predicts the seconds of one training step per configuration.
 
     Build it with :meth:`fit` from the links (timed micro-collectives,
-    :func:`~adaptjax.costs.calibrate_links`, or a pinned
+    ``calibrate_links``, or a pinned
     :meth:`LinkModel.from_bandwidth`) and measured steps; :meth:`refit` with
     more observations as the run goes on.
 
@@ -282,7 +282,8 @@ class StepTimeModel:
 
     Example:
       >>> from adaptjax import Collective, RunConfig
-      >>> from adaptjax.costs import LinkModel, Observation, StepTimeModel
+      >>> from adaptjax.costs import LinkModel, StepTimeModel
+      >>> from adaptjax.costs._model import Observation
       >>> link = LinkModel(alpha=1e-4, beta=1e-8)
       >>> def wire(n):  # one all-reduce of 4 MB
       ...     b = 2 * (n - 1) / n * 4e6

@@ -22,7 +22,7 @@ size, whichever the calibrated links predict fastest at its device count.
 Each choice is logged (a ``schedule`` event) and saved in ``costs.json``.
 
 On a sharded mesh (:attr:`adaptjax.RunConfig.mesh_shape`) the links are also
-calibrated per mesh axis (:func:`adaptjax.costs.calibrate_axis_links`), a
+calibrated per mesh axis (``calibrate_axis_links``), a
 candidate may name a mesh shape (its collectives are the observed step's,
 moved by :func:`adaptjax.costs.reshape_report`), and :attr:`Planner.memory`
 holds the parameter and optimizer bytes per device of every shape of the
@@ -266,11 +266,11 @@ class Planner:
                   mesh_shape: Mapping[str, int] | None = None) -> dict:
         """Times micro-collectives on up to ``devices`` devices and uses them as the links.
 
-        ``kinds`` (default: every kind :func:`adaptjax.costs.calibrate_links`
+        ``kinds`` (default: every kind ``calibrate_links``
         times); with fewer than two devices there is nothing to time and the
         links are empty. With ``mesh_shape`` (``{"data": 2, "fsdp": 4}``) each
         kind is also timed over each axis of that mesh
-        (:func:`adaptjax.costs.calibrate_axis_links`: ``"all-gather@fsdp"``, ...).
+        (``calibrate_axis_links``: ``"all-gather@fsdp"``, ...).
         """
         n = min(int(devices), len(jax.devices()))
         kinds = DEFAULT_KINDS if kinds is None else tuple(kinds)

@@ -119,7 +119,7 @@ def buckets(leaf_bytes: Sequence[float], bucket_bytes: float, *,
     a codec's buckets are (``adaptjax.compression``: leaves are never split).
 
     Example:
-      >>> from adaptjax.costs import buckets
+      >>> from adaptjax.costs._schedule import buckets
       >>> buckets([10, 10, 50, 5], 20), buckets([10, 10, 50, 5], 20, split=False)
       ([20.0, 20.0, 20.0, 10.0, 5.0], [20.0, 50.0, 5.0])
     """

@@ -51,6 +51,7 @@ from adaptjax.costs._model import (
     rescale_report,
     reshape_report,
 )
+from adaptjax.policies._policy import validate_actions
 
 if TYPE_CHECKING:
     from adaptjax._wire import WireReport
@@ -431,7 +432,7 @@ def _decide(run: _Recorded, replay: _Replay, policy, s: int, row: dict) -> None:
     )
     metrics_in = {k: float(v) for k, v in row.items()
                   if k != "step" and isinstance(v, int | float)}
-    actions = ajp.validate_actions(policy.decide(metrics_in, ctx), source=policy)
+    actions = validate_actions(policy.decide(metrics_in, ctx), source=policy)
     if actions:
         replay.decisions.append((s, tuple(repr(a) for a in actions)))
         replay.events.append(SimEvent(s, replay.seconds, "decision",

@@ -34,15 +34,15 @@ def diloco(
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo's outer loop as the ``post`` step of a chain.
 
-    :func:`adaptjax.local_sgd` with ``outer = optax.sgd(outer_lr,
+    :func:`adaptjax.sync.local_sgd` with ``outer = optax.sgd(outer_lr,
     momentum=outer_momentum, nesterov=nesterov)``: every ``H`` steps, with
     ``Δ = mean_i (θ - x_i)`` and momentum ``m`` (zero at first)::
 
         m <- μ m + Δ,   θ <- θ - lr (Δ + μ m)     (Nesterov; θ - lr m without)
 
     The paper's inner optimizer is AdamW: chain this after
-    ``adaptjax.per_replica_optimizer(optax.adamw(...))`` (what
-    :func:`adaptjax.sync_chain` does with ``DiLoCo()``).
+    ``adaptjax.sync.per_replica_optimizer(optax.adamw(...))`` (what
+    :func:`adaptjax.sync.sync_chain` does with ``DiLoCo()``).
 
     Args:
       H: inner steps per outer step, >= 1.
@@ -50,13 +50,13 @@ def diloco(
       outer_lr: the outer learning rate (0.7 in the paper).
       outer_momentum: the outer momentum (0.9).
       nesterov: Nesterov momentum (the paper's choice).
-      codec: a :class:`adaptjax.GradientCodec` to compress the deltas.
+      codec: a codec (:class:`adaptjax.compression.Codec`) to compress the deltas.
       label_histogram: the global label distribution for the replicas'
-        ``label_divergence`` (see :func:`adaptjax.local_sgd`), or ``None``.
+        ``label_divergence`` (see :func:`adaptjax.sync.local_sgd`), or ``None``.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` (state: :class:`adaptjax.LocalSGDState`;
-      per-replica knobs and measurements as :func:`adaptjax.local_sgd`'s).
+      An ``optax.GradientTransformationExtraArgs`` (state: ``LocalSGDState``;
+      per-replica knobs and measurements as :func:`adaptjax.sync.local_sgd`'s).
 
     References:
       Douillard et al., "DiLoCo: Distributed low-communication training of
@@ -64,8 +64,8 @@ def diloco(
 
     Example:
       >>> import optax, adaptjax
-      >>> tx = optax.chain(adaptjax.per_replica_optimizer(optax.adamw(1e-3)),
-      ...                  adaptjax.diloco(H=32))
+      >>> tx = optax.chain(adaptjax.sync.per_replica_optimizer(optax.adamw(1e-3)),
+      ...                  adaptjax.sync.diloco(H=32))
     """
     _check_outer(outer_lr, outer_momentum)
     outer = optax.sgd(outer_lr, momentum=outer_momentum or None, nesterov=nesterov)
@@ -89,7 +89,7 @@ class DiLoCo(SyncStrategy):
     switches into DiLoCo.
 
     **Noise scale:** not estimated (gradients are never averaged; monitors
-    are off, see :class:`adaptjax.SyncStrategy`).
+    are off, see :class:`adaptjax.sync.SyncStrategy`).
 
     Bytes per device per step, amortised: ``(2 (N-1)/N * P + 12 (N-1)) / H``
     (the deltas' all-reduce and the replicas' three measurements' all-gather).
@@ -104,7 +104,7 @@ class DiLoCo(SyncStrategy):
 
     Example:
       >>> import adaptjax
-      >>> adaptjax.DiLoCo(H=128).wire_formula(4000, 8)
+      >>> adaptjax.sync.DiLoCo(H=128).wire_formula(4000, 8)
       55.34375
     """
 

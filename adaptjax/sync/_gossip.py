@@ -67,7 +67,7 @@ def gossip(
     models is exactly the mean after the local steps. No step forms that
     mean: the global update is zero and the global parameters stay as they
     were when the run entered gossip; evaluate
-    :func:`adaptjax.consensus_params`.
+    :func:`adaptjax.sync.consensus_params`.
 
     Args:
       axis_name: the data-parallel axis (one axis).
@@ -83,8 +83,8 @@ def gossip(
 
     Example:
       >>> import optax, adaptjax
-      >>> tx = optax.chain(adaptjax.per_replica_optimizer(optax.sgd(0.1)),
-      ...                  adaptjax.gossip("data", topology="exponential"))
+      >>> tx = optax.chain(adaptjax.sync.per_replica_optimizer(optax.sgd(0.1)),
+      ...                  adaptjax.sync.gossip("data", topology="exponential"))
     """
     topology = _check_topology(topology)
 
@@ -124,7 +124,7 @@ class Gossip(SyncStrategy):
     Needs at least 2 replicas; cannot carry a codec.
 
     **Noise scale:** not estimated (gradients are never averaged; monitors
-    are off, see :class:`adaptjax.SyncStrategy`).
+    are off, see :class:`adaptjax.sync.SyncStrategy`).
 
     Bytes per device per step: ``P`` (one ``ppermute`` of the parameters).
 
@@ -133,7 +133,7 @@ class Gossip(SyncStrategy):
 
     Example:
       >>> import adaptjax
-      >>> adaptjax.Gossip("exponential").wire_formula(4000, 16)
+      >>> adaptjax.sync.Gossip("exponential").wire_formula(4000, 16)
       4000.0
     """
 
@@ -147,7 +147,7 @@ class Gossip(SyncStrategy):
         if n_replicas < 2:
             raise ValueError(
                 f"gossip needs at least 2 replicas, got {n_replicas}; use more devices or "
-                "another strategy (e.g. adaptjax.SSGD())"
+                "another strategy (e.g. adaptjax.sync.SSGD())"
             )
         super().check(n_replicas, codec)
 

@@ -106,7 +106,7 @@ def local_sgd(
       H: inner steps per outer step, >= 1.
       axis_name: the data-parallel axis.
       outer: the outer optimizer (``None``: ``optax.sgd(1.0)``).
-      codec: a :class:`adaptjax.GradientCodec` to compress the deltas.
+      codec: a codec (:class:`adaptjax.compression.Codec`) to compress the deltas.
       label_histogram: the global label distribution ``q`` (``K`` positive
         numbers, normalised here) for ``label_divergence``; ``None``: not measured.
 
@@ -123,15 +123,16 @@ def local_sgd(
 
     Example:
       >>> import optax, adaptjax
-      >>> tx = optax.chain(adaptjax.per_replica_optimizer(optax.sgd(0.1)),
-      ...                  adaptjax.local_sgd(H=8))
+      >>> tx = optax.chain(adaptjax.sync.per_replica_optimizer(optax.sgd(0.1)),
+      ...                  adaptjax.sync.local_sgd(H=8))
     """
     H = check_period(H)
     outer = optax.sgd(1.0) if outer is None else outer
     q = check_label_histogram(label_histogram)
     if codec is not None and not isinstance(codec, GradientCodec):
         raise ValueError(
-            f"codec {codec!r} does not follow adaptjax.GradientCodec (needs init and sync); "
+            f"codec {codec!r} does not follow adaptjax.compression.Codec's protocol "
+            "(needs init and sync); "
             "build one with adaptjax.compression"
         )
 
@@ -242,7 +243,7 @@ class LocalSGD(SyncStrategy):
     A codec compresses the deltas of the outer sync.
 
     **Noise scale:** not estimated (gradients are never averaged; monitors
-    are off, see :class:`adaptjax.SyncStrategy`).
+    are off, see :class:`adaptjax.sync.SyncStrategy`).
 
     Bytes per device per step, amortised: ``(2 (N-1)/N * P + 12 (N-1)) / H``
     (the deltas' all-reduce and the replicas' three measurements' all-gather).
@@ -254,7 +255,7 @@ class LocalSGD(SyncStrategy):
 
     Example:
       >>> import adaptjax
-      >>> adaptjax.LocalSGD(H=32).wire_formula(4000, 8)
+      >>> adaptjax.sync.LocalSGD(H=32).wire_formula(4000, 8)
       221.375
     """
 

@@ -60,8 +60,8 @@ def model_averaging(
 
     Example:
       >>> import optax, adaptjax
-      >>> tx = optax.chain(adaptjax.per_replica_optimizer(optax.sgd(0.1)),
-      ...                  adaptjax.model_averaging("data", alpha=0.5))
+      >>> tx = optax.chain(adaptjax.sync.per_replica_optimizer(optax.sgd(0.1)),
+      ...                  adaptjax.sync.model_averaging("data", alpha=0.5))
     """
     if alpha is not None and not 0.0 < float(alpha) <= 1.0:
         raise ValueError(f"alpha must be in (0, 1], got {alpha}")
@@ -95,7 +95,7 @@ class ModelAveraging(SyncStrategy):
     has nothing to correct its error).
 
     **Noise scale:** not estimated (gradients are never averaged; monitors
-    are off, see :class:`adaptjax.SyncStrategy`).
+    are off, see :class:`adaptjax.sync.SyncStrategy`).
 
     Bytes per device per step: ``2 (N-1)/N * P`` for ``P`` bytes of
     parameters, as S-SGD.
@@ -105,7 +105,7 @@ class ModelAveraging(SyncStrategy):
 
     Example:
       >>> import adaptjax
-      >>> adaptjax.ModelAveraging(alpha=0.5)
+      >>> adaptjax.sync.ModelAveraging(alpha=0.5)
       ModelAveraging(alpha=0.5)
     """
 

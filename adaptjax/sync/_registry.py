@@ -31,7 +31,7 @@ def sync_chain(
 
     Use it in a ``shard_map`` step with ``axis_name`` bound (or through
     :func:`adaptjax.data_parallel_step`). Differentiate at
-    ``adaptjax.local_params(params, opt_state)`` and pass it as
+    ``adaptjax.sync.local_params(params, opt_state)`` and pass it as
     ``local_params=`` to ``update``; apply the returned updates to the global
     ``params`` as usual.
 
@@ -41,7 +41,7 @@ def sync_chain(
         ``"sma"``, ``"local_sgd"``, ``"diloco"``, ``"gossip"`` (their
         defaults), or ``None`` (S-SGD).
       axis_name: the data-parallel axis.
-      codec: a :class:`adaptjax.GradientCodec`: compresses the gradients
+      codec: a codec (:class:`adaptjax.compression.Codec`): compresses the gradients
         (S-SGD) or the outer delta (local SGD, DiLoCo).
       monitors: gradient monitors (S-SGD only; see :class:`SyncStrategy`).
       **sync_kwargs: further arguments of :func:`adaptjax.sync_gradients` (S-SGD).
@@ -53,15 +53,16 @@ def sync_chain(
       >>> import jax, jax.numpy as jnp, numpy as np, optax, adaptjax
       >>> from jax.sharding import PartitionSpec as P
       >>> mesh = adaptjax.make_mesh(4)
-      >>> tx = adaptjax.sync_chain(optax.sgd(0.5), adaptjax.ModelAveraging(alpha=1.0))
+      >>> tx = adaptjax.sync.sync_chain(optax.sgd(0.5), adaptjax.sync.ModelAveraging(alpha=1.0))
       >>> state = adaptjax.init_state({"w": jnp.zeros(())}, tx, mesh)
-      >>> specs = adaptjax.state_partition_specs(state.opt_state)
+      >>> from adaptjax._per_replica import state_partition_specs
+      >>> specs = state_partition_specs(state.opt_state)
       >>> def step(params, opt_state, x):       # x: this replica's data point
-      ...     opt_state = adaptjax.to_local(opt_state)
-      ...     at = adaptjax.local_params(params, opt_state)
+      ...     opt_state = adaptjax.sync.to_local(opt_state)
+      ...     at = adaptjax.sync.local_params(params, opt_state)
       ...     g = jax.grad(lambda p: jnp.mean((p["w"] - x) ** 2))(at)
       ...     u, opt_state = tx.update(g, opt_state, params, local_params=at)
-      ...     return optax.apply_updates(params, u), adaptjax.to_global(opt_state)
+      ...     return optax.apply_updates(params, u), adaptjax.sync.to_global(opt_state)
       >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
       ...                           out_specs=(P(), specs), check_vma=False))
       >>> params, _ = f(state.params, state.opt_state, jnp.arange(4.0))
@@ -97,7 +98,7 @@ def resolve_sync(strategy: object) -> SyncStrategy:
       >>> resolve_sync("allreduce")
       Traceback (most recent call last):
       ...
-      ValueError: unknown sync strategy 'allreduce'; use one of 'ssgd', 'sma', 'local_sgd', 'diloco', 'gossip' or an adaptjax.SyncStrategy such as adaptjax.DiLoCo(H=32)
+      ValueError: unknown sync strategy 'allreduce'; use one of 'ssgd', 'sma', 'local_sgd', 'diloco', 'gossip' or an adaptjax.sync.SyncStrategy such as adaptjax.sync.DiLoCo(H=32)
     """  # noqa: E501
     defaults = _defaults()
     if strategy is None:
@@ -108,8 +109,8 @@ def resolve_sync(strategy: object) -> SyncStrategy:
         return defaults[strategy]
     names = ", ".join(repr(k) for k in defaults)
     raise ValueError(
-        f"unknown sync strategy {strategy!r}; use one of {names} or an adaptjax.SyncStrategy "
-        "such as adaptjax.DiLoCo(H=32)"
+        f"unknown sync strategy {strategy!r}; use one of {names} or an adaptjax.sync.SyncStrategy "
+        "such as adaptjax.sync.DiLoCo(H=32)"
     )
 
 
@@ -118,9 +119,9 @@ def sync_key(strategy: object) -> str | None:
 
     Example:
       >>> import adaptjax
-      >>> adaptjax.sync_key(None), adaptjax.sync_key(adaptjax.SSGD())
+      >>> sync_key(None), sync_key(adaptjax.sync.SSGD())
       (None, None)
-      >>> adaptjax.sync_key(adaptjax.LocalSGD(H=8))
+      >>> sync_key(adaptjax.sync.LocalSGD(H=8))
       'LocalSGD(H=8)'
     """
     strategy = resolve_sync(strategy)

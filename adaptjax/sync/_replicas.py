@@ -1,6 +1,6 @@
 """Per-replica hyperparameters and heterogeneity measurements of local SGD / DiLoCo.
 
-Under :func:`adaptjax.local_sgd` (and DiLoCo, built on it) every replica
+Under :func:`adaptjax.sync.local_sgd` (and DiLoCo, built on it) every replica
 trains its own model between syncs, so each can run with its own inner
 learning rate and its own number of local steps, and each has its own data.
 The strategy's state keeps, per replica (:class:`adaptjax.PerReplica`), two
@@ -82,7 +82,7 @@ def _model_sync_node(opt_state: Any):
     if node is None or not hasattr(node, "knobs"):
         raise ValueError(
             "opt_state holds no local SGD or DiLoCo state; per-replica hyperparameters need "
-            "adaptjax.sync_chain(optimizer, adaptjax.LocalSGD(...) or adaptjax.DiLoCo(...))"
+            "adaptjax.sync.sync_chain(optimizer, LocalSGD(...) or DiLoCo(...))"
         )
     return node
 
@@ -128,7 +128,7 @@ def set_replica_lr(opt_state: Any, factors: Any) -> Any:
 
     Example:
       >>> import jax.numpy as jnp, optax, adaptjax.sync
-      >>> tx = adaptjax.sync_chain(optax.sgd(0.1), adaptjax.LocalSGD(H=4))
+      >>> tx = adaptjax.sync.sync_chain(optax.sgd(0.1), adaptjax.sync.LocalSGD(H=4))
       >>> state = adaptjax.init_state({"w": jnp.zeros(2)}, tx, adaptjax.make_mesh(2))
       >>> opt = adaptjax.sync.set_replica_lr(state.opt_state, [0.5, 2.0])
       >>> adaptjax.sync.replica_lr(opt).tolist()

@@ -29,8 +29,8 @@ class SSGD(SyncStrategy):
 
     Example:
       >>> import optax, adaptjax
-      >>> tx = adaptjax.sync_chain(optax.sgd(0.1), adaptjax.SSGD())
-      >>> adaptjax.SSGD().wire_formula(4000, 8)
+      >>> tx = adaptjax.sync.sync_chain(optax.sgd(0.1), adaptjax.sync.SSGD())
+      >>> adaptjax.sync.SSGD().wire_formula(4000, 8)
       7000.0
     """
 

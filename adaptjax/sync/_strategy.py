@@ -63,7 +63,7 @@ def local_params(params: Any, opt_state: Any) -> Any:
     """The parameters this replica differentiates at: its local model, or ``params``.
 
     Call inside ``shard_map`` on the *local view* of the optimizer state
-    (:func:`adaptjax.to_local`). Under S-SGD (no local model) it returns
+    (:func:`adaptjax.sync.to_local`). Under S-SGD (no local model) it returns
     ``params``.
 
     Args:
@@ -75,9 +75,9 @@ def local_params(params: Any, opt_state: Any) -> Any:
 
     Example:
       >>> import jax.numpy as jnp, optax, adaptjax
-      >>> tx = adaptjax.sync_chain(optax.sgd(0.1), adaptjax.LocalSGD(H=4))
+      >>> tx = adaptjax.sync.sync_chain(optax.sgd(0.1), adaptjax.sync.LocalSGD(H=4))
       >>> p = {"w": jnp.ones(2)}
-      >>> adaptjax.local_params(p, tx.init(p))["w"].tolist()
+      >>> adaptjax.sync.local_params(p, tx.init(p))["w"].tolist()
       [1.0, 1.0]
     """
     node = find_model_sync(opt_state)
@@ -100,9 +100,9 @@ def consensus_params(params: Any, opt_state: Any) -> Any:
 
     Example:
       >>> import jax.numpy as jnp, optax, adaptjax
-      >>> tx = adaptjax.sync_chain(optax.sgd(0.1), adaptjax.Gossip())
+      >>> tx = adaptjax.sync.sync_chain(optax.sgd(0.1), adaptjax.sync.Gossip())
       >>> state = adaptjax.init_state({"w": jnp.ones(2)}, tx, adaptjax.make_mesh(4))
-      >>> adaptjax.consensus_params(state.params, state.opt_state)["w"].tolist()
+      >>> adaptjax.sync.consensus_params(state.params, state.opt_state)["w"].tolist()
       [1.0, 1.0]
     """
     node = find_model_sync(opt_state)
@@ -146,8 +146,9 @@ def per_replica_optimizer(
 
     Example:
       >>> import jax.numpy as jnp, optax, adaptjax
-      >>> tx = adaptjax.per_replica_optimizer(optax.adam(0.1))
-      >>> adaptjax.has_per_replica(tx.init({"w": jnp.zeros(2)}))
+      >>> tx = adaptjax.sync.per_replica_optimizer(optax.adam(0.1))
+      >>> from adaptjax._per_replica import has_per_replica
+      >>> has_per_replica(tx.init({"w": jnp.zeros(2)}))
       True
     """
     optimizer = optax.with_extra_args_support(optimizer)
@@ -201,13 +202,13 @@ class SyncStrategy:
 
     Example:
       >>> import adaptjax
-      >>> s = adaptjax.DiLoCo(H=64)
-      >>> isinstance(s, adaptjax.SyncStrategy), s.local_models, s == adaptjax.DiLoCo(H=64)
+      >>> s = adaptjax.sync.DiLoCo(H=64)
+      >>> isinstance(s, adaptjax.sync.SyncStrategy), s.local_models, s == adaptjax.sync.DiLoCo(H=64)
       (True, True, True)
-      >>> adaptjax.Gossip().check(n_replicas=1)
+      >>> adaptjax.sync.Gossip().check(n_replicas=1)
       Traceback (most recent call last):
       ...
-      ValueError: gossip needs at least 2 replicas, got 1; use more devices or another strategy (e.g. adaptjax.SSGD())
+      ValueError: gossip needs at least 2 replicas, got 1; use more devices or another strategy (e.g. adaptjax.sync.SSGD())
     """  # noqa: E501
 
     local_models: ClassVar[bool] = True
@@ -256,7 +257,7 @@ class SyncStrategy:
         raise NotImplementedError
 
     def amortised_bytes(self, report: WireReport) -> float:
-        """Bytes per device per step from a :class:`adaptjax.WireReport` of one step."""
+        """Bytes per device per step from a ``WireReport`` of one step."""
         return report.total
 
 

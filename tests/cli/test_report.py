@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from _controller_args import make_controller  # noqa: E402
+from adaptjax.policies._actions import with_reason
 
 import adaptjax
 from adaptjax import policies as ajp
@@ -101,7 +102,7 @@ def test_builtin_policies_give_every_action_a_reason_naming_them():
 def test_reason_is_a_description_not_part_of_the_decision():
     a, b = ajp.SetBatchSize(128, reason="why"), ajp.SetBatchSize(128)
     assert a == b and hash(a) == hash(b) and repr(a) == repr(b)
-    assert ajp.with_reason(ajp.Rescale(devices=4), "x").reason == "x"
+    assert with_reason(ajp.Rescale(devices=4), "x").reason == "x"
     with pytest.raises(ValueError, match="reason"):
         ajp.SetCodec(None, reason=3)
 

@@ -15,6 +15,7 @@ import pytest
 
 import adaptjax
 from adaptjax import compression as ajc
+from adaptjax._chain import named_chain
 
 PARAMS = {"w": jnp.zeros((64, 40)), "b": jnp.zeros(40)}  # w (2560 elements) is compressed
 
@@ -86,8 +87,8 @@ def test_a_bad_default_pairing_warns_once_in_one_line(codec, optimizer, line):
 def test_sync_chain_named_chain_and_injected_hyperparameters_warn_too():
     adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)
     for tx in (
-        adaptjax.sync_chain(adamw, codec=ajc.onebit()),
-        adaptjax.named_chain(("sync", adaptjax.sync_gradients("data", codec=ajc.onebit())),
+        adaptjax.sync.sync_chain(adamw, codec=ajc.onebit()),
+        named_chain(("sync", adaptjax.sync_gradients("data", codec=ajc.onebit())),
                              ("optimizer", optax.chain(optax.clip_by_global_norm(1.0), adamw))),
     ):
         with pytest.warns(UserWarning) as record:

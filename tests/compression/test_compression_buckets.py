@@ -19,7 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 import adaptjax
 from adaptjax import compression as ajc
-from adaptjax.costs import buckets
+from adaptjax._per_replica import stack_replicas, state_partition_specs
+from adaptjax._run_config import codec_key
+from adaptjax.costs._schedule import buckets
 
 # a: under min_size (the float32 psum); b: a small leaf of the codec's lane. In reverse
 # leaf order (w, v, u, b) buckets of 8000 floats are [w], [v], [u, b]: three exchanges per
@@ -31,12 +33,12 @@ BIG = ("b", "u", "v", "w")
 
 
 def _fn(codec, mesh, axis, state):
-    specs = adaptjax.state_partition_specs(state, axis)
+    specs = state_partition_specs(state, axis)
 
     def f(g, s, step):
         g = jax.tree.map(lambda x: x[0], g)
-        out, s = codec.sync(g, adaptjax.to_local(s), axis_name=axis, step=step)
-        return out, adaptjax.to_global(s)
+        out, s = codec.sync(g, adaptjax.sync.to_local(s), axis_name=axis, step=step)
+        return out, adaptjax.sync.to_global(s)
 
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(axis), specs, P()),
                                  out_specs=(P(), specs), check_vma=False))
@@ -50,7 +52,7 @@ def _mesh(n, fast=None):
 
 
 def _state(codec, n):
-    return adaptjax.stack_replicas(codec.init({k: jnp.zeros(s) for k, s in SHAPES.items()}), n)
+    return stack_replicas(codec.init({k: jnp.zeros(s) for k, s in SHAPES.items()}), n)
 
 
 def _run(codec, n, steps=2, fast=None, seed=0):
@@ -164,8 +166,8 @@ def test_bad_bucket_bytes_is_one_line(bad, make):
 
 
 def test_bucket_bytes_shows_in_the_key_only_when_set():
-    assert "bucket_bytes" not in adaptjax.codec_key(ajc.topk())
-    assert adaptjax.codec_key(ajc.topk(bucket_bytes=4096)) == "topk(0.01, bucket_bytes=4096)"
+    assert "bucket_bytes" not in codec_key(ajc.topk())
+    assert codec_key(ajc.topk(bucket_bytes=4096)) == "topk(0.01, bucket_bytes=4096)"
     assert ajc.powersgd(bucket_bytes=4096) != ajc.powersgd()
 
 

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import adaptjax
 from adaptjax import compression as ajc
+from adaptjax._per_replica import stack_replicas, state_partition_specs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location(
@@ -36,19 +37,19 @@ SHAPES = {"b": (10,), "w": (64, 128)}
 
 def _fn(codec, n, state):
     mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
-    specs = adaptjax.state_partition_specs(state, "data")
+    specs = state_partition_specs(state, "data")
 
     def f(g, s, step):
         g = jax.tree.map(lambda x: x[0], g)
-        out, s = codec.sync(g, adaptjax.to_local(s), axis_name="data", step=step)
-        return out, adaptjax.to_global(s)
+        out, s = codec.sync(g, adaptjax.sync.to_local(s), axis_name="data", step=step)
+        return out, adaptjax.sync.to_global(s)
 
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), specs, P()),
                                  out_specs=(P(), specs), check_vma=False))
 
 
 def _state(codec, n):
-    return adaptjax.stack_replicas(codec.init({k: jnp.zeros(s) for k, s in SHAPES.items()}), n)
+    return stack_replicas(codec.init({k: jnp.zeros(s) for k, s in SHAPES.items()}), n)
 
 
 def _grads(n, rng):
@@ -112,8 +113,8 @@ def test_rescale_8_4_8_keeps_its_state(make):
     _, state = _fn(codec, 8, state)(_grads(8, np.random.default_rng(2)), state, jnp.int32(0))
     assert state.worker.merge == codec.state_merge
     ef = np.asarray(state.worker.value["ef"]["w"], np.float64)
-    at4 = adaptjax.merge_replicas(jax.tree.map(np.asarray, state), 4)
-    back = adaptjax.merge_replicas(at4, 8)
+    at4 = adaptjax.sync.merge_replicas(jax.tree.map(np.asarray, state), 4)
+    back = adaptjax.sync.merge_replicas(at4, 8)
     for s, m in ((at4, 4), (back, 8)):
         got = np.asarray(s.worker.value["ef"]["w"], np.float64)
         assert got.shape == (m, *SHAPES["w"])

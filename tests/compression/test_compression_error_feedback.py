@@ -4,11 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from adaptjax.compression._base import SumToAll
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import adaptjax
 from adaptjax import compression as ajc
+from adaptjax._per_replica import stack_replicas, state_partition_specs, state_shardings
 
 SHAPES = {"w": (40, 30), "v": (3001,), "b": (5,)}
 BIG = ("w", "v")  # leaves of >= min_size elements carry error-feedback state
@@ -20,12 +22,12 @@ def _mesh(n, names=("data",), shape=None):
 
 
 def _sync_fn(codec, mesh, axis, state):
-    specs = adaptjax.state_partition_specs(state, axis)
+    specs = state_partition_specs(state, axis)
 
     def f(g, s, step):
         g = jax.tree.map(lambda x: x[0], g)
-        out, s = codec.sync(g, adaptjax.to_local(s), axis_name=axis, step=step)
-        return out, adaptjax.to_global(s)
+        out, s = codec.sync(g, adaptjax.sync.to_local(s), axis_name=axis, step=step)
+        return out, adaptjax.sync.to_global(s)
 
     return jax.jit(
         jax.shard_map(
@@ -60,7 +62,7 @@ def _debt(state):
 
 def _init(codec, n):
     params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
-    return adaptjax.stack_replicas(codec.init(params), n)
+    return stack_replicas(codec.init(params), n)
 
 
 CODECS = {
@@ -133,7 +135,7 @@ def test_merge_replicas_keeps_the_error_feedback_debt(codec):
     state = _init(codec, 8)
     out1, mean1, state = _run(codec, _mesh(8), "data", state, 3, rng)
     before = _debt(state)
-    merged = adaptjax.merge_replicas(state, 4)
+    merged = adaptjax.sync.merge_replicas(state, 4)
     for k in BIG:
         # "mean" keeps mean_i(e_i); SumToAll hands every new replica the whole server
         # debt (each reads the chunk it owns under the new layout on its next step).
@@ -145,7 +147,7 @@ def test_merge_replicas_keeps_the_error_feedback_debt(codec):
         np.testing.assert_allclose(after, before[k], atol=1e-6)
         assert merged.worker.value["ef"][k].shape[0] == 4
     mesh4 = _mesh(4)
-    merged = jax.device_put(merged, adaptjax.state_shardings(merged, mesh4))
+    merged = jax.device_put(merged, state_shardings(merged, mesh4))
     out2, mean2, state = _run(codec, mesh4, "data", merged, 3, rng, first_step=3)
     debt = _debt(state)
     for k in BIG:
@@ -158,7 +160,7 @@ def test_server_buffer_merge_rule_is_sum_to_all():
     assert state.server == ()  # the owner's error is folded into its worker residual
     old = np.zeros((4, 6), np.float32)
     old[np.arange(4), np.arange(4)] = [1.0, 2.0, 3.0, 4.0]  # each owns a different chunk
-    new = ajc.SumToAll()(old, 3)
+    new = SumToAll()(old, 3)
     np.testing.assert_array_equal(new, np.broadcast_to([1, 2, 3, 4, 0, 0], (3, 6)))
 
 

@@ -14,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import adaptjax
 from adaptjax import compression as ajc
+from adaptjax._codec import GradientCodec
+from adaptjax._per_replica import stack_replicas, state_partition_specs
 
 
 def _one_line(excinfo):
@@ -87,14 +89,14 @@ def test_integer_leaves():
 def test_axis_not_in_the_mesh():
     mesh = Mesh(np.array(jax.devices()), ("batch",))
     codec = ajc.onebit(axis_name="data")
-    state = adaptjax.stack_replicas(codec.init({"w": jnp.zeros(2048)}), 8)
-    specs = adaptjax.state_partition_specs(state, "batch")
+    state = stack_replicas(codec.init({"w": jnp.zeros(2048)}), 8)
+    specs = state_partition_specs(state, "batch")
 
     @functools.partial(
         jax.shard_map, mesh=mesh, in_specs=(P("batch"), specs), out_specs=P(), check_vma=False
     )
     def f(g, s):
-        return codec.update({"w": g}, adaptjax.to_local(s))[0]["w"]
+        return codec.update({"w": g}, adaptjax.sync.to_local(s))[0]["w"]
 
     match = r"axis 'data' is not bound here.*mesh with a 'data' axis"
     with pytest.raises(ValueError, match=match) as e:
@@ -139,7 +141,7 @@ def test_other_bad_configs(make, match):
 def test_sync_gradients_accepts_every_codec():
     for codec in (ajc.bf16(), ajc.onebit(), ajc.topk(0.01), ajc.randomk(0.01), ajc.dgc(0.01),
                   ajc.powersgd(2), ajc.qsgd(), ajc.terngrad(), ajc.natural(), ajc.fp16()):
-        assert isinstance(codec, adaptjax.GradientCodec)
+        assert isinstance(codec, GradientCodec)
         adaptjax.sync_gradients("data", codec=codec)
 
 

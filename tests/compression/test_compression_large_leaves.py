@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import adaptjax
 from adaptjax import compression as ajc
+from adaptjax._per_replica import stack_replicas, state_partition_specs
 
 N = 8
 # two leaves over 2^20 elements, one of them with a tail past its whole 8 x 512
@@ -81,13 +82,13 @@ def _grads(shapes, seed=0):
 def _sync(codec, mesh_shape, shapes):
     """The codec's mean and state after one sync of :func:`_grads` (numpy)."""
     mesh, axis = _mesh(mesh_shape)
-    state = adaptjax.stack_replicas(codec.init({k: jnp.zeros(s) for k, s in shapes.items()}), N)
-    specs = adaptjax.state_partition_specs(state, axis)
+    state = stack_replicas(codec.init({k: jnp.zeros(s) for k, s in shapes.items()}), N)
+    specs = state_partition_specs(state, axis)
 
     def f(g, s):
         g = jax.tree.map(lambda x: x[0], g)
-        out, s = codec.sync(g, adaptjax.to_local(s), axis_name=axis, step=jnp.int32(0))
-        return out, adaptjax.to_global(s)
+        out, s = codec.sync(g, adaptjax.sync.to_local(s), axis_name=axis, step=jnp.int32(0))
+        return out, adaptjax.sync.to_global(s)
 
     fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(axis), specs),
                                out_specs=(P(), specs), check_vma=False))
@@ -150,11 +151,11 @@ def test_data_parallel_step_is_sgd_on_the_codecs_mean(name):
     m = np.asarray(batch).reshape(N, -1).mean(axis=1)
     grads = {k: np.asarray(c[k])[None] * m.reshape(N, *[1] * len(s)) for k, s in SHAPES.items()}
     mesh1, axis = _mesh(None)
-    cstate = adaptjax.stack_replicas(codec.init(params), N)
-    specs = adaptjax.state_partition_specs(cstate, axis)
+    cstate = stack_replicas(codec.init(params), N)
+    specs = state_partition_specs(cstate, axis)
 
     def f(g, s):
-        out, _ = codec.sync(jax.tree.map(lambda x: x[0], g), adaptjax.to_local(s),
+        out, _ = codec.sync(jax.tree.map(lambda x: x[0], g), adaptjax.sync.to_local(s),
                             axis_name=axis, step=jnp.int32(0))
         return out
 

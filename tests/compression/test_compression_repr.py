@@ -1,6 +1,6 @@
 """A codec prints as the factory call that builds it, and that is its key.
 
-``adaptjax.codec_key`` is the ``repr``: it names compiled steps, run
+``codec_key`` is the ``repr``: it names compiled steps, run
 configurations and checkpoints, so two codecs that differ in any argument must
 print differently, and printing must not depend on anything but the arguments.
 """
@@ -19,8 +19,8 @@ from adaptjax.compression._quantizers import _OneBit, _quantizer
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-import adaptjax
 from adaptjax import compression as ajc
+from adaptjax._run_config import codec_key
 
 FACTORIES = [ajc.bf16, ajc.fp16, ajc.onebit, ajc.terngrad, ajc.qsgd, ajc.natural,
              ajc.topk, ajc.randomk, ajc.dgc, ajc.powersgd]
@@ -61,7 +61,7 @@ def test_repr_is_the_call_a_user_types():
 
 def test_every_argument_changes_the_key_and_the_repr_builds_the_codec():
     codecs = _variants()
-    keys = [adaptjax.codec_key(c) for c in codecs]
+    keys = [codec_key(c) for c in codecs]
     assert keys == [repr(c) for c in codecs]
     assert len(set(keys)) == len(codecs)  # unique per configuration
     namespace = {f.__name__: f for f in FACTORIES}
@@ -71,22 +71,8 @@ def test_every_argument_changes_the_key_and_the_repr_builds_the_codec():
 
 
 def test_equal_codecs_have_one_key():
-    assert adaptjax.codec_key(ajc.topk(1 / 100)) == adaptjax.codec_key(ajc.topk(0.01))
-    assert adaptjax.codec_key(ajc.onebit(error_feedback=True)) == adaptjax.codec_key(ajc.onebit())
-
-
-def test_legacy_repr_is_the_dataclass_repr_runs_recorded_before_keep():
-    # 0.1.0 printed the dataclass: class name, every field in declaration order
-    # (bucket_bytes only when set); checkpoints store that as the codec key
-    assert ajc.onebit()._legacy_repr() == (
-        "_OneBit(axis_name='data', error_feedback='ef14', min_size=1024, seed=0, block=512, "
-        "fast_axis=None)")
-    assert ajc.fp16(bucket_bytes=64)._legacy_repr() == (
-        "_Cast(axis_name='data', error_feedback=None, min_size=1024, seed=0, block=32, "
-        "fast_axis=None, bucket_bytes=64, dtype='float16')")
-    assert ajc.topk(0.5)._legacy_repr() == (
-        "_TopK(axis_name='data', error_feedback='ef14', min_size=1024, seed=0, ratio=0.5, "
-        "variant='threshold')")
+    assert codec_key(ajc.topk(1 / 100)) == codec_key(ajc.topk(0.01))
+    assert codec_key(ajc.onebit(error_feedback=True)) == codec_key(ajc.onebit())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import adaptjax
 from adaptjax import compression as ajc
+from adaptjax._per_replica import stack_replicas, state_partition_specs
 
 MESH = Mesh(np.array(jax.devices()), ("data",))
 N = 8
@@ -37,8 +38,8 @@ ODD = {"s": (), "v": (1001,), "t": (5, 7, 9), "m": (33, 17), "b": (3,)}
 
 def _per_replica_out(codec, grads, params):
     """Runs codec.update in a user's shard_map (check_vma on); returns every replica's output."""
-    state = adaptjax.stack_replicas(codec.init(params), N)
-    specs = adaptjax.state_partition_specs(state)
+    state = stack_replicas(codec.init(params), N)
+    specs = state_partition_specs(state)
 
     @jax.jit
     @functools.partial(
@@ -46,8 +47,8 @@ def _per_replica_out(codec, grads, params):
     )
     def f(g, s):
         g = jax.tree.map(lambda x: x[0], g)
-        out, s = codec.update(g, adaptjax.to_local(s))
-        return jax.tree.map(lambda x: x[None], out), adaptjax.to_global(s)
+        out, s = codec.update(g, adaptjax.sync.to_local(s))
+        return jax.tree.map(lambda x: x[None], out), adaptjax.sync.to_global(s)
 
     return f(grads, state)
 
@@ -99,8 +100,8 @@ def test_optax_chain_form():
     codec = ajc.topk(0.02, axis_name="data", min_size=64)
     tx = optax.chain(codec, optax.sgd(1.0))
     params = {"w": jnp.zeros((20, 10))}
-    state = adaptjax.stack_replicas(tx.init(params), N)
-    specs = adaptjax.state_partition_specs(state)
+    state = stack_replicas(tx.init(params), N)
+    specs = state_partition_specs(state)
     g = jnp.asarray(np.random.default_rng(2).normal(size=(N, 20, 10)).astype(np.float32))
 
     @jax.jit
@@ -108,8 +109,8 @@ def test_optax_chain_form():
         jax.shard_map, mesh=MESH, in_specs=(P("data"), specs), out_specs=(P(), specs)
     )
     def f(g, s):
-        upd, s = tx.update({"w": g[0]}, adaptjax.to_local(s), params)
-        return upd, adaptjax.to_global(s)
+        upd, s = tx.update({"w": g[0]}, adaptjax.sync.to_local(s), params)
+        return upd, adaptjax.sync.to_global(s)
 
     upd, state = f(g, state)
     # first step (no residual yet): the mean over replicas of each one's top-4, of which
@@ -306,15 +307,15 @@ def test_deferred_update_with_sums_completes_to_the_eager_result(codec):
 def _one_device_step(tx, grads, check_vma):
     """``tx.update`` in a user's ``jax.shard_map`` on a 1-device mesh: mean ``P()``, state."""
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    state = adaptjax.stack_replicas(tx.init(grads), 1)
-    specs = adaptjax.state_partition_specs(state)
+    state = stack_replicas(tx.init(grads), 1)
+    specs = state_partition_specs(state)
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), specs),
                        out_specs=(P(), specs), check_vma=check_vma)
     def f(g, s):
-        out, s = tx.update(g, adaptjax.to_local(s))
-        return out, adaptjax.to_global(s)
+        out, s = tx.update(g, adaptjax.sync.to_local(s))
+        return out, adaptjax.sync.to_global(s)
 
     return f(grads, state)
 

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import adaptjax
 from adaptjax import compression as ajc
+from adaptjax._per_replica import stack_replicas, state_partition_specs
 
 # w: a matrix, v: an odd length (not divisible by N nor by a block), b: small (dense f32)
 SHAPES = {"b": (7,), "v": (10001,), "w": (256, 96)}
@@ -48,13 +49,13 @@ CODECS = {
 def _report(codec, mesh, axis):
     params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
     n = mesh.size
-    state = adaptjax.stack_replicas(codec.init(params), n)
-    specs = adaptjax.state_partition_specs(state, axis)
+    state = stack_replicas(codec.init(params), n)
+    specs = state_partition_specs(state, axis)
 
     def f(g, s):
         g = jax.tree.map(lambda x: x[0], g)
-        out, s = codec.sync(g, adaptjax.to_local(s), axis_name=axis, step=jnp.int32(0))
-        return out, adaptjax.to_global(s)
+        out, s = codec.sync(g, adaptjax.sync.to_local(s), axis_name=axis, step=jnp.int32(0))
+        return out, adaptjax.sync.to_global(s)
 
     fn = jax.jit(
         jax.shard_map(f, mesh=mesh, in_specs=(P(axis), specs), out_specs=(P(), specs),

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import adaptjax
 from adaptjax import compression as ajc
+from adaptjax._per_replica import stack_replicas, state_partition_specs
 
 MESH2 = Mesh(np.array(jax.devices()[:2]), ("data",))
 SHAPES = {"m": (64, 33), "t": (130,), "z": (7,)}  # a main view with a tail, a tail only, tiny
@@ -25,12 +26,12 @@ SHAPES = {"m": (64, 33), "t": (130,), "z": (7,)}  # a main view with a tail, a t
 
 def _sync(codec, g):
     """One sync on 2 replicas: (out, per-replica EF14 residuals)."""
-    state = adaptjax.stack_replicas(codec.init(jax.tree.map(lambda x: x[0], g)), 2)
-    specs = adaptjax.state_partition_specs(state)
+    state = stack_replicas(codec.init(jax.tree.map(lambda x: x[0], g)), 2)
+    specs = state_partition_specs(state)
 
     def f(g, s):
-        out, s = codec.sync(jax.tree.map(lambda x: x[0], g), adaptjax.to_local(s))
-        return out, adaptjax.to_global(s)
+        out, s = codec.sync(jax.tree.map(lambda x: x[0], g), adaptjax.sync.to_local(s))
+        return out, adaptjax.sync.to_global(s)
 
     f = jax.jit(jax.shard_map(f, mesh=MESH2, in_specs=(P("data"), specs),
                               out_specs=(P(), specs), check_vma=False))
@@ -105,13 +106,13 @@ def test_onebit_step_on_two_replicas_sends_one_all_gather_of_owner_compute_bytes
     codec = ajc.onebit(min_size=16)
     params = {"w": jnp.zeros((256, 64)), "b": jnp.zeros((8,))}
     tx = adaptjax.sync_gradients("data", codec=codec)
-    state = adaptjax.stack_replicas(tx.init(params), 2)
-    specs = adaptjax.state_partition_specs(state)
+    state = stack_replicas(tx.init(params), 2)
+    specs = state_partition_specs(state)
 
     def body(g, s):
         g = jax.tree.map(lambda x: x[0], g)
-        out, s = tx.update(g, adaptjax.to_local(s))
-        return out, adaptjax.to_global(s)
+        out, s = tx.update(g, adaptjax.sync.to_local(s))
+        return out, adaptjax.sync.to_global(s)
 
     f = jax.jit(
         jax.shard_map(

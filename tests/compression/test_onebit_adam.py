@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import adaptjax
 from adaptjax import compression as ajc
+from adaptjax._per_replica import stack_replicas, state_partition_specs
 
 N = 8
 SHAPES = {"w": (64, 40), "b": (40,)}  # w (2560) is compressed, b (40) goes in a float32 psum
@@ -49,11 +50,11 @@ def _injected(factory, lr=0.01, **kw):
 
 def _shard_update(tx, mesh, state):
     """``tx.update`` in a plain user ``jax.shard_map`` step (global view in and out)."""
-    specs = adaptjax.state_partition_specs(state, "data")
+    specs = state_partition_specs(state, "data")
 
     def f(g, s):
-        u, s = tx.update(jax.tree.map(lambda x: x[0], g), adaptjax.to_local(s))
-        return u, adaptjax.to_global(s)
+        u, s = tx.update(jax.tree.map(lambda x: x[0], g), adaptjax.sync.to_local(s))
+        return u, adaptjax.sync.to_global(s)
 
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), specs),
                                  out_specs=(P(), specs)))
@@ -101,7 +102,7 @@ def test_warm_up_is_optax_adam_bit_for_bit_in_a_user_shard_map(lr):
     """
     mesh = adaptjax.make_mesh(N)
     tx = ajc.onebit_adam(lr, freeze_step=3)
-    state = adaptjax.stack_replicas(tx.init(_params()), N)
+    state = stack_replicas(tx.init(_params()), N)
     update = _shard_update(tx, mesh, state)
     adam = optax.adam(lr)
     ref_state = adam.init(_params())
@@ -126,7 +127,7 @@ def _after_freeze(steps, lr=0.01, b1=0.9, b2=0.999, eps=1e-8, freeze=2):
     """Runs ``freeze + steps`` updates in a user shard_map; returns what each step saw."""
     mesh = adaptjax.make_mesh(N)
     tx = ajc.onebit_adam(lr, b1, b2, eps, freeze_step=freeze)
-    state = adaptjax.stack_replicas(tx.init(_params()), N)
+    state = stack_replicas(tx.init(_params()), N)
     update = _shard_update(tx, mesh, state)
     rng = np.random.default_rng(1)
     history = []
@@ -157,7 +158,7 @@ def test_after_the_freeze_nu_is_constant_and_the_update_uses_it():
 def _run(tx, grads):
     """``tx`` in a user shard_map over the per-replica ``grads``; each step's ``(u, state)``."""
     mesh = adaptjax.make_mesh(N)
-    state = adaptjax.stack_replicas(tx.init(_params()), N)
+    state = stack_replicas(tx.init(_params()), N)
     update = _shard_update(tx, mesh, state)
     out = []
     for g in grads:
@@ -386,5 +387,5 @@ def test_bad_arguments_are_one_line_errors():
                                              r".*static_args=\('weight_decay',\)"):
             tx.update({"w": jnp.zeros(3)}, tx.init({"w": jnp.zeros(3)}))
     tx = optax.inject_hyperparams(ajc.onebit_adam, static_args=("weight_decay",))(0.01)
-    state = adaptjax.stack_replicas(tx.init(_params()), N)
+    state = stack_replicas(tx.init(_params()), N)
     _shard_update(tx, adaptjax.make_mesh(N), state)(_grads(np.random.default_rng(0)), state)

@@ -37,6 +37,8 @@ from adaptjax.controller._step_cache import OPTIMIZER, StepCache
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import controller_job as job  # noqa: E402
 
+from adaptjax._loss_scale import LossScaleState
+
 INITIAL, PERIOD = 2.0**8, 3
 
 
@@ -98,7 +100,7 @@ def test_float16_wraps_the_optimizer_link_and_readers_look_through_it():
     f16 = f32.replace(precision="float16")
     plain, scaled = steps.init_state(f32), steps.init_state(f16)
     opt = scaled.opt_state[OPTIMIZER]
-    assert isinstance(opt, adaptjax.LossScaleState) and list(scaled.opt_state) == list(
+    assert isinstance(opt, LossScaleState) and list(scaled.opt_state) == list(
         plain.opt_state)
     assert float(opt.scale) == INITIAL and int(opt.good_steps) == 0
     # the optimizer's own state inside is the float32 run's, as the other links are
@@ -142,9 +144,9 @@ def test_a_sync_strategy_switch_under_float16_keeps_the_scale():
     opt = opt._replace(scale=jax.device_put(opt.scale * 4, opt.scale.sharding))
     state = dataclasses.replace(state, opt_state={**state.opt_state, OPTIMIZER: opt})
     local = carry_out(state, config, plan_transition(
-        [ajp.SetSync(adaptjax.LocalSGD(H=2))], config, max_devices=8), steps)
+        [ajp.SetSync(adaptjax.sync.LocalSGD(H=2))], config, max_devices=8), steps)
     scaled = local.state.opt_state[OPTIMIZER]
-    assert isinstance(scaled, adaptjax.LossScaleState) and float(scaled.scale) == 4 * INITIAL
+    assert isinstance(scaled, LossScaleState) and float(scaled.scale) == 4 * INITIAL
     assert hyperparams_of(local.state) == hyperparams_of(state)
     back = carry_out(local.state, local.config, plan_transition(
         [ajp.SetSync(None)], local.config, max_devices=8), steps)
@@ -212,7 +214,7 @@ def test_float32_float16_float32_switches_keep_every_array_bit_identical(tmp_pat
     before, position = _host(ctrl.state), ctrl.data.state_dict()
     ctrl.apply([ajp.SetPrecision("float16")])
     scaled = ctrl.state.opt_state[OPTIMIZER]
-    assert ctrl.config.precision == "float16" and isinstance(scaled, adaptjax.LossScaleState)
+    assert ctrl.config.precision == "float16" and isinstance(scaled, LossScaleState)
     assert float(scaled.scale) == INITIAL and int(scaled.good_steps) == 0
     assert _same(scaled.inner_state, before.opt_state[OPTIMIZER])
     assert _same(_but_optimizer(ctrl.state), _but_optimizer(before))

@@ -31,6 +31,7 @@ from adaptjax.controller._preemption import Preemption
 from adaptjax.controller._probe import move_actions
 from adaptjax.controller._run_clock import RunClock
 from adaptjax.controller._run_dir import RunDirectory
+from adaptjax.controller._run_log import RunLog
 from adaptjax.controller._step_cache import StepCache
 
 CONTROLLER = os.path.dirname(adaptjax.controller.__file__)
@@ -240,7 +241,7 @@ def _tensorboard_records(folder):
 
 
 def test_a_steps_metrics_are_one_tensorboard_event_with_every_scalar(tmp_path):
-    log = adaptjax.RunLog(tmp_path, tensorboard=True)
+    log = RunLog(tmp_path, tensorboard=True)
     rows = {1: {"loss": 2.5, "noise_scale": 40.0, "batch_size": 32, "codec": "none"},
             2: {"loss": 2.25, "noise_scale": 44.0, "batch_size": 64, "codec": "none"}}
     for step, row in rows.items():
@@ -259,7 +260,7 @@ def test_events_are_kept_and_read_back_in_step_order(tmp_path):
     """A transition logged with the step it took effect at lands before later decisions."""
     from adaptjax.controller._run_log import read_events
 
-    log = adaptjax.RunLog(tmp_path, tensorboard=False)
+    log = RunLog(tmp_path, tensorboard=False)
     for kind, step in [("decision", 441), ("decision", 300), ("rescale", 301),
                        ("checkpoint", 441), ("decision", 301)]:
         log.event(kind, step=step)

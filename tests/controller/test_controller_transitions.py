@@ -17,11 +17,13 @@ import pytest
 import adaptjax
 from adaptjax import compression as ajc
 from adaptjax import policies as ajp
+from adaptjax._run_config import codec_key
 from adaptjax._transition import Transition, plan_transition
 from adaptjax.controller._carry_out import carry_out, hyperparams_of, roll_back
 from adaptjax.controller._persistence import config_from
 from adaptjax.controller._step_cache import StepCache
 from adaptjax.launch._distributed import ENV_MAX_PROCESSES
+from adaptjax.sync._registry import sync_key
 
 W = np.arange(6, dtype=np.float32).reshape(3, 2)
 
@@ -81,8 +83,8 @@ def test_a_codec_swap_starts_its_state_fresh_and_carries_the_rest_over():
     state = _with_count(steps.init_state(config), 7)
     codec = ajc.onebit()
     carried = carry_out(state, config, _plan([ajp.SetCodec(codec)], config), steps)
-    assert carried.config == config.replace(codec=adaptjax.codec_key(codec))
-    assert carried.events == ({"kind": "set_codec", "codec": adaptjax.codec_key(codec)},)
+    assert carried.config == config.replace(codec=codec_key(codec))
+    assert carried.events == ({"kind": "set_codec", "codec": codec_key(codec)},)
     old, new = state.opt_state["sync"], carried.state.opt_state["sync"]
     assert int(new.count) == 7 and new.monitor_states is old.monitor_states
     # the codec's state (its error-feedback residuals) starts at zero; before, there was none
@@ -100,13 +102,13 @@ def test_a_codec_swap_starts_its_state_fresh_and_carries_the_rest_over():
 def test_a_sync_swap_rebuilds_the_state_and_loses_no_parameter():
     steps, config = _steps(), adaptjax.RunConfig(4, 16)
     state = steps.init_state(config)
-    strategy = adaptjax.LocalSGD(H=4)
+    strategy = adaptjax.sync.LocalSGD(H=4)
     carried = carry_out(state, config, _plan([ajp.SetSync(strategy)], config, steps), steps)
-    assert carried.config == config.replace(sync=adaptjax.sync_key(strategy))
+    assert carried.config == config.replace(sync=sync_key(strategy))
     assert carried.events == ({"kind": "set_sync", "sync": repr(strategy)},)
     # the consensus of the replicas' local models is the model that went in
     np.testing.assert_array_equal(
-        adaptjax.consensus_params(carried.state.params, carried.state.opt_state)["w"], W)
+        adaptjax.sync.consensus_params(carried.state.params, carried.state.opt_state)["w"], W)
     # back to S-SGD: the same parameters again
     back = carry_out(carried.state, carried.config,
                      _plan([ajp.SetSync(None)], carried.config, steps), steps)
@@ -184,17 +186,3 @@ def test_a_checkpoint_of_an_unknown_codec_or_strategy_names_the_fix():
         config_from(meta, steps)
 
 
-def test_a_checkpoint_keyed_by_a_codecs_0_1_0_repr_continues_under_its_key_today():
-    # adaptjax 0.1.0 keyed a configuration's codec by its dataclass repr
-    steps = _steps()
-    codec = ajc.onebit(block=64)
-    key = steps.add_codec(codec)
-    old = codec._legacy_repr()
-    assert old.startswith("_OneBit(") and key == "onebit(block=64)"
-    meta = {"config": dataclasses.asdict(adaptjax.RunConfig(4, 16, codec=old))}
-    assert config_from(meta, steps) == adaptjax.RunConfig(4, 16, codec=key)
-    # another codec's old key is still unknown, by its own name
-    other = ajc.onebit(block=128)._legacy_repr()
-    meta = {"config": dataclasses.asdict(adaptjax.RunConfig(4, 16, codec=other))}
-    with pytest.raises(ValueError, match=r"^the checkpoint was written with codec \"_OneBit\("):
-        config_from(meta, steps)

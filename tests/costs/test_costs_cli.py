@@ -18,6 +18,7 @@ from adaptjax.costs import ComputeModel, LinkModel, Planner
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import controller_job as job  # noqa: E402
+from adaptjax.policies._goodput import statistical_efficiency
 
 LINK = LinkModel(alpha=0.0, beta=1e-8)
 COMPUTE = ComputeModel(fixed=0.05, per_sample=1e-4)
@@ -55,7 +56,7 @@ def test_plan_ranks_by_predicted_goodput(tmp_path):
 
     def goodput(n, b):
         t = _truth(Candidate(n, b))
-        return b / t * ajp.statistical_efficiency(phi, b, 64)
+        return b / t * statistical_efficiency(phi, b, 64)
 
     expected = sorted(((n, b) for n in range(1, 5) for b in (64, 256) if b % n == 0),
                       key=lambda nb: -goodput(*nb))
@@ -105,7 +106,8 @@ def test_planner_attached_to_a_controller_records_costs(tmp_path):
 
 @pytest.mark.slow
 def test_simulate_a_recorded_run_on_slower_links(tmp_path):
-    from adaptjax.costs import Cluster, predicted_times, simulate, wire_for
+    from adaptjax.costs import Cluster, simulate
+    from adaptjax.costs._simulate import predicted_times, wire_for
 
     planner = Planner(bandwidth=1e9)
     policies = [ajp.ElasticScale(planner=planner, min_gain=10.0),

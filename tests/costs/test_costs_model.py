@@ -6,18 +6,10 @@ import itertools
 import pytest
 
 from adaptjax import Collective, RunConfig
-from adaptjax.costs import (
-    CannotPredict,
-    ComputeModel,
-    LinkModel,
-    Observation,
-    StepTimeModel,
-    fit_alpha_beta,
-    fit_compute,
-    fit_operand_alpha,
-    message_steps,
-    rescale_report,
-)
+from adaptjax.costs import CannotPredict, ComputeModel, LinkModel, StepTimeModel, rescale_report
+from adaptjax.costs._compute import fit_compute
+from adaptjax.costs._links import fit_alpha_beta, fit_operand_alpha, message_steps
+from adaptjax.costs._model import Observation
 
 
 def _allreduce(n, message_bytes, is_async=False):
@@ -233,7 +225,8 @@ def test_dense_lane_follows_the_links():
 
 
 def test_bucket_size_trades_latency_for_overlap():
-    from adaptjax.costs import buckets, choose_bucket_bytes
+    from adaptjax.costs import choose_bucket_bytes
+    from adaptjax.costs._schedule import buckets
 
     assert sum(buckets([3e6, 1e5, 7e6], 1e6)) == pytest.approx(3e6 + 1e5 + 7e6)
     model = StepTimeModel({"all-reduce": LinkModel(alpha=1e-4, beta=1e-9)})

@@ -80,9 +80,9 @@ def test_a_run_in_bfloat16_from_its_start_fits_compute_in_bfloat16():
 def test_a_candidate_keeps_its_sync_strategy():
     import adaptjax
 
-    config = Planner.config_of(Candidate(4, 64, sync=adaptjax.LocalSGD(H=8), precision="bf16"))
+    config = Planner.config_of(Candidate(4, 64, sync=adaptjax.sync.LocalSGD(H=8), precision="bf16"))
     assert (config.sync, config.precision) == ("LocalSGD(H=8)", "bfloat16")
-    assert Planner.config_of(Candidate(4, 64, sync=adaptjax.SSGD())).sync is None
+    assert Planner.config_of(Candidate(4, 64, sync=adaptjax.sync.SSGD())).sync is None
 
 
 def test_planner_says_unknown_for_a_codec_never_measured():

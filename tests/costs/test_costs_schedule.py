@@ -17,11 +17,10 @@ from adaptjax.costs import (
     LinkModel,
     Planner,
     StepTimeModel,
-    buckets,
     choose_bucket_bytes,
     choose_dense_lane,
 )
-from adaptjax.costs._schedule import exchange_time
+from adaptjax.costs._schedule import buckets, exchange_time
 
 RSAG = "reduce-scatter+all-gather"
 SLOW, FAST = LinkModel(1e-3, 1e-8), LinkModel(1e-6, 1e-9)

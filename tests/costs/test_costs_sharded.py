@@ -20,14 +20,14 @@ from adaptjax.costs import (
     CannotPredict,
     ComputeModel,
     LinkModel,
-    Observation,
     Planner,
     StepTimeModel,
-    mesh_shapes,
     reshape_report,
     state_bytes_per_device,
-    wire_for,
 )
+from adaptjax.costs._meshes import mesh_shapes
+from adaptjax.costs._model import Observation
+from adaptjax.costs._simulate import wire_for
 
 RULE = adaptjax.FSDP(min_size=16)
 

@@ -4,12 +4,14 @@ import pickle
 
 import numpy as np
 import pytest
+from adaptjax.policies._actions import ACTION_TYPES
+from adaptjax.policies._policy import validate_actions
 
 from adaptjax import policies as ajp
 
 
 def test_action_types_and_union():
-    assert ajp.ACTION_TYPES == (
+    assert ACTION_TYPES == (
         ajp.SetHyperparams,
         ajp.SetBatchSize,
         ajp.Rescale,
@@ -21,7 +23,7 @@ def test_action_types_and_union():
         ajp.SetPrecision,
         ajp.Probe,
     )
-    assert set(ajp.Action.__args__) == set(ajp.ACTION_TYPES)
+    assert set(ajp.Action.__args__) == set(ACTION_TYPES)
 
 
 def test_actions_are_frozen_equal_and_hashable():
@@ -142,8 +144,8 @@ def test_bad_context(overrides, message):
 
 def test_validate_actions_accepts_lists_and_tuples():
     actions = (ajp.Checkpoint(), ajp.Stop())
-    assert ajp.validate_actions(actions) == [ajp.Checkpoint(), ajp.Stop()]
-    assert ajp.validate_actions([]) == []
+    assert validate_actions(actions) == [ajp.Checkpoint(), ajp.Stop()]
+    assert validate_actions([]) == []
 
 
 def test_validate_actions_names_the_offending_type_and_the_allowed_ones():
@@ -152,7 +154,7 @@ def test_validate_actions_names_the_offending_type_and_the_allowed_ones():
         "SetPrecision, Probe"
     )
     with pytest.raises(ValueError) as info:
-        ajp.validate_actions([ajp.Checkpoint(), {"batch_size": 128}])
+        validate_actions([ajp.Checkpoint(), {"batch_size": 128}])
     text = str(info.value)
     assert text == (
         "a policy returned an action of type dict ({'batch_size': 128}); allowed: " + allowed
@@ -163,8 +165,8 @@ def test_validate_actions_names_the_policy_and_hints_the_fix():
     source = ajp.EarlyStop("loss", target=0.1, mode="min")
     with pytest.raises(ValueError, match=r"^EarlyStop returned NoneType \(None\) instead of a "
                                          r"list of actions; return \[\] for no action$"):
-        ajp.validate_actions(None, source=source)
+        validate_actions(None, source=source)
     with pytest.raises(ValueError, match=r"wrap it in a list: \[Checkpoint\(...\)\]$"):
-        ajp.validate_actions(ajp.Checkpoint())
+        validate_actions(ajp.Checkpoint())
     with pytest.raises(ValueError, match=r"^a policy returned str \('stop'\) instead of a list"):
-        ajp.validate_actions("stop")
+        validate_actions("stop")

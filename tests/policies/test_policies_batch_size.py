@@ -3,6 +3,7 @@
 import math
 
 import pytest
+from adaptjax.policies._policy import upcoming
 
 from adaptjax import policies as ajp
 
@@ -421,16 +422,16 @@ def test_with_a_planner_the_sizes_already_run_are_candidates_too():
 # ------------------------------------------------------- announced sizes, compiled ahead
 def test_upcoming_announces_half_and_double_once_a_step_time_is_known():
     policy = ajp.AdaptiveBatchSize(1024, min_batch_size=16)
-    assert ajp.upcoming(policy, ctx(64)) == []  # nothing measured: it cannot move yet
+    assert upcoming(policy, ctx(64)) == []  # nothing measured: it cannot move yet
     policy.decide({"step_time": 0.2}, ctx(64))
-    assert ajp.upcoming(policy, ctx(64)) == [ajp.SetBatchSize(32), ajp.SetBatchSize(128)]
+    assert upcoming(policy, ctx(64)) == [ajp.SetBatchSize(32), ajp.SetBatchSize(128)]
     # within the bounds: not below min_batch_size, not above max_batch_size
-    assert ajp.upcoming(policy, ctx(16)) == [ajp.SetBatchSize(32)]
-    assert ajp.upcoming(policy, ctx(1024)) == [ajp.SetBatchSize(512)]
+    assert upcoming(policy, ctx(16)) == [ajp.SetBatchSize(32)]
+    assert upcoming(policy, ctx(1024)) == [ajp.SetBatchSize(512)]
     # the default minimum is M0, the batch of the first decision
     policy = ajp.AdaptiveBatchSize(1024)
     policy.decide({"step_time": 0.2}, ctx(64))
-    assert ajp.upcoming(policy, ctx(64)) == [ajp.SetBatchSize(128)]
+    assert upcoming(policy, ctx(64)) == [ajp.SetBatchSize(128)]
 
 
 def test_a_batch_compiled_ahead_is_not_held_back_by_the_compile_discount():

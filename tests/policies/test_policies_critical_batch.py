@@ -5,6 +5,9 @@ import math
 
 import numpy as np
 import pytest
+from adaptjax.policies._actions import ACTION_TYPES
+from adaptjax.policies._critical_batch import fit_critical_batch
+from adaptjax.policies._policy import upcoming, validate_actions
 
 from adaptjax import policies as ajp
 
@@ -20,7 +23,7 @@ def model_drops(sizes, b_crit, dl_max, steps):
 def test_exact_model_data_give_back_b_crit_and_dl_max(b_crit, equal):
     steps = [4096 / b for b in SIZES] if equal == "tokens" else [10] * len(SIZES)
     drops = model_drops(SIZES, b_crit, 0.02, steps)
-    fit = ajp.fit_critical_batch(SIZES, drops, steps)
+    fit = fit_critical_batch(SIZES, drops, steps)
     assert fit.critical_batch == pytest.approx(b_crit, rel=1e-6)
     assert fit.max_improvement == pytest.approx(0.02, rel=1e-6)
     assert fit.rmse == pytest.approx(0.0, abs=1e-9)
@@ -34,7 +37,7 @@ def test_noisy_drops_an_unbiased_fit_whose_error_grows_with_the_noise():
     steps = [4096 / b for b in SIZES]
     clean = np.array(model_drops(SIZES, 64.0, 0.01, steps))
     errors = {
-        noise: np.array([ajp.fit_critical_batch(SIZES, clean * (1 + noise * row), steps)
+        noise: np.array([fit_critical_batch(SIZES, clean * (1 + noise * row), steps)
                          .critical_batch / 64.0 - 1 for row in z])
         for noise in (0.01, 0.03)
     }
@@ -46,11 +49,11 @@ def test_noisy_drops_an_unbiased_fit_whose_error_grows_with_the_noise():
 def test_the_limits_zero_and_infinity():
     # Every step alike whatever the batch: B_crit = 0. Progress proportional to B: infinite.
     steps = [10] * 4
-    assert ajp.fit_critical_batch([8, 16, 32, 64], [0.5] * 4, steps).critical_batch == 0.0
-    fit = ajp.fit_critical_batch([8, 16, 32, 64], [0.01 * b for b in (8, 16, 32, 64)], steps)
+    assert fit_critical_batch([8, 16, 32, 64], [0.5] * 4, steps).critical_batch == 0.0
+    fit = fit_critical_batch([8, 16, 32, 64], [0.01 * b for b in (8, 16, 32, 64)], steps)
     assert fit.critical_batch == math.inf
     # No progress at all: nothing to measure.
-    assert math.isnan(ajp.fit_critical_batch([8, 16, 32], [-0.1, -0.2, -0.1], 5).critical_batch)
+    assert math.isnan(fit_critical_batch([8, 16, 32], [-0.1, -0.2, -0.1], 5).critical_batch)
 
 
 def test_linear_regression_one_sgd_step_at_the_optimal_rate():
@@ -79,7 +82,7 @@ def test_linear_regression_one_sgd_step_at_the_optimal_rate():
         idx = rng.integers(0, n, size=(4000, b))
         step = rate * per_example[idx].mean(1)  # 4000 realised batch gradients
         drops.append(np.mean(step @ g - 0.5 * np.einsum("ri,ij,rj->r", step, hess, step)))
-    fit = ajp.fit_critical_batch(sizes, drops, steps=1)
+    fit = fit_critical_batch(sizes, drops, steps=1)
     assert 2 < b_simple < 200  # the sizes bracket it
     assert fit.critical_batch == pytest.approx(b_simple, rel=0.15)
 
@@ -100,7 +103,7 @@ def test_linear_regression_one_sgd_step_at_the_optimal_rate():
 )
 def test_fit_errors(args, message):
     with pytest.raises(ValueError) as error:
-        ajp.fit_critical_batch(*args)
+        fit_critical_batch(*args)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
@@ -109,8 +112,8 @@ def test_probe_action_is_normalised_and_checked():
     probe = ajp.Probe(batch_sizes=[np.int64(64), 16, 32, 16], steps=5, reason="why")
     assert probe == ajp.Probe((16, 32, 64), steps=5) and probe.batch_sizes == (16, 32, 64)
     assert hash(probe) == hash(ajp.Probe((16, 32, 64), steps=5))
-    assert ajp.validate_actions([probe]) == [probe]
-    assert ajp.Probe in ajp.ACTION_TYPES
+    assert validate_actions([probe]) == [probe]
+    assert ajp.Probe in ACTION_TYPES
     for kwargs, message in [
         ({"batch_sizes": (8, 16)}, "Probe: batch_sizes needs 3 or more distinct sizes"),
         ({"batch_sizes": (8, 16, 0)}, "Probe: every batch size must be"),
@@ -145,14 +148,14 @@ def test_probe_lr_multipliers_are_sorted_distinct_floats_and_reach_the_action():
     assert policy.lr_multipliers == (0.25, 1.0)
     [asked] = policy.decide({}, ctx(0))
     assert asked.lr_multipliers == (0.25, 1.0)
-    assert ajp.upcoming(policy, ctx(5))[0].lr_multipliers == (0.25, 1.0)
+    assert upcoming(policy, ctx(5))[0].lr_multipliers == (0.25, 1.0)
 
 
 def test_probe_policy_asks_every_n_steps_from_start():
     policy = ajp.CriticalBatchProbe(every=100, start=50, sizes=(32, 64, 128), steps=5)
     asked = [s for s in range(0, 400, 10) if policy.decide({}, ctx(s))]
     assert asked == [50, 150, 250, 350]
-    assert ajp.upcoming(policy, ctx(360)) == [
+    assert upcoming(policy, ctx(360)) == [
         ajp.Probe((32, 64, 128), steps=5, lr_multipliers=(0.125, 0.25, 0.5, 1.0))]
 
 

@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+from adaptjax.policies._policy import validate_actions
 
 from adaptjax import policies as ajp
 
@@ -182,4 +183,4 @@ def test_set_precision_action():
     with pytest.raises(ValueError, match="reason must be a str"):
         ajp.SetPrecision("bfloat16", reason=3)
     # part of the action vocabulary: a policy may return it
-    assert ajp.validate_actions([a]) == [a]
+    assert validate_actions([a]) == [a]

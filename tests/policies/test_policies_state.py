@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+from adaptjax.policies._policy import validate_actions
 
 from adaptjax import policies as ajp
 
@@ -62,7 +63,7 @@ def run(policy, c, steps):
     log = []
     for step in steps:
         c = dataclasses.replace(c, step=step)
-        actions = ajp.validate_actions(policy.decide(metrics_at(step, c), c))
+        actions = validate_actions(policy.decide(metrics_at(step, c), c))
         log.append((step, actions))
         c = apply(c, actions, step)
     return log, c

@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+from adaptjax.policies._policy import upcoming
 
 from adaptjax import policies as ajp
 
@@ -163,12 +164,12 @@ def test_proposals_are_multiples_of_replicas_times_microbatches():
 
 def test_upcoming_announces_the_next_doubling_and_halving():
     policy = warmup(64)
-    assert ajp.upcoming(policy, ctx(8)) == [ajp.SetBatchSize(16)]  # 4 is below the minimum
+    assert upcoming(policy, ctx(8)) == [ajp.SetBatchSize(16)]  # 4 is below the minimum
     drive(policy, [100.0] * 5, batch=8)  # M0 = 8, now at 64
-    assert ajp.upcoming(policy, ctx(32)) == [ajp.SetBatchSize(64), ajp.SetBatchSize(16)]
-    assert ajp.upcoming(policy, ctx(64)) == [ajp.SetBatchSize(32)]
+    assert upcoming(policy, ctx(32)) == [ajp.SetBatchSize(64), ajp.SetBatchSize(16)]
+    assert upcoming(policy, ctx(64)) == [ajp.SetBatchSize(32)]
     # without shrinking only the doubling
-    assert ajp.upcoming(warmup(64, shrink=False), ctx(32)) == [ajp.SetBatchSize(64)]
+    assert upcoming(warmup(64, shrink=False), ctx(32)) == [ajp.SetBatchSize(64)]
 
 
 def test_a_resumed_policy_decides_as_the_uninterrupted_one():

@@ -37,7 +37,7 @@ def batch(t, size):
 
 
 def train(strategy, n, steps, opt, size=16):
-    tx = adaptjax.sync_chain(opt, strategy)
+    tx = adaptjax.sync.sync_chain(opt, strategy)
     mesh = adaptjax.make_mesh(n)
     state = adaptjax.init_state(P0, tx, mesh)
     step = adaptjax.data_parallel_step(loss, tx, mesh, sync=strategy)
@@ -51,12 +51,12 @@ def local_models(state):
 
 
 ONE_REPLICA = [
-    adaptjax.SSGD(),
-    adaptjax.ModelAveraging(),
-    adaptjax.ModelAveraging(alpha=0.3),
-    adaptjax.LocalSGD(H=3),
+    adaptjax.sync.SSGD(),
+    adaptjax.sync.ModelAveraging(),
+    adaptjax.sync.ModelAveraging(alpha=0.3),
+    adaptjax.sync.LocalSGD(H=3),
     # DiLoCo's outer step is a plain average only with outer lr 1 and no momentum
-    adaptjax.DiLoCo(H=3, outer_lr=1.0, outer_momentum=0.0),
+    adaptjax.sync.DiLoCo(H=3, outer_lr=1.0, outer_momentum=0.0),
 ]
 
 
@@ -69,14 +69,14 @@ def test_one_replica_equals_plain_single_device_training(strategy):
         u, opt_state = opt.update(g, opt_state, params)
         params = optax.apply_updates(params, u)
     state = train(strategy, 1, 6, opt)
-    for got in (state.params, adaptjax.consensus_params(state.params, state.opt_state)):
+    for got in (state.params, adaptjax.sync.consensus_params(state.params, state.opt_state)):
         np.testing.assert_allclose(got["w"], params["w"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got["b"], params["b"], rtol=1e-5, atol=1e-6)
 
 
 def test_diloco_outer_update_is_nesterov_on_the_mean_delta_after_h_steps():
     n, H, lr, b = 8, 3, 0.05, 8
-    strategy = adaptjax.DiLoCo(H=H)  # outer lr 0.7, momentum 0.9, Nesterov
+    strategy = adaptjax.sync.DiLoCo(H=H)  # outer lr 0.7, momentum 0.9, Nesterov
     state = train(strategy, n, 2 * H, optax.sgd(lr), size=n * b)
     theta = np.zeros(D + 1)
     m = np.zeros(D + 1)
@@ -101,8 +101,8 @@ def test_diloco_outer_update_is_nesterov_on_the_mean_delta_after_h_steps():
 @pytest.mark.parametrize("topology", ["ring", "exponential"])
 def test_gossip_preserves_the_mean_and_mixes_with_one_peer(topology):
     n, lr, b = 8, 0.05, 8
-    strategy = adaptjax.Gossip(topology)
-    tx = adaptjax.sync_chain(optax.sgd(lr), strategy)
+    strategy = adaptjax.sync.Gossip(topology)
+    tx = adaptjax.sync.sync_chain(optax.sgd(lr), strategy)
     mesh = adaptjax.make_mesh(n)
     step = adaptjax.data_parallel_step(loss, tx, mesh, sync=strategy)
     state = adaptjax.init_state(P0, tx, mesh)
@@ -129,7 +129,7 @@ def test_sma_with_identical_data_equals_ssgd():
     same = {"x": np.tile(X[:rows], (n, 1)), "y": np.tile(Y[:rows], n)}
 
     def run(strategy):
-        tx = adaptjax.sync_chain(optax.adam(0.05), strategy)
+        tx = adaptjax.sync.sync_chain(optax.adam(0.05), strategy)
         mesh = adaptjax.make_mesh(n)
         state = adaptjax.init_state(P0, tx, mesh)
         step = adaptjax.data_parallel_step(loss, tx, mesh, sync=strategy)
@@ -137,16 +137,16 @@ def test_sma_with_identical_data_equals_ssgd():
             state, _ = step(state, same)
         return state
 
-    ssgd, sma = run(adaptjax.SSGD()), run(adaptjax.ModelAveraging(alpha=0.5))
+    ssgd, sma = run(adaptjax.sync.SSGD()), run(adaptjax.sync.ModelAveraging(alpha=0.5))
     np.testing.assert_allclose(sma.params["w"], ssgd.params["w"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(sma.params["b"], ssgd.params["b"], rtol=1e-5, atol=1e-6)
 
 
 def test_fold_merge_averages_on_shrink_and_copies_on_grow():
     old = {"x": adaptjax.PerReplica(np.arange(8.0)[:, None] * np.ones((8, 2)), "fold")}
-    four = adaptjax.merge_replicas(old, 4)["x"].value
+    four = adaptjax.sync.merge_replicas(old, 4)["x"].value
     np.testing.assert_array_equal(four[:, 0], [2.0, 3.0, 4.0, 5.0])  # mean of i and i + 4
-    eight = adaptjax.merge_replicas({"x": adaptjax.PerReplica(four, "fold")}, 8)["x"].value
+    eight = adaptjax.sync.merge_replicas({"x": adaptjax.PerReplica(four, "fold")}, 8)["x"].value
     np.testing.assert_array_equal(eight[:, 0], [2.0, 3.0, 4.0, 5.0, 2.0, 3.0, 4.0, 5.0])
     assert four.mean() == eight.mean() == np.arange(8.0).mean()
 
@@ -154,21 +154,21 @@ def test_fold_merge_averages_on_shrink_and_copies_on_grow():
 @pytest.mark.parametrize(
     "strategy",
     [
-        pytest.param(adaptjax.ModelAveraging(), marks=pytest.mark.slow),
-        pytest.param(adaptjax.LocalSGD(H=2), marks=pytest.mark.slow),
-        adaptjax.DiLoCo(H=2),
-        adaptjax.Gossip(),
+        pytest.param(adaptjax.sync.ModelAveraging(), marks=pytest.mark.slow),
+        pytest.param(adaptjax.sync.LocalSGD(H=2), marks=pytest.mark.slow),
+        adaptjax.sync.DiLoCo(H=2),
+        adaptjax.sync.Gossip(),
     ],
     ids=repr,
 )
 def test_rescale_8_4_8_keeps_the_mean_of_local_models_and_optimizer_state(strategy):
     state = jax.device_get(train(strategy, 8, 3, optax.adam(0.05), size=64))
-    before = adaptjax.consensus_params(state.params, state.opt_state)
+    before = adaptjax.sync.consensus_params(state.params, state.opt_state)
     mu = jax.tree.leaves(state.opt_state[1].value)[1]  # adam's mu of "b", one per replica
-    four = adaptjax.merge_replicas(state, 4)
-    back = adaptjax.merge_replicas(four, 8)
+    four = adaptjax.sync.merge_replicas(state, 4)
+    back = adaptjax.sync.merge_replicas(four, 8)
     for s in (four, back):
-        got = adaptjax.consensus_params(s.params, s.opt_state)
+        got = adaptjax.sync.consensus_params(s.params, s.opt_state)
         np.testing.assert_allclose(got["w"], before["w"], rtol=1e-6)
         np.testing.assert_allclose(jax.tree.leaves(s.opt_state[1].value)[1].mean(0), mu.mean(0),
                                    rtol=1e-6)
@@ -177,10 +177,10 @@ def test_rescale_8_4_8_keeps_the_mean_of_local_models_and_optimizer_state(strate
 
 def test_switching_strategy_keeps_consensus_and_optimizer_state():
     mesh = adaptjax.make_mesh(8)
-    state = train(adaptjax.LocalSGD(H=4), 8, 3, optax.adam(0.05), size=64)  # diverged locals
-    consensus = adaptjax.consensus_params(state.params, state.opt_state)
+    state = train(adaptjax.sync.LocalSGD(H=4), 8, 3, optax.adam(0.05), size=64)  # diverged locals
+    consensus = adaptjax.sync.consensus_params(state.params, state.opt_state)
     nu = np.asarray(jax.tree.leaves(state.opt_state[1].value)[2])  # adam's nu of "w", per replica
-    tx = adaptjax.sync_chain(optax.adam(0.05), adaptjax.SSGD())
+    tx = adaptjax.sync.sync_chain(optax.adam(0.05), adaptjax.sync.SSGD())
     new = rebuild_state(state, tx, mesh, carry_sync=False)
     np.testing.assert_allclose(new.params["w"], consensus["w"], rtol=1e-6)
     np.testing.assert_allclose(jax.tree.leaves(new.opt_state[1])[2], nu.mean(0), rtol=1e-6)
@@ -199,20 +199,20 @@ class _Codec:
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: adaptjax.sync_chain(optax.sgd(0.1), "allreduce"), "unknown sync strategy"),
-        (lambda: adaptjax.LocalSGD(H=0), r"H \(inner steps between outer syncs\) must be"),
-        (lambda: adaptjax.DiLoCo(H=0), r"H \(inner steps between outer syncs\) must be"),
-        (lambda: adaptjax.DiLoCo(outer_lr=0.0), "outer_lr must be > 0"),
-        (lambda: adaptjax.Gossip("torus"), "unknown gossip topology"),
-        (lambda: adaptjax.sync_chain(optax.sgd(0.1), adaptjax.Gossip(), codec=_Codec()),
+        (lambda: adaptjax.sync.sync_chain(optax.sgd(0.1), "allreduce"), "unknown sync strategy"),
+        (lambda: adaptjax.sync.LocalSGD(H=0), r"H \(inner steps between outer syncs\) must be"),
+        (lambda: adaptjax.sync.DiLoCo(H=0), r"H \(inner steps between outer syncs\) must be"),
+        (lambda: adaptjax.sync.DiLoCo(outer_lr=0.0), "outer_lr must be > 0"),
+        (lambda: adaptjax.sync.Gossip("torus"), "unknown gossip topology"),
+        (lambda: adaptjax.sync.sync_chain(optax.sgd(0.1), adaptjax.sync.Gossip(), codec=_Codec()),
          "cannot carry a codec"),
-        (lambda: adaptjax.sync_chain(optax.sgd(0.1), "sma", codec=_Codec()),
+        (lambda: adaptjax.sync.sync_chain(optax.sgd(0.1), "sma", codec=_Codec()),
          "cannot carry a codec"),
         (lambda: adaptjax.data_parallel_step(loss, optax.sgd(0.1), adaptjax.make_mesh(1),
-                                             sync=adaptjax.Gossip()),
+                                             sync=adaptjax.sync.Gossip()),
          "gossip needs at least 2 replicas"),
         (lambda: plan_transition([ajp.Rescale(devices=1)], RunConfig(8, 64, sync="Gossip()"),
-                                 max_devices=8, strategies={"Gossip()": adaptjax.Gossip()}),
+                                 max_devices=8, strategies={"Gossip()": adaptjax.sync.Gossip()}),
          "gossip needs at least 2 replicas"),
         (lambda: plan_transition([ajp.SetSync("sma")], RunConfig(8, 64, codec="c"),
                                  max_devices=8), "cannot carry a codec"),
@@ -234,7 +234,7 @@ def test_local_sgd_codec_compresses_the_outer_delta():
             calls.append(jax.tree.structure(grads))
             return super().sync(grads, state, axis_name=axis_name, step=step)
 
-    tx = adaptjax.sync_chain(optax.sgd(0.1), adaptjax.DiLoCo(H=2), codec=Counting())
+    tx = adaptjax.sync.sync_chain(optax.sgd(0.1), adaptjax.sync.DiLoCo(H=2), codec=Counting())
     mesh = adaptjax.make_mesh(2)
     state = adaptjax.init_state(P0, tx, mesh)
     adaptjax.data_parallel_step(loss, tx, mesh).lower(state, batch(0, 4))

@@ -33,7 +33,7 @@ def make(run_dir, schedule, steps, **kwargs):
 
 
 def test_switch_strategies_and_rescale_under_them_lose_nothing(tmp_path):
-    diloco = adaptjax.DiLoCo(H=4)
+    diloco = adaptjax.sync.DiLoCo(H=4)
     schedule = {
         2: ajp.SetHyperparams({"learning_rate": 0.05}),
         4: ajp.SetSync(diloco),
@@ -42,7 +42,7 @@ def test_switch_strategies_and_rescale_under_them_lose_nothing(tmp_path):
         10: ajp.SetSync("gossip"),
         12: ajp.Rescale(devices=4),       # under gossip
         14: ajp.Rescale(devices=8),
-        16: ajp.SetSync(adaptjax.ModelAveraging()),
+        16: ajp.SetSync(adaptjax.sync.ModelAveraging()),
         18: ajp.SetSync(None),            # back to S-SGD
         20: ajp.SetSync(diloco),          # a strategy seen before: compiled step reused
     }
@@ -65,7 +65,7 @@ def test_switch_strategies_and_rescale_under_them_lose_nothing(tmp_path):
 
 
 def test_switch_sync_policy_switches_once_through_the_controller(tmp_path):
-    diloco = adaptjax.DiLoCo(H=2)
+    diloco = adaptjax.sync.DiLoCo(H=2)
     policy = ajp.SwitchSync(diloco, when=lambda metrics, ctx: ctx.step >= 3)
     x = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
     ctrl = make_controller(
@@ -105,9 +105,9 @@ def test_controller_rejects_bad_sync_before_touching_the_disk(tmp_path):
 
 @pytest.mark.slow
 def test_resume_mid_diloco_continues_the_uninterrupted_run(tmp_path):
-    schedule = {3: ajp.SetSync(adaptjax.DiLoCo(H=4)), 9: ajp.Rescale(devices=4)}
+    schedule = {3: ajp.SetSync(adaptjax.sync.DiLoCo(H=4)), 9: ajp.Rescale(devices=4)}
     full, _ = make(str(tmp_path / "a"), schedule, steps=14)
-    want = adaptjax.consensus_params(full.state.params, full.state.opt_state)
+    want = adaptjax.sync.consensus_params(full.state.params, full.state.opt_state)
     full.close()
     part, _ = make(str(tmp_path / "b"), schedule, steps=6, checkpoint_every=6)
     part.close()
@@ -119,11 +119,11 @@ def test_resume_mid_diloco_continues_the_uninterrupted_run(tmp_path):
         data=adaptjax.ArrayDataset({"x": x, "y": x.sum(1), "i": np.arange(N_ROWS)}, seed=0),
         devices=8, batch_size=BATCH, policies=[ajp.Schedule(schedule)], policy_every=1,
         checkpoint_every=6, progress=False, tensorboard=False,
-        sync=adaptjax.DiLoCo(H=4),  # what the run is in
+        sync=adaptjax.sync.DiLoCo(H=4),  # what the run is in
     )
     try:
         resumed.run(steps=14)
-        got = adaptjax.consensus_params(resumed.state.params, resumed.state.opt_state)
+        got = adaptjax.sync.consensus_params(resumed.state.params, resumed.state.opt_state)
         np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5, atol=1e-6)
         assert resumed.config.devices == 4
     finally:
