@@ -28,12 +28,15 @@ import weakref
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from adaptjax._data import _check_state, check_count
+
+if TYPE_CHECKING:
+    from adaptjax._grain_iter import GrainIterDataset
 
 _GRAIN_KIND = "GrainDataset"
 
@@ -172,6 +175,24 @@ class GrainDataset:
         for pool in (self._elements, self._ahead):
             if pool is not None:
                 weakref.finalize(self, pool.shutdown, wait=False, cancel_futures=True)
+
+    @staticmethod
+    def from_iter_dataset(dataset: Any, batch_size: int) -> GrainIterDataset:
+        """A packed or filtered ``grain.IterDataset``, ``batch_size`` elements a step.
+
+        Such a pipeline has no sample index, so it is read forward and its
+        position is grain's iterator state (``get_state()``), saved with every
+        checkpoint: a resume continues at the exact element. The batch size
+        stays fixed and the job runs on one process.
+
+        Args:
+          dataset: an unbatched, endless ``grain.IterDataset`` (repeat the
+            ``MapDataset`` before ``.to_iter_dataset()``).
+          batch_size: elements in every batch.
+        """
+        from adaptjax._grain_iter import GrainIterDataset
+
+        return GrainIterDataset(dataset, batch_size)
 
     @property
     def cursor(self) -> int:

@@ -34,6 +34,7 @@ from adaptjax._data import _check_state, check_count
 from adaptjax._grain import _chain, _grain, _stack
 
 _KIND = "GrainIterDataset"
+_NAME = "GrainDataset.from_iter_dataset"  # how users build one (in messages)
 
 
 def _check_pipeline(dataset) -> None:
@@ -41,24 +42,24 @@ def _check_pipeline(dataset) -> None:
     grain = _grain()
     if isinstance(dataset, grain.MapDataset):
         raise ValueError(
-            "GrainIterDataset reads a grain.IterDataset, got a MapDataset; feed a MapDataset "
+            f"{_NAME} reads a grain.IterDataset, got a MapDataset; feed a MapDataset "
             "through adaptjax.GrainDataset (it also survives batch-size and process changes)"
         )
     if isinstance(dataset, grain.DatasetIterator):
         raise ValueError(
-            f"GrainIterDataset needs the grain.IterDataset itself, got its iterator "
+            f"{_NAME} needs the grain.IterDataset itself, got its iterator "
             f"{type(dataset).__name__}; pass the dataset (it creates its own iterators)"
         )
     if not isinstance(dataset, grain.IterDataset):
         raise ValueError(
-            f"GrainIterDataset needs a grain.IterDataset, got {type(dataset).__name__}; build it "
+            f"{_NAME} needs a grain.IterDataset, got {type(dataset).__name__}; build it "
             "with grain.MapDataset.source(...).to_iter_dataset() (or use adaptjax.IterableDataset)"
         )
     for ds in _chain(dataset):
         if type(ds).__name__ == "BatchIterDataset":
             raise ValueError(
-                "GrainIterDataset needs an unbatched IterDataset, this one is batched; remove "
-                ".batch(...): GrainIterDataset stacks batch_size elements itself"
+                f"{_NAME} needs an unbatched IterDataset, this one is batched; remove "
+                ".batch(...): from_iter_dataset stacks batch_size elements itself"
             )
 
 
@@ -105,7 +106,7 @@ class GrainIterDataset:
         _check_pipeline(dataset)
         if jax.process_count() > 1:
             raise ValueError(
-                f"GrainIterDataset runs on one process, this job has {jax.process_count()}: a "
+                f"{_NAME} runs on one process, this job has {jax.process_count()}: a "
                 "checkpoint keeps one iterator state and a packed or filtered stream cannot be "
                 "re-split; feed a MapDataset through adaptjax.GrainDataset"
             )
@@ -155,7 +156,7 @@ class GrainIterDataset:
         """
         if check_count(cursor, "cursor") != 0:
             raise ValueError(
-                f"GrainIterDataset reads forward only and cannot read at cursor {cursor}; "
+                f"{_NAME} reads forward only and cannot read at cursor {cursor}; "
                 "features that re-read the data (probes) need adaptjax.GrainDataset"
             )
         fresh = self._new_iterator()
@@ -173,7 +174,7 @@ class GrainIterDataset:
         b = check_count(batch_size, "batch_size", positive=True)
         if b != self._batch:
             raise ValueError(
-                f"GrainIterDataset serves batches of {self._batch} elements, asked for {b}; keep "
+                f"{_NAME} serves batches of {self._batch} elements, asked for {b}; keep "
                 f"the batch size at {self._batch} and grow the optimizer's batch with "
                 "accumulated micro-steps"
             )

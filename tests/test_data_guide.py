@@ -17,7 +17,7 @@ def blocks() -> list[str]:
 
 def test_the_page_shows_every_kind_of_data():
     text = "".join(blocks())
-    for name in ("ArrayDataset", "IterableDataset", "GrainDataset", "GrainIterDataset"):
+    for name in ("ArrayDataset", "IterableDataset", "GrainDataset", "from_iter_dataset"):
         assert name in text
 
 

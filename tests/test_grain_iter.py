@@ -177,3 +177,11 @@ def test_a_resumed_controller_continues_the_filtered_stream_bit_exactly(tmp_path
     for a, b in zip(jax.tree.leaves(runs["whole"][1]), jax.tree.leaves(runs["killed"][1]),
                     strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_public_route_is_grain_dataset_from_iter_dataset():
+    import adaptjax
+
+    ds = adaptjax.GrainDataset.from_iter_dataset(ODD, batch_size=3)
+    assert isinstance(ds, GrainIterDataset)
+    assert ds.next_batch(3).tolist() == GrainIterDataset(ODD, batch_size=3).next_batch(3).tolist()
