@@ -76,7 +76,7 @@ def chain(*transforms: optax.GradientTransformation) -> SyncChain:
       *transforms: optax transformations, applied in order.
 
     Returns:
-      A :class:`SyncChain`.
+      A ``SyncChain``.
 
     Example:
       >>> import jax.numpy as jnp, optax, adaptjax
@@ -99,7 +99,7 @@ def named_chain(*transforms: tuple[str, optax.GradientTransformation]) -> SyncCh
       *transforms: ``(name, transformation)`` pairs; the state is a dict by name.
 
     Returns:
-      A :class:`SyncChain`.
+      A ``SyncChain``.
 
     Example:
       >>> import jax.numpy as jnp, optax, adaptjax
@@ -142,5 +142,5 @@ def _checked(tx: SyncChain) -> SyncChain:
 
 
 def guarded_sync(tx: object) -> bool:
-    """Whether ``tx`` is a :class:`SyncChain` whose first link is a sync the guard can ride."""
+    """Whether ``tx`` is a ``SyncChain`` whose first link is a sync the guard can ride."""
     return isinstance(tx, SyncChain) and getattr(tx, "sync", None) is not None

@@ -3,7 +3,7 @@
 A packed or filtered pipeline has no sample index: element ``p`` of its
 stream depends on everything before it, so it cannot be re-split like
 :class:`adaptjax.GrainDataset`'s ``MapDataset`` (grain's ``ElasticIterator``
-rejects such pipelines for the same reason). :class:`GrainIterDataset` reads
+rejects such pipelines for the same reason). ``GrainIterDataset`` reads
 one grain iterator forward instead, ``batch_size`` elements a step, and its
 position is the iterator's own state (grain's ``get_state()``), saved with
 every checkpoint and handed back with ``set_state()``, so a resumed run

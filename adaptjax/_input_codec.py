@@ -1,7 +1,7 @@
 """Quantized input features (BiFeat): stored and moved small, decoded inside the step.
 
 An :class:`InputCodec` is the choice (``"int8"`` or ``"bfloat16"``); fitting it
-to a float array on the host gives a :class:`FeatureCodec`, which encodes the
+to a float array on the host gives a ``FeatureCodec``, which encodes the
 array once (the dataset keeps only the codes) and decodes a batch of codes
 inside the compiled step.
 
@@ -82,7 +82,7 @@ class InputCodec:
           name: the array's name, for the error messages.
 
         Returns:
-          A :class:`FeatureCodec`.
+          A ``FeatureCodec``.
         """
         x = np.asarray(x)
         if not np.issubdtype(x.dtype, np.floating):

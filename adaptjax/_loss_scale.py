@@ -13,7 +13,7 @@ machine of ``jmp.DynamicLossScale`` and PyTorch's ``GradScaler``):
 * after ``period`` consecutive finite steps ``S`` grows to ``S * factor``
   (unless that is not finite in float32) and the count starts again.
 
-The scale and the count live in :class:`LossScaleState`, part of the optimizer
+The scale and the count live in ``LossScaleState``, part of the optimizer
 state and so of :class:`adaptjax.TrainState`: checkpoints save and restore them
 with everything else.
 """
@@ -56,7 +56,7 @@ def _states(opt_state) -> list[LossScaleState]:
 
 
 def has_loss_scale(opt_state) -> bool:
-    """Whether ``opt_state`` (or a train state) holds a :class:`LossScaleState`."""
+    """Whether ``opt_state`` (or a train state) holds a ``LossScaleState``."""
     return bool(_states(opt_state))
 
 
@@ -116,7 +116,7 @@ def split_loss_scale(opt_state) -> tuple[Any, LossScaleState | None]:
 
 
 def adjust_in(opt_state, loss_scale: LossScaled, finite):
-    """``opt_state`` with each :class:`LossScaleState` in it moved by ``loss_scale.adjust``."""
+    """``opt_state`` with each ``LossScaleState`` in it moved by ``loss_scale.adjust``."""
     return jax.tree.map(
         lambda n: loss_scale.adjust(n, finite) if _is_state(n) else n, opt_state, is_leaf=_is_state
     )
@@ -291,7 +291,7 @@ def dynamic_loss_scale(
       min_scale: the scale never shrinks below it.
 
     Returns:
-      A :class:`LossScaled` transformation with :class:`LossScaleState` state.
+      A ``LossScaled`` transformation with ``LossScaleState`` state.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, adaptjax

@@ -47,7 +47,7 @@ def read_metrics(opt_state: Any) -> dict[str, float]:
 
     Finds each state in the tree that carries a ``metrics`` dict (the sync
     transformation's ``SyncState``, :func:`adaptjax.update_norm`)
-    and merges them. Inside ``jit`` use :func:`collect_metrics` instead.
+    and merges them. Inside ``jit`` use ``collect_metrics`` instead.
 
     Args:
       opt_state: an optimizer state (or a whole train state).

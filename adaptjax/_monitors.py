@@ -69,7 +69,7 @@ class GradientMonitor(Protocol):
     1. ``local_scalars(local_grads, state)`` runs on every replica *before* the
        collective; the scalars it returns travel in the gradients' own
        all-reduce (summed over replicas), so a monitor never adds a collective;
-    2. ``update(stats, state)`` runs after it, with a :class:`GradStats` that
+    2. ``update(stats, state)`` runs after it, with a ``GradStats`` that
        holds this replica's gradient, the averaged one, the sync's squared norms
        and, in ``stats.summed``, the psum of this monitor's local scalars.
 
@@ -134,7 +134,7 @@ class GradientMonitor(Protocol):
         """One measurement.
 
         Args:
-          stats: what the sync saw this step (:class:`GradStats`).
+          stats: what the sync saw this step (``GradStats``).
           state: the monitor's state.
           **extra: e.g. ``params``; ignore what you do not use.
 

@@ -15,7 +15,7 @@ Two views of the same state:
 
 :func:`to_local` and :func:`to_global` convert inside ``shard_map``;
 :func:`stack_replicas` builds the global view from a local one on the host; and
-:func:`merge_replicas` is the hook a rescale from ``n`` to ``m`` replicas calls.
+``merge_replicas`` is the hook a rescale from ``n`` to ``m`` replicas calls.
 Its rule is carried by the marker (``merge=``):
 
 * ``"mean"`` (default): every new replica gets the mean over the old replicas.
@@ -60,7 +60,7 @@ class PerReplica:
 
     Attributes:
         value: the wrapped pytree.
-        merge: how :func:`merge_replicas` maps ``n`` replicas to ``m`` (see module
+        merge: how ``merge_replicas`` maps ``n`` replicas to ``m`` (see module
             docstring): ``"mean"``, ``"sum"``, ``"first"``, ``"fold"``, ``"zeros"`` or a
             callable.
 

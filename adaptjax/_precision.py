@@ -104,7 +104,7 @@ class Precision:
     dtypes read as in ``jmp.Policy``. ``compute="float16"`` needs dynamic loss
     scaling: wrap the optimizer in :func:`adaptjax.dynamic_loss_scale` and pass
     it to :func:`adaptjax.data_parallel_step` as ``loss_scale=``
-    (:func:`check_precision` and the step refuse float16 without). The
+    (``check_precision`` and the step refuse float16 without). The
     :class:`adaptjax.Controller` does both itself (``precision="float16"``,
     the scale's options in ``loss_scale=``).
 

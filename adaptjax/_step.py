@@ -266,7 +266,7 @@ def data_parallel_step(
         ``LossScaleState``.
 
     Returns:
-      A :class:`DataParallelStep`.
+      A ``DataParallelStep``.
 
     Example:
       >>> import jax.numpy as jnp, optax, adaptjax

@@ -445,8 +445,8 @@ def sync_gradients(
         27–34% from step to step.
 
     Returns:
-      A :class:`SyncGradients` (an ``optax.GradientTransformationExtraArgs``);
-      its state is a :class:`SyncState`.
+      A ``SyncGradients`` (an ``optax.GradientTransformationExtraArgs``);
+      its state is a ``SyncState``.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, adaptjax
@@ -581,7 +581,7 @@ class _Exchanged(NamedTuple):
 def _update_with_sums(
     config: _SyncConfig, updates, state, params=None, extra_sums=None, *, deferred=False, **extra
 ):
-    """``update_with_sums`` of :class:`SyncGradients` (see there for what it returns)."""
+    """``update_with_sums`` of ``SyncGradients`` (see there for what it returns)."""
     check_axes_bound(config.axis_name, f"sync_gradients({config.axis_name!r})")
     check_float_tree(updates)
     _check_per_replica(updates, config.axis_name)

@@ -148,7 +148,7 @@ def onebit_adam(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with an
-      :class:`OnebitAdamState`.
+      ``OnebitAdamState``.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, adaptjax

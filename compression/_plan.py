@@ -68,7 +68,7 @@ def warn_if_nothing_compressed(codec, records: list[Leaf]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class PlanRow:
-    """One leaf of a :class:`Plan`.
+    """One leaf of a ``Plan``.
 
     Attributes:
       path: the leaf's key path, e.g. ``"['w1']"``.
@@ -204,7 +204,7 @@ def plan(grads: Any, codec: Codec, n: int, *, show: bool = True) -> Plan:
       show: print the table.
 
     Returns:
-      The :class:`Plan`.
+      The ``Plan``.
 
     Example:
       >>> import jax.numpy as jnp

@@ -44,7 +44,7 @@ class AdaptiveBatchSize(BatchSizePolicy):
        configuration — a change of devices or codec starts a fresh model;
     2. models the step time as T(M) = α + β·M: a non-negative least-squares fit
        of the median step time at each batch size measured in this
-       configuration (:func:`fit_throughput`). While only one batch size M₁
+       configuration (``fit_throughput``). While only one batch size M₁
        has been measured (step time T₁) it uses a prior: a fraction
        ``prior_overhead`` of T₁ is fixed per-step cost, the rest grows with M
        (α = f·T₁, β = (1−f)·T₁/M₁), and only half and double the current

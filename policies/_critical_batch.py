@@ -6,7 +6,7 @@ says how much a step at B is worth. McCandlish et al.'s model of one step,
     ΔL(B) = ΔL_max / (1 + B_crit / B),
 
 makes a branch of K_B steps at batch B lower the loss by about
-K_B · ΔL_max · B / (B + B_crit). :func:`fit_critical_batch` fits ΔL_max and
+K_B · ΔL_max · B / (B + B_crit). ``fit_critical_batch`` fits ΔL_max and
 B_crit to the measured drops; :class:`CriticalBatchProbe` asks the controller
 for such a measurement (a :class:`Probe` action) every so many steps, and the
 controller logs its result as the metric ``critical_batch``, which policies
@@ -37,7 +37,7 @@ from adaptjax.policies._policy import StatefulPolicy
 
 
 class CriticalBatchFit(NamedTuple):
-    """What :func:`fit_critical_batch` returns.
+    """What ``fit_critical_batch`` returns.
 
     Attributes:
       critical_batch: B_crit in samples; 0.0 when every step improved the loss
@@ -163,7 +163,7 @@ class CriticalBatchProbe(StatefulPolicy):
     ``start`` and then every ``every`` steps. The controller branches from the
     state in memory, trains ``steps`` x max(B) / B steps at each batch B (the
     same samples for every branch, scaled learning rate), fits
-    :func:`fit_critical_batch` to the losses reached, logs the metric
+    ``fit_critical_batch`` to the losses reached, logs the metric
     ``critical_batch`` and returns to the main run bit-exactly. The policy reads
     ``critical_batch`` back: without explicit ``sizes`` the next probe's sizes
     are centred on the larger of the current batch and the last measurement
@@ -180,7 +180,7 @@ class CriticalBatchProbe(StatefulPolicy):
         the default rate sweep every batch's best drop was positive there.
       start: the first step a probe may be asked at, >= 0.
       lr_rule: how a branch's learning rate follows its batch from the current
-        one (``"sqrt"``, the rule for Adam; see :func:`lr_scale`).
+        one (``"sqrt"``, the rule for Adam; see ``lr_scale``).
       max_batch_size: the largest branch batch ``sizes=None`` may choose (``None``: no limit).
       lr_multipliers: factors on each branch's learning rate, the best loss of
         each batch counting (see :class:`Probe`); ``(1.0,)``: the rule's rate

@@ -84,7 +84,7 @@ class BatchSizeWarmup(BatchSizePolicy):
         ``"precond_noise_scale"``, or ``"critical_batch"`` from
         :class:`CriticalBatchProbe`).
       lr_rule: ``"none"`` (keep the learning rate), ``"sqrt"``, ``"linear"``
-        or ``"adascale"`` (see :func:`lr_scale`).
+        or ``"adascale"`` (see ``lr_scale``).
       optimizer_kind: ``"adam"`` or ``"sgd"`` (for ``"adascale"``).
       lr_key: the hyperparameter holding the learning rate.
       multiple_of: proposals are multiples of this and of

@@ -187,7 +187,7 @@ class NullRunLog:
 
     Process 0 alone writes ``metrics.jsonl``, ``events.jsonl`` and TensorBoard;
     every other process runs the same loop against this stand-in, which keeps
-    :attr:`events` (this session's events, as :class:`RunLog` does) and writes
+    :attr:`events` (this session's events, as ``RunLog`` does) and writes
     nothing.
 
     Example:

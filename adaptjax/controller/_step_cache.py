@@ -253,7 +253,7 @@ class StepCache:
         return key
 
     def start(self, config: RunConfig, data, precision) -> RunConfig:
-        """A run's first ``config`` in ``precision`` (:meth:`check_precision`), for ``data``.
+        """A run's first ``config`` in ``precision`` (``check_precision``), for ``data``.
 
         Takes the dataset's ``decode`` (an :class:`adaptjax.ArrayDataset` with
         quantized ``features``): every step then decodes its batch inside the

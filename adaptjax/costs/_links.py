@@ -52,7 +52,7 @@ def message_steps(kind: str, group_size: int) -> int:
 class LinkModel:
     """Seconds of one collective: ``steps * (alpha + (operands-1) * alpha_operand) + beta * bytes``.
 
-    ``steps`` is :func:`message_steps`, ``bytes`` what each device sends.
+    ``steps`` is ``message_steps``, ``bytes`` what each device sends.
 
     A tuple collective (XLA's all-reduce combiner joins a step's per-leaf
     psums into one instruction with an operand per leaf) may pay a latency per
@@ -125,7 +125,7 @@ def fit_alpha_beta(
     (steps, bytes), e.g. two message sizes.
 
     Args:
-      kind: the collective kind (see :func:`message_steps`).
+      kind: the collective kind (see ``message_steps``).
       group_sizes: ``N`` of each timing (> 1).
       bytes_sent: bytes each device sent in each timing (ring formula).
       seconds: the measured seconds of each.

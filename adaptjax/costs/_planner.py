@@ -95,7 +95,7 @@ class Planner:
 
     Args:
       links: ``{collective kind: LinkModel}``; ``None`` times micro-collectives
-        when attached to a controller (:func:`calibrate_links`).
+        when attached to a controller (``calibrate_links``).
       bandwidth: pin every collective to this link (bytes/s) instead.
       latency: seconds per message step with ``bandwidth``.
       wire_of: ``config -> WireReport`` of a configuration's compiled step;

@@ -9,7 +9,7 @@ links), so they can be asked before anything is compiled:
   links decide (on XLA:CPU across processes the pair measured about twice as
   slow as one all-reduce).
 * :func:`choose_bucket_bytes`: leaves fused into buckets of at most ``B``
-  bytes (a larger leaf split into ``ceil(s/B)`` pieces, :func:`buckets`):
+  bytes (a larger leaf split into ``ceil(s/B)`` pieces, ``buckets``):
   fewer buckets pay fewer latencies; smaller buckets let all but the last
   hide behind ``overlap_compute`` seconds of backward pass. With
   ``kind="owner-compute"`` each bucket is a quantizer's exchange (an
@@ -18,7 +18,7 @@ links), so they can be asked before anything is compiled:
 Both knobs are real: :func:`adaptjax.sync_gradients` takes
 ``dense_lane="reduce-scatter+all-gather"``, and the quantizer codecs of
 :mod:`adaptjax.compression` take ``bucket_bytes`` (their bucketing is
-:func:`buckets`'). A :class:`~adaptjax.costs.Planner` attached to a
+``buckets``'). A :class:`~adaptjax.costs.Planner` attached to a
 controller turns them: each configuration's step is built with the lane or
 bucket size these functions predict fastest at its device count, on the
 calibrated links (:meth:`~adaptjax.costs.Planner.schedule`). Under the α–β
@@ -168,7 +168,7 @@ def choose_bucket_bytes(
     ``Σ t(bᵢ) − min(Σ t(bᵢ) − t(b_k), overlap_compute)`` — all but the last
     bucket can run while ``overlap_compute`` seconds of backward pass remain.
     ``leaf_bytes`` in the order the buckets are sent; ``split``: as in
-    :func:`buckets`.
+    ``buckets``.
 
     Returns:
       ``(best bucket bytes, {bucket bytes: predicted seconds})``; ties go to

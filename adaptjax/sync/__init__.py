@@ -4,7 +4,7 @@ The strategy protocol (:class:`SyncStrategy`), the five strategies (S-SGD,
 model averaging, local SGD, DiLoCo, gossip) with their factories, and
 :func:`sync_chain`, which chains a strategy around an optimizer. Per-replica
 state moves between the local view inside ``shard_map`` and the global one
-with :func:`to_local` and :func:`to_global`; :func:`merge_replicas` maps it to
+with :func:`to_local` and :func:`to_global`; ``merge_replicas`` maps it to
 a new replica count. Local SGD and DiLoCo take per-replica hyperparameters
 (:func:`set_replica_lr`, :func:`set_replica_local_steps`) and report the
 replicas' heterogeneity (:func:`replica_metrics`); :func:`dirichlet_split`

@@ -74,7 +74,7 @@ def gossip(
       topology: ``"ring"`` or ``"exponential"``.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`GossipState`.
+      An ``optax.GradientTransformationExtraArgs`` whose state is a ``GossipState``.
 
     References:
       Assran et al., "Stochastic gradient push for distributed deep

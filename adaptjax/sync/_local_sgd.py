@@ -112,7 +112,7 @@ def local_sgd(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`LocalSGDState`; ``update(updates, state, params, *,
+      ``LocalSGDState``; ``update(updates, state, params, *,
       replica_loss=None, labels=None)`` needs the global ``params``;
       ``replica_loss`` is this replica's loss, ``labels`` its batch's integer
       labels.

@@ -50,7 +50,7 @@ def model_averaging(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`ModelAveragingState`; ``update(updates, state, params)`` needs
+      ``ModelAveragingState``; ``update(updates, state, params)`` needs
       the global ``params``.
 
     References:

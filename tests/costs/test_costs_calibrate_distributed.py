@@ -14,7 +14,7 @@ SCRIPT = """
 import json, adaptjax
 adaptjax.initialize_distributed()
 import jax
-
+from adaptjax.costs._calibrate import calibrate_links, time_collectives
 rows = time_collectives(4, kinds=("all-reduce", "all-gather"), sizes=(4096, 65536), repeats=3)
 links = calibrate_links(4, kinds=("all-reduce",), sizes=(4096, 65536), repeats=3)
 print("RESULT " + json.dumps({"rank": jax.process_index(), "rows": rows,
