@@ -34,31 +34,12 @@ import jax
 import numpy as np
 
 from adaptjax._data import _check_state, check_count
+from adaptjax._grain_pipeline import _chain, _grain, _stack
 
 if TYPE_CHECKING:
     from adaptjax._grain_iter import GrainIterDataset
 
 _GRAIN_KIND = "GrainDataset"
-
-
-def _grain():
-    try:
-        import grain
-    except ImportError:
-        raise ImportError(
-            "adaptjax.GrainDataset needs grain; install it with pip install 'adaptjax[grain]'"
-        ) from None
-    return grain
-
-
-def _chain(dataset) -> list:
-    """``dataset`` and every dataset it is built from."""
-    seen, todo = [], [dataset]
-    while todo:
-        ds = todo.pop()
-        seen.append(ds)
-        todo.extend(getattr(ds, "parents", ()))
-    return seen
 
 
 def _check_map_dataset(dataset) -> None:
@@ -94,16 +75,6 @@ def _check_map_dataset(dataset) -> None:
             )
     if len(dataset) == 0:
         raise ValueError("the MapDataset is empty; GrainDataset needs at least one element")
-
-
-def _stack(elements: list, positions: np.ndarray) -> Any:
-    try:
-        return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *elements)
-    except ValueError as e:
-        raise ValueError(
-            f"the elements at positions {positions[0]}..{positions[-1]} do not stack into a "
-            f"batch ({e}); every element needs the same structure and shapes"
-        ) from None
 
 
 class GrainDataset:

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from adaptjax._data import _check_state, check_count
-from adaptjax._grain import _chain, _grain, _stack
+from adaptjax._grain_pipeline import _chain, _grain, _stack
 
 _KIND = "GrainIterDataset"
 _NAME = "GrainDataset.from_iter_dataset"  # how users build one (in messages)
