@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from adaptjax._metric_vector import Metrics
 from adaptjax._run_config import RunConfig
+from adaptjax.controller._run_dir import user_stacklevel
 
 
 @dataclasses.dataclass
@@ -34,7 +36,8 @@ class MetricsReader:
     run's total), ``step_time`` and ``throughput`` (median interval between
     consecutive completions of this configuration, its first step skipped),
     ``batch_size``, ``devices`` and, when ``comm_time(config)`` gives a value,
-    ``comm_time`` and ``comm_share``.
+    ``comm_time`` and ``comm_share``. The first skipped (non-finite) step a
+    reader sees warns once, with the run's count so far.
 
     Example:
       >>> import numpy as np
@@ -55,6 +58,7 @@ class MetricsReader:
         self._fresh = True
         self.nonfinite_count = 0
         self.nonfinite_streak = 0
+        self._warned_nonfinite = False
 
     def push(self, step: int, config: RunConfig, device_metrics, *, compiled: bool = False) -> None:
         """Queues step ``step``'s metrics (``compiled``: this step compiled, so it is not timed)."""
@@ -80,6 +84,15 @@ class MetricsReader:
         skipped = flat.get("nonfinite", 0.0) > 0
         self.nonfinite_count += int(skipped)
         self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
+        if skipped and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            warnings.warn(
+                f"step {step} had a non-finite gradient or loss and was skipped "
+                f"({self.nonfinite_count} skipped in this run so far; said once: later skips "
+                "are counted in the metric nonfinite_count and listed by adaptjax report)",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
         flat["nonfinite_count"] = float(self.nonfinite_count)
         if self._last_ready is not None and not self._fresh:
             times = self._times.setdefault(config, [])

@@ -195,13 +195,41 @@ def test_injected_nan_gradient_leaves_params_unchanged_and_is_counted(tmp_path):
     ds = adaptjax.ArrayDataset(data, shuffle=False)  # sample 5 is in the first batch
     ctrl = make_controller(run_dir=tmp_path, **job.job_kwargs(data=ds, policies=[]))
     before = params_of(ctrl)
-    ctrl.run(1)
-    ctrl.drain()
+    with pytest.warns(RuntimeWarning, match="step 1 had a non-finite"):
+        ctrl.run(1)
+        ctrl.drain()
     for k, v in params_of(ctrl).items():
         np.testing.assert_array_equal(v, before[k])
     assert ctrl.latest_metrics["nonfinite_count"] == 1.0 and ctrl.nonfinite_count == 1
     ctrl.run(2)  # the next batch is clean: training moves on
     assert not np.array_equal(params_of(ctrl)["w1"], before["w1"])
+    ctrl.close()
+
+
+def test_the_first_skipped_step_warns_once_with_the_count_so_far(tmp_path):
+    data = job.make_data()
+    for step in (2, 4, 9):  # one bad sample in each of these steps' batches (64, in order)
+        data["x"][64 * (step - 1) + 7, 0] = np.nan
+    kwargs = job.job_kwargs(data=adaptjax.ArrayDataset(data, shuffle=False), policies=[],
+                            checkpoint_every=6)
+    ctrl = make_controller(run_dir=tmp_path, **kwargs)
+    with pytest.warns(RuntimeWarning) as said:
+        ctrl.run(6)
+        ctrl.drain()
+    lines = [str(w.message) for w in said if "non-finite" in str(w.message)]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert lines[0].startswith("step 2 had a non-finite gradient or loss and was skipped (1 ")
+    assert ctrl.nonfinite_count == 2
+    ctrl.close()
+    # a resumed process warns once too, counting the skips before its checkpoint
+    kwargs["data"] = adaptjax.ArrayDataset(data, shuffle=False)
+    ctrl = resume_controller(tmp_path, **kwargs)
+    with pytest.warns(RuntimeWarning) as said:
+        ctrl.run(10)
+        ctrl.drain()
+    lines = [str(w.message) for w in said if "non-finite" in str(w.message)]
+    assert len(lines) == 1 and lines[0].startswith("step 9 had a non-finite")
+    assert "(3 skipped in this run so far" in lines[0]
     ctrl.close()
 
 
@@ -217,7 +245,8 @@ def test_policy_sees_nonfinite_count_and_rolls_back(tmp_path):
         run_dir=tmp_path,
         **job.job_kwargs(data=ds, policies=[policy], policy_every=1, checkpoint_every=5),
     )
-    ctrl.run(12)
+    with pytest.warns(RuntimeWarning, match="non-finite gradient or loss and was skipped"):
+        ctrl.run(12)
     (rollback,) = [e for e in ctrl.log.events if e["kind"] == "rollback"]
     assert rollback["to_checkpoint"] == 5 and rollback["step"] in (8, 9)
     assert ctrl.step == 12 and ctrl.nonfinite_count == 1 and ctrl.samples_seen == 12 * 64
