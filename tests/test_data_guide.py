@@ -17,7 +17,8 @@ def blocks() -> list[str]:
 
 def test_the_page_shows_every_kind_of_data():
     text = "".join(blocks())
-    for name in ("ArrayDataset", "IterableDataset", "GrainDataset", "from_iter_dataset"):
+    for name in ("ArrayDataset", "IterableDataset", "GrainDataset", "from_iter_dataset",
+                 "datasets.Dataset.from_dict"):
         assert name in text
 
 
