@@ -2,7 +2,8 @@
 # The accelerator's figures in one run (issue 46 item 6), in <= 9 minutes on one GPU:
 #   1. the byte-level LM's step-time profile T(M) on this device, stored under
 #      benchmarks/profiles/ (adaptive_batch.py --measure-profile);
-#   2. the adaptive-batch benchmark's --quick figures, priced on that profile;
+#   2. the frontier benchmark's --quick figures, priced on that profile
+#      (frontier_run.py finds the stored profile itself);
 #   3. bfloat16 against float32 tokens per second on the LM (precision.py);
 #   4. the sharded code path on a (1, 1) mesh against the replicated step
 #      (sharded.py prints sharded_path_ratio on a GPU host);
@@ -45,9 +46,9 @@ part() {  # part NAME SECONDS COMMAND...: one figure, its own limit, its own log
   echo "== $name: rc=$rc, $((SECONDS - t0)) s"
 }
 
-part profile 120 $PY benchmarks/adaptive_batch.py --measure-profile --devices 1
-part adaptive 150 $PY benchmarks/adaptive_batch.py --quick --devices 1
-part precision 90 $PY benchmarks/precision.py --size gpu --steps 60 --devices 1
-part sharded 90 $PY benchmarks/sharded.py --quick --size gpu
+part profile 90 $PY benchmarks/adaptive_batch.py --measure-profile --devices 1
+part frontier 240 $PY benchmarks/frontier_run.py --quick --devices 1
+part precision 75 $PY benchmarks/precision.py --size gpu --steps 60 --devices 1
+part sharded 75 $PY benchmarks/sharded.py --quick --size gpu
 part accumulate 60 $PY benchmarks/accumulate.py --devices 1 --size base --rounds 10
 [ "$DRY" = "--dry-run" ] || ls -l benchmarks/profiles/
