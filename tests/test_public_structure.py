@@ -56,16 +56,7 @@ def test_no_module_level_weak_containers_in_the_controller():
                 assert not names & {"WeakKeyDictionary", "WeakSet"}, f"{path.name}:{node.lineno}"
 
 
-# The lead's planner change (the planner reaching the loop as a hook) removes the last
-# controller -> costs import; until it lands the check is an expected failure (strict:
-# it fails the suite once it passes, so the marker goes with that change).
-LEAD_PENDING = pytest.mark.xfail(strict=True, reason="issue 44 item 2 lands with the lead's change")
-
-
-@pytest.mark.parametrize(
-    ("src", "other"),
-    [("costs", "controller"), pytest.param("controller", "costs", marks=LEAD_PENDING)],
-)
+@pytest.mark.parametrize(("src", "other"), [("costs", "controller"), ("controller", "costs")])
 def test_costs_and_controller_import_nothing_of_each_other(src, other):
     for path in sorted((ROOT / "adaptjax" / src).glob("*.py")):
         package = f"adaptjax.{src}"

@@ -10,7 +10,7 @@ efficiency, Pollux), with the measured step time of those that ran.
 whose replicas each have their own processor.
 
 Given a script (``adaptjax plan train.py -- ARGS``), it first runs the script,
-unmodified, as a short probe (:mod:`adaptjax.controller._plan_probe`): in a fresh plan
+unmodified, as a short probe (``adaptjax.controller._plan_probe``): in a fresh plan
 directory (its working directory is ``cwd/`` there, so relative paths it writes
 land there), with ``ADAPTJAX_PLAN_DIR`` set so that its :class:`adaptjax.Controller`
 writes only there and times a few steps at each configuration the cost model
@@ -114,7 +114,8 @@ def probe_script(script: str, script_args: Sequence[str] = (), *, steps: int = D
                  keep: str | None = None) -> str:
     """Runs ``script`` as a probe in a fresh plan directory; returns that directory.
 
-    The script runs unmodified (``python SCRIPT ARGS``) in ``DIR/cwd`` (so the
+    The script runs unmodified (as ``python SCRIPT ARGS``, through
+    ``adaptjax.cli._plan_child``, which installs the probe) in ``DIR/cwd`` (so the
     relative paths it writes land there; pass absolute paths to its inputs),
     with ``ADAPTJAX_PLAN_DIR`` set to the plan directory ``DIR``: its
     :class:`adaptjax.Controller` writes only there (``DIR/run``) and its
@@ -157,8 +158,9 @@ def probe_script(script: str, script_args: Sequence[str] = (), *, steps: int = D
     try:
         cwd = os.path.join(directory, "cwd")  # relative paths the script writes land here
         os.makedirs(cwd)
-        result = subprocess.run(
-            [sys.executable, os.path.abspath(script), *script_args], cwd=cwd, env=env,
+        result = subprocess.run(  # the child installs the probe, then runs the script
+            [sys.executable, "-m", "adaptjax.cli._plan_child", os.path.abspath(script),
+             *script_args], cwd=cwd, env=env,
             stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
         )
         if result.returncode != 0:

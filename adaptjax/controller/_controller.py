@@ -54,8 +54,8 @@ from adaptjax.controller._persistence import (
     snapshots_of,
     warn_overrides,
 )
+from adaptjax.controller._plan_probe import make_probe, move_actions
 from adaptjax.controller._preemption import EXIT_PREEMPTED, Preemption
-from adaptjax.controller._probe import Probe, move_actions
 from adaptjax.controller._probe_branch import ProbeRunner
 from adaptjax.controller._run_clock import RunClock
 from adaptjax.controller._run_dir import RunDirectory, elapsed, user_stacklevel
@@ -595,7 +595,7 @@ class Controller:
         """Under ``adaptjax plan``: time the configurations the cost model needs, then exit 0."""
         try:
             assert self._plan_request is not None  # set when the run is under adaptjax plan
-            probe = Probe(self, self._plan_request, self._policies)
+            probe = make_probe(self, self._plan_request, self._policies)
             for config, timed in probe.visits():
                 self.apply(move_actions(self.config, config, self.steps))
                 self.reader.restart_clock()

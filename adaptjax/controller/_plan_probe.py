@@ -10,20 +10,25 @@ becomes a probe: a few timed steps at each configuration the cost model needs
 there are), which saves ``costs.json``; then the process exits with status 0
 without the policies' further actions or the rest of the script.
 
-This module reads the request and lays out the visits; it imports no jax (the
-``adaptjax plan`` command imports it). The probe itself is
-:mod:`adaptjax.controller._probe`.
+This module reads the request, lays out the visits and holds the probe's
+factory; it imports no jax (the ``adaptjax plan`` command imports it). The
+probe itself needs the cost model, which the controller does not import:
+``adaptjax plan`` runs the script through ``adaptjax.cli._plan_child``, which
+installs it (:func:`use_probe`) as ``adaptjax.cli._probe.Probe``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from adaptjax import policies as ajp  # pure: no jax
 
 if TYPE_CHECKING:  # the launcher side imports this module: no jax there
     from adaptjax._run_config import RunConfig
+    from adaptjax.controller._step_cache import StepCache
 
 #: The environment variable that turns a controller into a probe writing under its value.
 PLAN_DIR_ENV = "ADAPTJAX_PLAN_DIR"
@@ -50,6 +55,9 @@ class PlanRequest:
 def plan_request() -> PlanRequest | None:
     """The probe ``adaptjax plan`` asked for, or ``None`` in an ordinary run.
 
+    Raises a one-line ``ValueError`` when ``ADAPTJAX_PLAN_DIR`` is set in a
+    process ``adaptjax plan`` did not start (no probe installed: :func:`use_probe`).
+
     Example:
       >>> import os
       >>> from adaptjax.controller._plan_probe import plan_request
@@ -59,6 +67,11 @@ def plan_request() -> PlanRequest | None:
     directory = os.environ.get(PLAN_DIR_ENV)
     if not directory:
         return None
+    if _factory is None:
+        raise ValueError(
+            f"{PLAN_DIR_ENV} is set but no plan probe is installed; run the script under "
+            "`adaptjax plan SCRIPT -- ARGS` (or unset it)"
+        )
     raw = os.environ.get(PLAN_STEPS_ENV, str(DEFAULT_STEPS))
     try:
         steps = int(raw)
@@ -67,6 +80,66 @@ def plan_request() -> PlanRequest | None:
     if steps < 1:
         raise ValueError(f"{PLAN_STEPS_ENV}={raw!r}: timed steps per configuration must be >= 1")
     return PlanRequest(os.path.abspath(directory), steps)
+
+
+class Probe(Protocol):
+    """What a controller under ``adaptjax plan`` drives (built by :func:`make_probe`).
+
+    The controller visits each of :meth:`visits` by its own transitions
+    (:func:`move_actions`), hands each visit's median step interval to
+    :meth:`observe`, then calls :meth:`finish`.
+    """
+
+    def visits(self) -> list[tuple[RunConfig, int]]:
+        """``(config, timed steps)`` of each visit, in order."""
+        ...
+
+    def observe(self, config: RunConfig, step_time: float | None) -> None:
+        """The median step interval of ``config``'s visits so far (``None``: not timed)."""
+        ...
+
+    def finish(self, run_dir: str, max_devices: int) -> str:
+        """Saves what was timed under ``run_dir``; returns the saved file's path."""
+        ...
+
+
+#: ``factory(controller, request, policies)`` -> a :class:`Probe`.
+ProbeFactory = Callable[[Any, PlanRequest, list], Probe]
+
+# One slot, not a list: a process probes for one ``adaptjax plan`` and has one
+# probe to build; installing another replaces it. Module-level because the
+# controller is built by the user's unmodified script, which passes nothing
+# of the plan; only the plan's child process (adaptjax.cli._plan_child) sets it.
+_factory: ProbeFactory | None = None
+
+
+def use_probe(factory: ProbeFactory | None) -> None:
+    """Installs the probe factory a controller under ``adaptjax plan`` uses (``None``: none)."""
+    global _factory
+    _factory = factory
+
+
+def make_probe(controller, request: PlanRequest, policies) -> Probe:
+    """The installed factory's probe of ``controller`` (:func:`use_probe`)."""
+    if _factory is None:
+        raise ValueError("no plan probe is installed; run the script under `adaptjax plan`")
+    return _factory(controller, request, policies)
+
+
+def move_actions(now: RunConfig, config: RunConfig, steps: StepCache) -> list[ajp.Action]:
+    """The actions that move a controller from ``now`` to ``config``."""
+    actions: list[ajp.Action] = []
+    if config.sync != now.sync:
+        actions.append(ajp.SetSync(steps.strategies.get(config.sync)))
+    if config.codec != now.codec:
+        actions.append(ajp.SetCodec(steps.codecs.get(config.codec)))
+    if (config.devices, config.mesh_shape) != (now.devices, now.mesh_shape):
+        sharded = config.mesh_shape is not None or now.mesh_shape is not None
+        actions.append(ajp.Rescale(mesh_shape=config.axes) if sharded
+                       else ajp.Rescale(devices=config.devices))
+    if config.batch_size != now.batch_size or config.microbatches != now.microbatches:
+        actions.append(ajp.SetBatchSize(config.batch_size, config.microbatches))
+    return actions
 
 
 def probe_configs(config: RunConfig, codecs: Iterable[str | None],

@@ -26,9 +26,8 @@ from adaptjax._transition import plan_transition
 from adaptjax.controller._background import BackgroundCompiler, announced_configs
 from adaptjax.controller._metrics_reader import Snapshot
 from adaptjax.controller._persistence import checkpoint_meta, snapshots_of, warn_overrides
-from adaptjax.controller._plan_probe import probe_visits
+from adaptjax.controller._plan_probe import move_actions, probe_visits
 from adaptjax.controller._preemption import Preemption
-from adaptjax.controller._probe import move_actions
 from adaptjax.controller._run_clock import RunClock
 from adaptjax.controller._run_dir import RunDirectory
 from adaptjax.controller._run_log import RunLog

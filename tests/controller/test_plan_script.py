@@ -10,6 +10,7 @@ import pytest
 
 from adaptjax._run_config import RunConfig
 from adaptjax.cli._main import main
+from adaptjax.controller import _plan_probe
 from adaptjax.controller._plan_probe import probe_configs
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the job scripts
@@ -154,8 +155,11 @@ def test_under_plan_a_controller_never_touches_its_run_dir(tmp_path, monkeypatch
     import controller_job as job
     from _controller_args import make_controller, resume_controller
 
+    from adaptjax.cli._probe import Probe
+
     plan_dir, user = tmp_path / "plan", tmp_path / "user"
     plan_dir.mkdir()
+    monkeypatch.setattr(_plan_probe, "_factory", Probe)  # as adaptjax plan's child installs it
     monkeypatch.setenv("ADAPTJAX_PLAN_DIR", str(plan_dir))
     monkeypatch.setenv("ADAPTJAX_PLAN_STEPS", "0")
     with pytest.raises(ValueError, match="ADAPTJAX_PLAN_STEPS='0': timed steps per "):
@@ -168,3 +172,19 @@ def test_under_plan_a_controller_never_touches_its_run_dir(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="needs a dataset with batch_at; _NoBatchAt has none"):
         ctrl.run(10)
     assert not user.exists()
+
+
+def test_the_plan_variable_without_adaptjax_plan_is_one_line_and_writes_nothing(
+        tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(HERE)
+    import controller_job as job
+    from _controller_args import make_controller
+
+    plan_dir, user = tmp_path / "plan", tmp_path / "user"
+    monkeypatch.setattr(_plan_probe, "_factory", None)  # a script started by plain python
+    monkeypatch.setenv("ADAPTJAX_PLAN_DIR", str(plan_dir))
+    with pytest.raises(ValueError) as e:
+        make_controller(run_dir=user, **job.job_kwargs())
+    assert str(e.value) == ("ADAPTJAX_PLAN_DIR is set but no plan probe is installed; run the "
+                            "script under `adaptjax plan SCRIPT -- ARGS` (or unset it)")
+    assert not plan_dir.exists() and not user.exists()

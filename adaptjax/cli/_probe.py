@@ -1,10 +1,13 @@
 """``adaptjax plan``'s probe: the planner that observes the timed visits, and its costs.json.
 
-The controller's loop drives the probe (see :mod:`adaptjax.controller._plan_probe`):
-for each of :meth:`Probe.visits` it moves to the configuration by its own
-transitions (:func:`move_actions`), dispatches and records the steps, and
-hands the median step interval to :meth:`Probe.observe`; :meth:`Probe.finish`
-then fits and saves the planner's ``costs.json``.
+The controller's loop drives the probe (see ``adaptjax.controller._plan_probe``,
+whose ``Probe`` protocol this class meets): for each of :meth:`Probe.visits` it
+moves to the configuration by its own transitions (``move_actions``),
+dispatches and records the steps, and hands the median step interval to
+:meth:`Probe.observe`; :meth:`Probe.finish` then fits and saves the planner's
+``costs.json``. The CLI layer holds it because it needs both the controller's
+parts and the cost model, which import nothing of each other; the plan's child
+process (``adaptjax.cli._plan_child``) installs it.
 """
 
 from __future__ import annotations
@@ -12,11 +15,9 @@ from __future__ import annotations
 import os
 import sys
 
-from adaptjax import policies as ajp
 from adaptjax._run_config import RunConfig
 from adaptjax._walk import find_held
 from adaptjax.controller._plan_probe import PlanRequest, probe_configs, probe_visits
-from adaptjax.controller._step_cache import StepCache
 from adaptjax.costs._links import message_steps
 from adaptjax.costs._planner import FILENAME, Planner
 
@@ -25,22 +26,6 @@ def find_planner(policies):
     """The :class:`adaptjax.costs.Planner` the policies hold, or ``None``."""
     held = find_held(list(policies), lambda o: isinstance(o, Planner), max_depth=4)
     return held[0] if held else None
-
-
-def move_actions(now: RunConfig, config: RunConfig, steps: StepCache) -> list[ajp.Action]:
-    """The actions that move a controller from ``now`` to ``config``."""
-    actions: list[ajp.Action] = []
-    if config.sync != now.sync:
-        actions.append(ajp.SetSync(steps.strategies.get(config.sync)))
-    if config.codec != now.codec:
-        actions.append(ajp.SetCodec(steps.codecs.get(config.codec)))
-    if (config.devices, config.mesh_shape) != (now.devices, now.mesh_shape):
-        sharded = config.mesh_shape is not None or now.mesh_shape is not None
-        actions.append(ajp.Rescale(mesh_shape=config.axes) if sharded
-                       else ajp.Rescale(devices=config.devices))
-    if config.batch_size != now.batch_size or config.microbatches != now.microbatches:
-        actions.append(ajp.SetBatchSize(config.batch_size, config.microbatches))
-    return actions
 
 
 class Probe:
@@ -53,7 +38,7 @@ class Probe:
 
     Args:
       controller: the :class:`adaptjax.Controller` built under ``adaptjax plan``.
-      request: what ``adaptjax plan`` asked for (:func:`plan_request`).
+      request: what ``adaptjax plan`` asked for (``plan_request``).
       policies: the controller's policies (they never decide in a probe).
     """
 
@@ -77,7 +62,7 @@ class Probe:
         self.times: dict[RunConfig, float] = {}
 
     def visits(self) -> list[tuple[RunConfig, int]]:
-        """``(config, timed steps)`` of each visit, in order (:func:`probe_visits`)."""
+        """``(config, timed steps)`` of each visit, in order (``probe_visits``)."""
         return probe_visits(self.configs, self.request.steps)
 
     def observe(self, config: RunConfig, step_time: float | None) -> None:
