@@ -18,7 +18,15 @@ thread, before the save returns), until the test has signalled it (``--gate``).
 ``--sharded`` runs the job on a ``{"data": 2, "fsdp": 4}`` mesh whose schedule
 rescales over both axes (:func:`sharded_schedule`); ``--hold restore`` then
 stops the job inside the first rescale, after its checkpoint is committed and
-before the state is restored onto the new mesh.
+before the state is restored onto the new mesh (``--hold restore=S``: the first
+one from a checkpoint of step ``S`` or later); ``--schedule-scale`` stretches it too.
+``--data grain`` feeds the job's arrays as records through
+``adaptjax.GrainDataset`` (a shuffled ``grain.MapDataset``), ``--data
+grain-iter`` through ``GrainDataset.from_iter_dataset`` (a filtered, packed
+``grain.IterDataset``, :func:`packed_pipeline`), whose batch cannot change:
+that job's schedule keeps the batch and only rescales (:func:`iter_schedule`).
+Whatever the data, every batch's element indices are appended to
+``RUN_DIR/fed.jsonl`` (``tests/_fed.py``).
 """
 
 import os
@@ -40,6 +48,7 @@ import adaptjax  # noqa: E402
 from adaptjax import policies as ajp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _fed  # noqa: E402
 from _handshake import hold  # noqa: E402
 
 D = 8
@@ -51,6 +60,47 @@ def make_data(seed=0, n=640):
     w = rng.normal(size=(D, 2)).astype(np.float32)
     y = (x @ w + 0.1 * rng.normal(size=(n, 2))).astype(np.float32)
     return {"x": x, "y": y, "idx": np.arange(n, dtype=np.int32)}
+
+
+def records(arrays):
+    """The job's arrays as records: one dict of a sample's leaves per sample."""
+    return [{k: v[i] for k, v in arrays.items()} for i in range(len(arrays["idx"]))]
+
+
+def document(record):
+    """Record ``i`` as an element of ``i % 4 + 1`` tokens (the record, repeated), to be packed."""
+    k = int(record["idx"]) % 4 + 1
+    return {key: np.repeat(np.asarray(v)[None], k, axis=0) for key, v in record.items()}
+
+
+def packed_pipeline(seed=3):
+    """The job's records shuffled, repeated, every third dropped (``idx % 3 == 0``), each kept
+    one an element of ``idx % 4 + 1`` tokens, packed first-fit into rows of 8 tokens."""
+    import grain
+
+    rows = grain.MapDataset.source(records(make_data())).shuffle(seed=seed).repeat()
+    # read on the job's thread: grain's default read-ahead costs ~4 ms per packed row here
+    reading = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    kept = rows.to_iter_dataset(reading).filter(lambda r: r["idx"] % 3 != 0).map(document)
+    return grain.experimental.FirstFitPackIterDataset(
+        kept, length_struct={"x": 8, "y": 8, "idx": 8}, num_packing_bins=2
+    )
+
+
+def make_dataset(kind, run_dir, batch_size=64):
+    """The job's data: ``"array"`` (ArrayDataset), ``"grain"`` (a shuffled grain MapDataset of
+    its records) or ``"grain-iter"`` (:func:`packed_pipeline`), recording what it feeds in
+    ``run_dir`` (``tests/_fed.py``)."""
+    if kind == "grain":
+        import grain
+
+        rows = grain.MapDataset.source(records(make_data())).shuffle(seed=3)
+        data = adaptjax.GrainDataset(rows)
+    elif kind == "grain-iter":
+        data = adaptjax.GrainDataset.from_iter_dataset(packed_pipeline(), batch_size)
+    else:
+        data = adaptjax.ArrayDataset(make_data(), seed=3)
+    return _fed.record(data, run_dir)
 
 
 def loss_fn(p, b):
@@ -118,13 +168,19 @@ def schedule(scale=1):
     )
 
 
-def sharded_schedule():
+def iter_schedule(scale=1):
+    """:func:`schedule` without its batch changes: 8 -> 4 devices at 20, 4 -> 8 at 40
+    (times ``scale``)."""
+    return ajp.Schedule({20 * scale: ajp.Rescale(devices=4), 40 * scale: ajp.Rescale(devices=8)})
+
+
+def sharded_schedule(scale=1):
     return ajp.Schedule(
         {
-            10: ajp.SetBatchSize(32),
-            20: ajp.Rescale(mesh_shape={"data": 1, "fsdp": 4}),
-            30: ajp.SetBatchSize(96),
-            40: ajp.Rescale(mesh_shape={"data": 4, "fsdp": 2}),
+            10 * scale: ajp.SetBatchSize(32),
+            20 * scale: ajp.Rescale(mesh_shape={"data": 1, "fsdp": 4}),
+            30 * scale: ajp.SetBatchSize(96),
+            40 * scale: ajp.Rescale(mesh_shape={"data": 4, "fsdp": 2}),
         }
     )
 
@@ -141,13 +197,16 @@ def sharded_kwargs(**overrides):
     return job_kwargs(**kwargs)
 
 
-def hold_in_restore(gate):
-    """Stops the job inside its first restore onto a new mesh (the test's handshake)."""
+def hold_in_restore(gate, from_step=0):
+    """Stops the job inside its first restore onto a new mesh from a checkpoint of step
+    ``from_step`` or later (the test's handshake)."""
     from adaptjax.controller import _controller
 
     original = _controller.restore_latest
 
     def held(checkpoints, steps, config):
+        if checkpoints.latest_step() < from_step:
+            return original(checkpoints, steps, config)
         _controller.restore_latest = original  # once
         print(f"RESTORING {checkpoints.latest_step()}", flush=True)
         hold(gate, f"restore {checkpoints.latest_step()} mesh {config.axes}")
@@ -193,20 +252,56 @@ def hold_in_save(step, gate):
     async_checkpointer.AsyncCheckpointer._save = _save
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
     parser.add_argument("steps", type=int)
     parser.add_argument("--kill-in-save", type=int, default=None, help="checkpoint step")
-    parser.add_argument("--hold", default=None, help="step=N or devices=K: where to stop")
+    parser.add_argument("--hold", default=None,
+                        help="step=N, devices=K or restore[=S]: where to stop")
     parser.add_argument("--hold-in-save", type=int, default=None, help="checkpoint step")
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--schedule-scale", type=int, default=1, help="schedule steps x this")
     parser.add_argument("--gate", default=None, help="the handshake directory of --hold")
     parser.add_argument("--sharded", action="store_true", help="a (data 2, fsdp 4) mesh")
+    parser.add_argument("--data", choices=["array", "grain", "grain-iter"], default="array")
     args = parser.parse_args()
-    if args.hold == "restore":
-        hold_in_restore(args.gate)
+    if args.sharded and args.data == "grain-iter":
+        parser.error("--data grain-iter keeps its batch; the --sharded schedule changes it")
+    return args
+
+
+def kill_in_save(step):
+    """Ends the process inside the write of checkpoint ``step``: every byte written, the
+    commit (Orbax's rename) never happens."""
+    from orbax.checkpoint._src.path import atomicity
+
+    original = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def finalize(self, *a, **k):
+        if self.get_final().name == str(step):
+            os._exit(17)
+        return await original(self, *a, **k)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = finalize
+
+
+def build_kwargs(args, on_step):
+    """The job's settings for ``args``: its mesh, data and schedule."""
+    common = dict(on_step=on_step, checkpoint_every=args.checkpoint_every,
+                  data=make_dataset(args.data, args.run_dir))
+    scale = args.schedule_scale
+    if args.sharded:
+        policies = [LossDrivenPolicy(), Announce(sharded_schedule(scale))]
+        return sharded_kwargs(**common, policies=policies)
+    plan = iter_schedule(scale) if args.data == "grain-iter" else schedule(scale)
+    return job_kwargs(**common, policies=[LossDrivenPolicy(), Announce(plan)])
+
+
+def main():
+    args = parse_args()
+    if args.hold and args.hold.startswith("restore"):
+        hold_in_restore(args.gate, int(args.hold.partition("=")[2] or 0))
         args.hold = None
     kind, value = args.hold.split("=") if args.hold else (None, 0)
     held = []
@@ -220,25 +315,10 @@ def main():
             print(f"RELEASED {released}", flush=True)
 
     if args.kill_in_save is not None:
-        from orbax.checkpoint._src.path import atomicity
-
-        original = atomicity.AtomicRenameTemporaryPath.finalize
-
-        async def finalize(self, *a, **k):
-            if self.get_final().name == str(args.kill_in_save):
-                os._exit(17)  # every byte written, the commit (rename) never happens
-            return await original(self, *a, **k)
-
-        atomicity.AtomicRenameTemporaryPath.finalize = finalize
+        kill_in_save(args.kill_in_save)
     if args.hold_in_save is not None:
         hold_in_save(args.hold_in_save, args.gate)
-    common = dict(on_step=on_step, checkpoint_every=args.checkpoint_every)
-    if args.sharded:
-        kwargs = sharded_kwargs(**common)
-    else:
-        kwargs = job_kwargs(
-            **common, policies=[LossDrivenPolicy(), Announce(schedule(args.schedule_scale))],
-        )
+    kwargs = build_kwargs(args, on_step)
     ckpts = os.path.join(args.run_dir, "checkpoints")
     if os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)):
         ctrl = resume_controller(args.run_dir, **kwargs)
