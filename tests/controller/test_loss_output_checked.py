@@ -57,6 +57,22 @@ def test_a_loss_of_the_right_structure_runs(tmp_path):
     assert ctrl.step == 2
 
 
+def test_a_loss_with_per_example_aux_runs_and_logs_its_scalars(tmp_path):
+    # the tutorial's loss_fn returns (loss, logits): the first step's metrics used to
+    # fail in the reader ("only 0-dimensional arrays can be converted to Python scalars")
+    def loss(p, b):
+        r = _residual(p, b)
+        return jnp.mean(r ** 2), {"residual": r, "max": jnp.max(jnp.abs(r))}
+
+    ctrl = _controller(tmp_path, loss, has_aux=True)
+    ctrl.run(2)
+    ctrl.close()
+    assert ctrl.step == 2
+    aux = {k for k in ctrl.latest_metrics if k.startswith("aux")}
+    assert aux == {"aux['max']"}  # the per-example residual is no metric
+    assert ctrl.latest_metrics["aux['max']"] > 0
+
+
 def test_a_resumed_2d_job_warns_of_nothing_it_was_not_passed(tmp_path):
     # 2x4 -> 1x4: one replica then needs two micro-batches (the noise scale's two samples),
     # which the checkpoint keeps; the spec never named microbatches.
