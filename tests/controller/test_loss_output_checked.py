@@ -40,6 +40,11 @@ def _residual(p, b):
     (lambda p, b: (_residual(p, b) ** 2, 0.0), True,
      "loss_fn must return a scalar loss, got shape (4,); reduce it over the batch (e.g. "
      "jnp.mean)"),
+    # optax's getting-started loss(params, batch, labels): its signature, not the data
+    (lambda p, x, y: jnp.mean((x @ p["w"] - y) ** 2), False,
+     "loss_fn is called as loss_fn(model_or_params, batch), but <lambda>(p, x, y) cannot be "
+     "(missing a required argument: 'y'); take the batch as one pytree, e.g. "
+     "lambda params, batch: loss(params, *batch) for (inputs, labels) batches"),
 ])
 def test_a_loss_of_the_wrong_structure_is_refused_before_the_run_dir_exists(
         tmp_path, loss_fn, has_aux, message):
