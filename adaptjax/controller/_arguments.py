@@ -11,6 +11,7 @@ monitors. It writes nothing and compiles nothing.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import traceback
@@ -103,6 +104,7 @@ def check_arguments(model, loss_fn, optimizer, data, spec: RunSpec, hooks,
     check_optimizer(optimizer, spec.learning_rate)
     check_float_tree(split_model(model)[1], "parameters")
     check_data(data)
+    check_loss_signature(loss_fn)
     if hasattr(data, "batch_at") and not resume:
         # On resume: once the checkpoint's model was checked (resume_from); datasets without
         # batch_at: on their first batch (the controller's _first_checked).
@@ -183,6 +185,32 @@ def check_data(data) -> None:
 def replica_rows(config: RunConfig) -> int:
     """The rows of one replica's micro-batch: what one call of ``loss_fn`` sees."""
     return max(1, config.batch_size // (config.devices * config.microbatches))
+
+
+def check_loss_signature(loss_fn) -> None:
+    """One-line ``ValueError`` unless ``loss_fn`` can be called as ``loss_fn(model, batch)``.
+
+    A loss written for a loop of its own often takes the batch's parts one by
+    one (optax's ``loss(params, batch, labels)``); tracing it on a batch would
+    blame the data's shapes. A callable without a signature is left for its
+    first call.
+    """
+    if not callable(loss_fn):
+        raise ValueError("loss_fn must be callable as loss_fn(model_or_params, batch), got "
+                         f"{type(loss_fn).__name__}")
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as e:
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        raise ValueError(
+            f"loss_fn is called as loss_fn(model_or_params, batch), but {name}{signature} "
+            f"cannot be ({e}); take the batch as one pytree, e.g. "
+            "lambda params, batch: loss(params, *batch) for (inputs, labels) batches"
+        ) from None
 
 
 def check_loss_shapes(model, loss_fn, batch, rows: int, has_aux: bool) -> None:

@@ -29,7 +29,8 @@ class Hook:
 
     Args:
       fn: ``fn(controller)``, called with the :class:`adaptjax.Controller` after the step
-        is dispatched (its metrics are read a step later).
+        is dispatched. Metrics are read behind dispatch, so ``controller.latest_metrics``
+        are then an earlier step's; ``controller.drain()`` reads up to this step first.
       every: the cadence in steps.
 
     Example:

@@ -78,7 +78,7 @@ class MetricsReader:
         self._last_ready = None
 
     def _snapshot(self, step: int, config: RunConfig, device_metrics) -> Snapshot:
-        values = jax.device_get(device_metrics)
+        values = jax.device_get(_scalar_aux(device_metrics))
         now = time.perf_counter()
         flat = _floats(values)
         skipped = flat.get("nonfinite", 0.0) > 0
@@ -114,8 +114,23 @@ class MetricsReader:
         return Snapshot(step, config, flat)
 
 
+def _scalar_aux(values: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``values`` with only the scalar leaves of its ``aux``: a metric is one number.
+
+    The per-example leaves a step returns (a loss function's logits, gathered in
+    batch order) are left on the device, neither fetched nor logged.
+    """
+    extras = values.extras if isinstance(values, Metrics) else values
+    if "aux" not in extras:
+        return values
+    aux = jax.tree.map(lambda x: x if np.ndim(x) == 0 else None, extras["aux"])
+    if isinstance(values, Metrics):
+        return Metrics(values.names, values.values, {**values.extras, "aux": aux})
+    return {**values, "aux": aux}
+
+
 def _floats(values: Mapping[str, Any]) -> dict[str, float]:
-    """A step's fetched metrics as Python floats; ``aux`` leaves keyed ``aux<path>``."""
+    """A step's fetched metrics as Python floats; scalar ``aux`` leaves keyed ``aux<path>``."""
     if isinstance(values, Metrics):  # one vector: a single conversion, not one per name
         flat = dict(zip(values.names, np.asarray(values.values).tolist(), strict=True))
         rest: Mapping[str, Any] = values.extras

@@ -51,7 +51,8 @@ class RunSpec:
         with an even batch, so that the noise scale has two gradient samples).
       learning_rate: the rate (a float or optax schedule) the optimizer was built
         with, if not injected: policies set it as a factor on the updates.
-      has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``: aux's scalars join each step's
+        metrics as ``aux['name']``; its per-example arrays (logits) are not fetched.
       codec: the initial gradient codec (``None``: dense fp32 sync).
       sync: the initial :class:`adaptjax.sync.SyncStrategy` or its name (``None``: S-SGD).
       precision: :class:`adaptjax.Precision` or its key (``None``: float32).

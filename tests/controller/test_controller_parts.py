@@ -146,11 +146,13 @@ def test_metrics_reader_reads_one_behind_and_counts_nonfinite_streaks():
 
 
 def test_metrics_reader_reads_a_packed_vector_and_aux_leaves_as_floats():
+    # per-example aux (logits, 4 rows) is no metric: left out, not an error
     import jax.numpy as jnp
 
     reader = MetricsReader()
     packed = adaptjax.Metrics.pack({"loss": jnp.float32(0.25), "nonfinite": 0},
-                                   {"aux": {"acc": jnp.float32(0.5), "top": [jnp.int32(3)]}})
+                                   {"aux": {"acc": jnp.float32(0.5), "top": [jnp.int32(3)],
+                                            "logits": jnp.zeros((4, 10))}})
     reader.push(1, adaptjax.RunConfig(2, 4), packed)
     (snap,) = reader.read(lag=0)
     values = {k: v for k, v in snap.metrics.items() if k in ("loss", "nonfinite") or "aux" in k}

@@ -40,6 +40,11 @@ def _residual(p, b):
     (lambda p, b: (_residual(p, b) ** 2, 0.0), True,
      "loss_fn must return a scalar loss, got shape (4,); reduce it over the batch (e.g. "
      "jnp.mean)"),
+    # optax's getting-started loss(params, batch, labels): its signature, not the data
+    (lambda p, x, y: jnp.mean((x @ p["w"] - y) ** 2), False,
+     "loss_fn is called as loss_fn(model_or_params, batch), but <lambda>(p, x, y) cannot be "
+     "(missing a required argument: 'y'); take the batch as one pytree, e.g. "
+     "lambda params, batch: loss(params, *batch) for (inputs, labels) batches"),
 ])
 def test_a_loss_of_the_wrong_structure_is_refused_before_the_run_dir_exists(
         tmp_path, loss_fn, has_aux, message):
@@ -55,6 +60,22 @@ def test_a_loss_of_the_right_structure_runs(tmp_path):
     ctrl.run(2)
     ctrl.close()
     assert ctrl.step == 2
+
+
+def test_a_loss_with_per_example_aux_runs_and_logs_its_scalars(tmp_path):
+    # the tutorial's loss_fn returns (loss, logits): the first step's metrics used to
+    # fail in the reader ("only 0-dimensional arrays can be converted to Python scalars")
+    def loss(p, b):
+        r = _residual(p, b)
+        return jnp.mean(r ** 2), {"residual": r, "max": jnp.max(jnp.abs(r))}
+
+    ctrl = _controller(tmp_path, loss, has_aux=True)
+    ctrl.run(2)
+    ctrl.close()
+    assert ctrl.step == 2
+    aux = {k for k in ctrl.latest_metrics if k.startswith("aux")}
+    assert aux == {"aux['max']"}  # the per-example residual is no metric
+    assert ctrl.latest_metrics["aux['max']"] > 0
 
 
 def test_a_resumed_2d_job_warns_of_nothing_it_was_not_passed(tmp_path):
