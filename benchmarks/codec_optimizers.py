@@ -255,7 +255,6 @@ def summary(rows: list[dict]) -> str:
     lm = {(r["optimizer"], r["codec"]): r for r in rows if r["workload"] == "lm"}
     ob = lm.get(("adamw", "onebit_adam"))
     defaults = [r for r in rows if r["codec"] not in NOT_DEFAULT]
-    worst = max(defaults, key=lambda r: r["gap"])
     unwarned = [r for r in defaults if not r["warned"]]
     if unwarned:
         w = max(unwarned, key=lambda r: r["gap"])
@@ -263,6 +262,9 @@ def summary(rows: list[dict]) -> str:
               f"{w['workload']})")
     head = (f"onebit_adam_loss_gap={ob['gap']:.4f} onebit_adam_bytes_ratio={ob['bytes_ratio']:.2f}"
             if ob else "onebit_adam_loss_gap=nan onebit_adam_bytes_ratio=nan")
+    if not defaults:  # e.g. --codecs dense,onebit_adam: no default construction was run
+        return f"{head} worst_default_gap=nan (none run)"
+    worst = max(defaults, key=lambda r: r["gap"])
     return f"{head} worst_default_gap={worst['gap']:.4f} ({worst['codec']}+{worst['optimizer']})"
 
 
