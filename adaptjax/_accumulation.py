@@ -17,6 +17,15 @@ The monitors see the micro-steps as gradient samples: the inner update
 receives ``microbatches=k`` (times the step's own micro-batches) and the sum of
 the micro-steps' squared gradient norms, so the noise scale measures at the
 batch the optimizer steps with.
+
+A micro-step that :func:`adaptjax.data_parallel_step` skips (its loss or
+gradients not finite) still counts (:func:`skip_micro_step`), and the
+optimizer step it belongs to is skipped whole: the inner chain does not run
+on its ``k``-th micro-step, and the step's metric ``nonfinite`` is 1 on the
+micro-steps from the skipped one to the ``k``-th. So
+every ``k`` calls are one optimizer step, taken or skipped, whatever the
+data: a caller that dispatches ``k`` calls per step stays in step with the
+state.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ class AccumulateState(NamedTuple):
     Attributes:
       micro_step: int32, micro-steps accumulated since the last update.
       micro_steps: int32, micro-steps per optimizer step (``k``).
+      skipped: int32, 1 when a micro-step since the last update was skipped
+        (non-finite): the optimizer step they make up is skipped whole.
       grads: this replica's sum of the accumulated gradients (:class:`PerReplica`).
       sqnorm: float32, this replica's sum of their squared norms (:class:`PerReplica`).
       loss: float32, this replica's sum of its losses (``replica_loss=``, when the
@@ -46,6 +57,7 @@ class AccumulateState(NamedTuple):
 
     micro_step: jax.Array
     micro_steps: jax.Array
+    skipped: jax.Array
     grads: PerReplica
     sqnorm: PerReplica
     loss: PerReplica
@@ -84,6 +96,7 @@ def accumulate(
         return AccumulateState(
             micro_step=jnp.zeros((), jnp.int32),
             micro_steps=jnp.asarray(micro_steps, jnp.int32),
+            skipped=jnp.zeros((), jnp.int32),
             grads=PerReplica(zeros),
             sqnorm=PerReplica(jnp.zeros((), jnp.float32)),
             loss=PerReplica(jnp.zeros((), jnp.float32)),
@@ -105,7 +118,14 @@ def accumulate(
             loss = loss + jnp.asarray(extra["replica_loss"], jnp.float32)
         step = state.micro_step + 1
 
-        def last(_):
+        def fresh(inner_state):  # the next optimizer step's first micro-step comes next
+            zero = jax.tree.map(jnp.zeros_like, grads)
+            scalar = PerReplica(jnp.zeros((), jnp.float32))
+            return AccumulateState(jnp.zeros_like(step), state.micro_steps,
+                                   jnp.zeros_like(state.skipped), PerReplica(zero), scalar,
+                                   scalar, inner_state)
+
+        def run(_):
             k = state.micro_steps
             mean = jax.tree.map(lambda a, g: (a / k).astype(g.dtype), grads, updates)
             inner_extra = {key: v for key, v in extra.items() if key != "local_sqnorm"}
@@ -115,10 +135,13 @@ def accumulate(
             if extra.get("replica_loss") is not None:  # the mean over the micro-steps
                 inner_extra["replica_loss"] = loss / k
             out, inner_state = inner.update(mean, state.inner_state, params, **inner_extra)
-            zero = jax.tree.map(jnp.zeros_like, grads)
-            scalar = PerReplica(jnp.zeros((), jnp.float32))
-            return out, AccumulateState(jnp.zeros_like(step), k, PerReplica(zero), scalar,
-                                        scalar, inner_state)
+            return out, fresh(inner_state)
+
+        def drop(_):  # a micro-step of this optimizer step was skipped: it is skipped whole
+            return jax.tree.map(jnp.zeros_like, updates), fresh(state.inner_state)
+
+        def last(_):
+            return jax.lax.cond(state.skipped > 0, drop, run, None)
 
         def between(_):
             zero = jax.tree.map(jnp.zeros_like, updates)
@@ -128,6 +151,51 @@ def accumulate(
         return jax.lax.cond(step >= state.micro_steps, last, between, None)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def skip_micro_step(opt_state: Any) -> Any:
+    """``opt_state`` after a micro-step that was skipped (non-finite), for each ``AccumulateState``.
+
+    The micro-step counts: on the ``k``-th the optimizer step ends, skipped
+    (nothing runs, the accumulator starts afresh); before it, the optimizer
+    step goes on, marked ``skipped`` so that its last micro-step drops it.
+    :func:`adaptjax.data_parallel_step` calls this in place of the update of
+    a step it skips; without an ``AccumulateState`` it returns ``opt_state``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, adaptjax
+      >>> from adaptjax._accumulation import skip_micro_step
+      >>> state = adaptjax.accumulate(optax.sgd(1.0), micro_steps=2).init({"w": jnp.zeros(())})
+      >>> state = skip_micro_step(state)
+      >>> int(state.micro_step), int(state.skipped)
+      (1, 1)
+      >>> u, state = adaptjax.accumulate(optax.sgd(1.0), 2).update({"w": jnp.float32(1.0)}, state)
+      >>> float(u["w"]), int(state.micro_step), int(state.skipped)  # the step is dropped
+      (0.0, 0, 0)
+    """
+
+    def one(x):
+        if not isinstance(x, AccumulateState):
+            return x
+        step = x.micro_step + 1
+        done = step >= x.micro_steps
+        zero = lambda p: PerReplica(jax.tree.map(jnp.zeros_like, p.value), p.merge)  # noqa: E731
+        return x._replace(micro_step=jnp.where(done, 0, step).astype(x.micro_step.dtype),
+                          skipped=jnp.where(done, 0, 1).astype(x.skipped.dtype),
+                          grads=zero(x.grads), sqnorm=zero(x.sqnorm), loss=zero(x.loss))
+
+    return jax.tree.map(one, opt_state, is_leaf=lambda x: isinstance(x, AccumulateState))
+
+
+def skipped_before(opt_state: Any) -> jax.Array | None:
+    """Whether an optimizer step in progress in ``opt_state`` already skipped a micro-step
+    (``None`` when ``opt_state`` holds no ``AccumulateState``)."""
+    flags = [x.skipped > 0 for x in jax.tree.leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, AccumulateState))
+        if isinstance(x, AccumulateState)]
+    if not flags:
+        return None
+    return jnp.any(jnp.stack(flags))
 
 
 def set_micro_steps(opt_state: Any, micro_steps: int) -> Any:

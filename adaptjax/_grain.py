@@ -153,13 +153,15 @@ class GrainDataset:
 
         Such a pipeline has no sample index, so it is read forward and its
         position is grain's iterator state (``get_state()``), saved with every
-        checkpoint: a resume continues at the exact element. The batch size
-        stays fixed and the job runs on one process.
+        checkpoint: a resume continues at the exact element. Every read takes
+        ``batch_size`` elements, and the job runs on one process; the
+        controller's batch can still change when each step accumulates
+        micro-steps of this batch (``RunSpec(micro_batch_size=batch_size)``).
 
         Args:
           dataset: an unbatched, endless ``grain.IterDataset`` (repeat the
             ``MapDataset`` before ``.to_iter_dataset()``).
-          batch_size: elements in every batch.
+          batch_size: elements in every batch (read).
         """
         from adaptjax._grain_iter import GrainIterDataset
 

@@ -11,8 +11,10 @@ continues at the exact element.
 
 What it guarantees, and what it refuses:
 
-* the per-step batch is fixed (``batch_size`` elements, stacked leaf by leaf);
-  grow the optimizer's batch with accumulated micro-steps instead;
+* the per-read batch is fixed (``batch_size`` elements, stacked leaf by leaf);
+  the controller's batch still changes when it is carried by accumulated
+  micro-steps of that batch (``RunSpec(micro_batch_size=batch_size)``: a
+  batch of ``k x batch_size`` is ``k`` reads, in order);
 * a mesh change in one process continues exactly (the stream does not depend
   on the mesh);
 * the pipeline's iterator must have ``get_state``/``set_state``;
@@ -87,8 +89,9 @@ class GrainIterDataset:
       dataset: an unbatched ``grain.IterDataset`` (e.g. ``.filter`` or
         ``grain.experimental.FirstFitPackIterDataset`` after
         ``.to_iter_dataset()``) whose iterator has ``get_state``/``set_state``.
-      batch_size: elements in every batch; the controller's batch size must
-        stay at it.
+      batch_size: elements in every batch: the controller's
+        ``RunSpec.micro_batch_size`` (its batch size then any multiple of it),
+        or its batch size, which then stays at it.
 
     Example:
       >>> import grain
@@ -175,8 +178,8 @@ class GrainIterDataset:
         if b != self._batch:
             raise ValueError(
                 f"{_NAME} serves batches of {self._batch} elements, asked for {b}; keep "
-                f"the batch size at {self._batch} and grow the optimizer's batch with "
-                "accumulated micro-steps"
+                f"each step's batch at {self._batch} and grow the optimizer's batch in "
+                f"accumulated micro-steps: RunSpec(micro_batch_size={self._batch})"
             )
         batch = self._read(self._iter, b, self._cursor)
         self._cursor += b

@@ -16,6 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from adaptjax._accumulation import skip_micro_step, skipped_before
 from adaptjax._chain import SyncChain, guarded_sync
 from adaptjax._loss_scale import LossScaled, adjust_in, current_loss_scale, has_loss_scale
 from adaptjax._mesh import check_mesh, is_sharded
@@ -696,8 +697,9 @@ def _update_branch(complete, rest, extra, summed, rest_state, params, model_stat
 
 
 def _skip_branch(old_model_state, summed, rest_state, params, model_state, sync_state):
-    """A skipped step: everything as it was before the step."""
-    return params, rest_state, old_model_state, sync_state
+    """A skipped step: everything as it was before the step, but that an accumulation
+    (:func:`adaptjax.accumulate`) counts it as a micro-step (``skip_micro_step``)."""
+    return params, skip_micro_step(rest_state), old_model_state, sync_state
 
 
 def _step_outputs(config: _StepConfig, state, synced: _Synced, updated, aux, in_sync: bool):
@@ -709,7 +711,11 @@ def _step_outputs(config: _StepConfig, state, synced: _Synced, updated, aux, in_
         assert isinstance(tx, SyncChain)
         opt_state = tx.join_state(sync_state, rest_state)
     aux = _gather_aux(aux, config.axis_name)
-    scalars = {"loss": synced.loss, "nonfinite": (~synced.ok).astype(jnp.float32)}
+    skipped = ~synced.ok
+    before = skipped_before(state.opt_state)  # accumulating: a micro-step of it was skipped
+    if before is not None:  # on its last micro-step: the optimizer step was skipped
+        skipped = skipped | before
+    scalars = {"loss": synced.loss, "nonfinite": skipped.astype(jnp.float32)}
     if config.loss_scale is not None:  # skipped: shrink; `period` finite in a row: grow
         opt_state = adjust_in(opt_state, config.loss_scale, synced.ok)
         scalars["loss_scale"] = current_loss_scale(opt_state)

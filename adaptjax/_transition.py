@@ -87,6 +87,7 @@ def plan_transition(
     min_replicas: int = 1,
     device_limit: int | None = None,
     check_mesh: Callable[[RunConfig, str], None] | None = None,
+    micro_batch_size: int | None = None,
 ) -> Transition:
     """Folds ``actions`` into one :class:`Transition` from ``config``; checks every request.
 
@@ -111,6 +112,11 @@ def plan_transition(
     than ``device_limit`` devices raises, and ``check_mesh(config, what)``
     (the step cache's) raises when the model's shardings cannot take the new
     shape, naming the leaf.
+
+    ``micro_batch_size`` (:attr:`adaptjax.RunSpec.micro_batch_size`): every
+    step is whole micro-batches of it, each split over the replicas; a batch
+    that is not a multiple of it, or replicas x micro-batches that do not
+    divide it, raise (:func:`check_micro_batch`) instead of being rounded.
     """
     asked = _fold(actions, config)
     devices = asked.devices
@@ -134,6 +140,8 @@ def plan_transition(
         config.precision if asked.precision is _KEEP else controller_precision(asked.precision)
     )
     wanted = config.batch_size if asked.batch is None else asked.batch
+    if micro_batch_size is not None:  # whole micro-batches: nothing to round
+        check_micro_batch(wanted, micro_batch_size, devices, micro)
     rounded = round_batch(wanted, devices, micro)
     new = config.replace(
         devices=devices,
@@ -273,6 +281,32 @@ def _sync(asked: _Asked, config: RunConfig, devices: int, strategies) -> tuple[o
     if sync is not None:  # a strategy already (resolve_sync returns one as it is)
         resolve_sync(sync).check(devices, object() if has_codec else None)
     return sync, changed
+
+
+def check_micro_batch(batch_size: int, micro_batch_size: int, devices: int,
+                      microbatches: int) -> None:
+    """One-line ``ValueError`` unless ``batch_size`` is whole micro-batches of
+    ``micro_batch_size`` and each micro-batch splits over ``devices`` x ``microbatches``.
+
+    Example:
+      >>> from adaptjax._transition import check_micro_batch
+      >>> check_micro_batch(96, 32, 8, 1)
+      >>> check_micro_batch(80, 32, 8, 1)
+      Traceback (most recent call last):
+      ...
+      ValueError: batch_size 80 is not a multiple of RunSpec.micro_batch_size 32: a step accumulates whole micro-batches; use a multiple of 32 (a batch-size policy: multiple_of=32)
+    """  # noqa: E501
+    if batch_size % micro_batch_size:
+        raise ValueError(
+            f"batch_size {batch_size} is not a multiple of RunSpec.micro_batch_size "
+            f"{micro_batch_size}: a step accumulates whole micro-batches; use a multiple of "
+            f"{micro_batch_size} (a batch-size policy: multiple_of={micro_batch_size})")
+    unit = devices * microbatches
+    if micro_batch_size % unit:
+        raise ValueError(
+            f"RunSpec.micro_batch_size {micro_batch_size} does not split over replicas x "
+            f"microbatches = {devices} x {microbatches}; use a micro_batch_size that is a "
+            f"multiple of {unit}")
 
 
 def monitor_sample_needs(monitors) -> tuple[int, int]:

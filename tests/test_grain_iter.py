@@ -117,8 +117,9 @@ def one_line(call, message):
 
 def test_bad_reads_and_states_are_one_line_errors():
     ds = GrainIterDataset(ODD, batch_size=4)
-    one_line(lambda: ds.next_batch(8), "serves batches of 4 elements, asked for 8; keep the "
-             "batch size at 4 and grow the optimizer's batch with accumulated micro-steps")
+    one_line(lambda: ds.next_batch(8), "serves batches of 4 elements, asked for 8; keep each "
+             "step's batch at 4 and grow the optimizer's batch in accumulated micro-steps: "
+             "RunSpec(micro_batch_size=4)")
     one_line(lambda: ds.batch_at(4, 4), "reads forward only and cannot read at cursor 4")
     moved = dict(ds.state_dict(), process_count=2)
     one_line(lambda: ds.load_state_dict(moved), "saved by 2 processes and this job has 1: a "

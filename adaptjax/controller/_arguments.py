@@ -29,7 +29,12 @@ from adaptjax._mesh import make_mesh
 from adaptjax._monitors import GradientNoiseScale, GradientNorm, GradientSNR
 from adaptjax._run_config import RunConfig, codec_key
 from adaptjax._state import merge_model, split_model
-from adaptjax._transition import monitor_sample_needs, one_gradient_sample, sample_split
+from adaptjax._transition import (
+    check_micro_batch,
+    monitor_sample_needs,
+    one_gradient_sample,
+    sample_split,
+)
 from adaptjax._tree import check_float_tree
 from adaptjax._walk import find_held
 from adaptjax.controller._hooks import Evaluate, Hook, check_hooks
@@ -94,9 +99,12 @@ def check_arguments(model, loss_fn, optimizer, data, spec: RunSpec, hooks,
     devices, mesh_shape = start_shape(spec.devices, spec.mesh_shape)
     resolve_sync(spec.sync).check(devices, spec.codec)
     batch_size, microbatches = spec.batch_size, spec.microbatches
+    per_call = spec.micro_batch_size or batch_size  # the samples of one compiled step
     if microbatches is None:
-        one_even = devices == 1 and isinstance(batch_size, int) and batch_size % 2 == 0
+        one_even = devices == 1 and isinstance(per_call, int) and per_call % 2 == 0
         microbatches = 2 if one_even else 1
+    if spec.micro_batch_size is not None:
+        check_micro_batch(batch_size, spec.micro_batch_size, devices, microbatches)
     config = RunConfig(devices, batch_size, microbatches, codec_key(spec.codec),
                        sync_key(spec.sync), mesh_shape=mesh_shape)
     max_devices = check_devices(config, spec.max_devices, resume)

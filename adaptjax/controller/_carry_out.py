@@ -30,7 +30,13 @@ from adaptjax.controller._hyperparams import hyperparams_of as optimizer_hyperpa
 from adaptjax.controller._hyperparams import write_hyperparams as set_hyperparams
 from adaptjax.controller._persistence import config_from
 from adaptjax.controller._rebuild import rebuild_state
-from adaptjax.controller._step_cache import OPTIMIZER, SYNC, StepCache
+from adaptjax.controller._step_cache import (
+    OPTIMIZER,
+    SYNC,
+    StepCache,
+    chain_state,
+    with_chain_state,
+)
 from adaptjax.launch._distributed import max_processes, processes_for
 
 
@@ -76,7 +82,9 @@ def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> C
     the rule a restore applies (:func:`adaptjax.sync.merge_replicas`); a move to or
     from a sharded mesh goes through a checkpoint and an Orbax restore onto
     the new shardings (:attr:`Carried.restore`); either waits for a relaunch
-    when it needs another process count (:attr:`Carried.relaunch`).
+    when it needs another process count (:attr:`Carried.relaunch`). Under
+    ``micro_batch_size`` the state's number of micro-steps is set to the new
+    batch's (:meth:`StepCache.with_micro_steps`: a batch change compiles nothing).
     """
     events: list[dict] = []
     if plan.hyperparams:
@@ -100,6 +108,7 @@ def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> C
             "batch_size": new.batch_size, "replicas": new.devices,
             "microbatches": new.microbatches,
         })
+    state = steps.with_micro_steps(state, new)  # between optimizer steps: micro_step is 0
     if (new.devices, new.mesh_shape) == (config.devices, config.mesh_shape):
         return Carried(state, new, tuple(events))
     move = {"kind": "rescale", "devices_from": config.devices, "devices_to": new.devices}
@@ -119,19 +128,20 @@ def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> C
 def hyperparams_of(state) -> dict[str, float]:
     """What a policy may read and set in ``state``'s optimizer (see
     :mod:`adaptjax.controller._hyperparams`)."""
-    return optimizer_hyperparams(state.opt_state[OPTIMIZER])
+    return optimizer_hyperparams(chain_state(state.opt_state)[OPTIMIZER])
 
 
 def write_hyperparams(state, values: Mapping[str, float], mesh):
     """``state`` with ``values`` set in its optimizer (injected, or the rate's factor)."""
-    return _with_optimizer(state, set_hyperparams(state.opt_state[OPTIMIZER], values, mesh))
+    optimizer = chain_state(state.opt_state)[OPTIMIZER]
+    return _with_link(state, OPTIMIZER, set_hyperparams(optimizer, values, mesh))
 
 
-def _with_optimizer(state, opt):
-    """``state`` with ``opt`` as the ``"optimizer"`` link's state."""
-    opt_state = dict(state.opt_state)
-    opt_state[OPTIMIZER] = opt
-    return dataclasses.replace(state, opt_state=type(state.opt_state)(opt_state))
+def _with_link(state, name: str, value):
+    """``state`` with ``value`` as the state of its chain's link ``name``."""
+    links = chain_state(state.opt_state)
+    changed = type(links)({**links, name: value})
+    return dataclasses.replace(state, opt_state=with_chain_state(state.opt_state, changed))
 
 
 def swap_precision(state, config: RunConfig, precision: str | None, steps: StepCache):
@@ -144,17 +154,17 @@ def swap_precision(state, config: RunConfig, precision: str | None, steps: StepC
     ``initial_scale`` again). Parameters, optimizer moments, hyperparameters,
     the step and everything else pass through as they are (the same arrays).
     """
-    inner, scaled = split_loss_scale(state.opt_state[OPTIMIZER])
+    inner, scaled = split_loss_scale(chain_state(state.opt_state)[OPTIMIZER])
     into = steps.loss_scaled(config.replace(precision=precision))
     if (scaled is None) == (into is None):
         return state  # no loss scale on either side, or one on both: kept as it is
     if into is None:
-        return _with_optimizer(state, inner)
+        return _with_link(state, OPTIMIZER, inner)
     fresh = into.wrap_state(inner)
     replicated = NamedSharding(steps.mesh(config), P())
     fresh = fresh._replace(scale=jax.device_put(fresh.scale, replicated),
                            good_steps=jax.device_put(fresh.good_steps, replicated))
-    return _with_optimizer(state, fresh)
+    return _with_link(state, OPTIMIZER, fresh)
 
 
 def swap_codec(state, config: RunConfig, codec, steps: StepCache):
@@ -165,15 +175,12 @@ def swap_codec(state, config: RunConfig, codec, steps: StepCache):
         tx = steps.tx(new.codec, new.sync, new.precision)
         mesh = steps.mesh(new)
         return rebuild_state(state, tx, mesh, carry_sync=False, sharding=steps.sharding), new
-    fresh = steps.init_state(new)
-    sync = fresh.opt_state[SYNC]._replace(
-        count=state.opt_state[SYNC].count,
-        monitor_states=state.opt_state[SYNC].monitor_states,
-        metrics=state.opt_state[SYNC].metrics,
+    fresh = chain_state(steps.init_state(new).opt_state)[SYNC]
+    old = chain_state(state.opt_state)[SYNC]
+    sync = fresh._replace(
+        count=old.count, monitor_states=old.monitor_states, metrics=old.metrics
     )
-    opt_state = dict(state.opt_state)
-    opt_state[SYNC] = sync
-    return dataclasses.replace(state, opt_state=type(state.opt_state)(opt_state)), new
+    return _with_link(state, SYNC, sync), new
 
 
 def swap_sync(state, config: RunConfig, strategy, steps: StepCache):

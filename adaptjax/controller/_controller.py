@@ -45,7 +45,7 @@ from adaptjax.controller._carry_out import (
     roll_back,
 )
 from adaptjax.controller._compilation_cache import enable_compilation_cache
-from adaptjax.controller._feed import next_batch
+from adaptjax.controller._feed import run_micro_steps, step_batches
 from adaptjax.controller._hooks import Evaluate, Hook, TensorBoard
 from adaptjax.controller._metrics_reader import MetricsReader, Snapshot, add_host_metrics
 from adaptjax.controller._persistence import (
@@ -213,14 +213,15 @@ class Controller:
         self.steps = StepCache(model=model, loss_fn=loss_fn, optimizer=optimizer,
                                has_aux=spec.has_aux, learning_rate=spec.learning_rate,
                                monitors=a.monitors, sharding=spec.sharding,
-                               norm_chunks=spec.norm_chunks, loss_scale=spec.loss_scale)
+                               norm_chunks=spec.norm_chunks, loss_scale=spec.loss_scale,
+                               micro_batch_size=spec.micro_batch_size)
         register_held(self.steps, spec.codec, spec.sync, self._policies)
         a = dataclasses.replace(a, config=self.steps.start(a.config, data, spec.precision))
         min_samples, min_replicas = a.sample_needs  # what the monitors need of a configuration
         self._limits: dict[str, Any] = dict(
             max_devices=a.max_devices, strategies=self.steps.strategies, min_samples=min_samples,
             min_replicas=min_replicas, device_limit=a.device_limit,
-            check_mesh=self.steps.check_mesh)
+            check_mesh=self.steps.check_mesh, micro_batch_size=spec.micro_batch_size)
         enable_compilation_cache(spec.compile.cache_dir)
         self.reader = MetricsReader(functools.partial(comm_seconds, self.steps, data,
                                                       spec.link_bandwidth))
@@ -391,17 +392,19 @@ class Controller:
         self._dir.confirm(block=False)
 
     def _dispatch(self) -> None:
-        """Dispatches one step of the configuration in force (it never waits for its result)."""
+        """Dispatches one step of the configuration in force (it never waits for its result);
+        under ``micro_batch_size``, its micro-steps (one compiled program, one metrics row)."""
         config = self.config
         fn = self.steps.step(config)
-        batch = _first_checked(self, next_batch(self.data, config, self.steps), config)
+        batches = step_batches(self.data, config, self.steps)
+        batch = _first_checked(self, batches[0], self.steps.compiled(config))
         before = fn.jitted._cache_size()
         t0 = time.perf_counter()
         self.clock.started(t0)
         self._compiler.wait_for(config)  # compiling in the background: wait, never twice
         hparams = self._host_hparams if self._host_hparams is not None else self.hyperparams
         self._host_hparams = hparams
-        self.state, metrics = fn(self.state, batch)
+        self.state, metrics = run_micro_steps(fn, self.state, batches)
         compiled = fn.jitted._cache_size() > before
         self.step += 1
         self._hparams_of_step[self.step] = hparams

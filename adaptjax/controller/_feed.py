@@ -1,6 +1,12 @@
-"""The batch of one step: the global batch, or across processes this process's rows of it."""
+"""The batches of one step: the global batch, or across processes this process's rows of it.
+
+Under ``RunSpec.micro_batch_size`` a step is several calls of one compiled
+micro-step (:func:`step_batches`, :func:`run_micro_steps`).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 
@@ -27,3 +33,26 @@ def next_batch(data, config: RunConfig, steps: StepCache):
     else:
         local = jax.tree.map(lambda x: x[start:stop], data.next_batch(config.batch_size))
     return global_batch(local, mesh, config.batch_size)
+
+
+def step_batches(data, config: RunConfig, steps: StepCache) -> list:
+    """The batches of one step of ``config``, in the order they are read.
+
+    One :func:`next_batch` of ``config``'s batch, or with ``micro_batch_size``
+    :meth:`StepCache.micro_steps` consecutive micro-batches of
+    :meth:`StepCache.compiled`'s batch (``batch_size`` samples in all).
+    """
+    compiled = steps.compiled(config)
+    return [next_batch(data, compiled, steps) for _ in range(steps.micro_steps(config))]
+
+
+def run_micro_steps(fn, state, batches: list) -> tuple[Any, Any]:
+    """``fn`` on ``state`` and each of ``batches`` in turn: ``(state, metrics of the last)``.
+
+    With accumulated micro-steps the optimizer runs on the last one, so its
+    metrics are the step's (their loss that of the last micro-batch).
+    """
+    metrics = None
+    for batch in batches:
+        state, metrics = fn(state, batch)
+    return state, metrics

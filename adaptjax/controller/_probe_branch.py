@@ -77,7 +77,7 @@ from adaptjax.controller._background import BackgroundCompiler
 from adaptjax.controller._carry_out import hyperparams_of, write_hyperparams
 from adaptjax.controller._metrics_reader import MetricsReader
 from adaptjax.controller._run_clock import RunClock
-from adaptjax.controller._step_cache import OPTIMIZER, StepCache
+from adaptjax.controller._step_cache import OPTIMIZER, StepCache, chain_state
 from adaptjax.policies._critical_batch import CriticalBatchFit, fit_critical_batch
 from adaptjax.policies._goodput import lr_scale
 from adaptjax.sync._strategy import consensus_params
@@ -260,10 +260,10 @@ class ProbeRunner:
         fewer than 3 distinct branches, a learning-rate rule without what it
         reads).
         """
-        why = _unsupported(self.data)
+        why = _unsupported(self.data, self.steps.micro_batch_size)
         planned = why or plan_branches(
             probe, config, lambda a: self.plan(a).config, hyperparams_of(state), metrics,
-            sgd=not has_second_moment(state.opt_state[OPTIMIZER]))
+            sgd=not has_second_moment(chain_state(state.opt_state)[OPTIMIZER]))
         if isinstance(planned, str):
             return [{"kind": "probe_skipped", "reason": f"{probe!r}: {planned}"}]
         branches, total = planned
@@ -359,8 +359,11 @@ class ProbeRunner:
         return self._losses[key]
 
 
-def _unsupported(data) -> str | None:
+def _unsupported(data, micro_batch_size: int | None = None) -> str | None:
     """Why a probe cannot read its samples here, or ``None``."""
+    if micro_batch_size is not None:
+        return ("a probe's branches do not run accumulated micro-steps yet "
+                "(RunSpec.micro_batch_size is set)")
     if not hasattr(data, "batch_at"):
         return (f"{type(data).__name__} has no batch_at: a probe reads its samples ahead of "
                 "the data cursor without moving it (use adaptjax.ArrayDataset)")

@@ -12,6 +12,7 @@ from adaptjax._loss_scale import split_loss_scale
 from adaptjax._per_replica import PerReplica, stack_replicas
 from adaptjax._state import init_state, train_state_shardings
 from adaptjax.controller._hyperparams import RateFactorState
+from adaptjax.controller._step_cache import chain_state, with_chain_state
 from adaptjax.sync._strategy import _mark, consensus_params
 
 
@@ -30,36 +31,40 @@ def rebuild_state(state, new_tx, mesh, *, carry_sync: bool, sharding=None):
     its count carry over as they are (replicated). ``new_tx`` is the controller's named chain
     (``"sync"``, ``"optimizer"``, ...) or a :func:`sync_chain` (a tuple).
     ``sharding``: how parameters lie on a sharded ``mesh`` (as in
-    :func:`adaptjax.init_state`).
+    :func:`adaptjax.init_state`). Under micro-batching (the chain inside
+    :func:`adaptjax.accumulate`) the chain's state is carried as above and the
+    accumulator starts afresh (a transition comes between optimizer steps).
     """
     n = int(mesh.shape["data"] if "data" in mesh.axis_names else np.prod(mesh.devices.shape))
     old = jax.device_get(state)
     params = jax.device_get(consensus_params(old.params, old.opt_state))
     fresh = jax.device_get(init_state(params, new_tx, mesh, sharding=sharding))
-    named = isinstance(fresh.opt_state, dict)
+    old_links, fresh_links = chain_state(old.opt_state), chain_state(fresh.opt_state)
+    named = isinstance(fresh_links, dict)
     opt_key, sync_slot = ("optimizer", "sync") if named else (1, 0)
-    opt_state: Any = dict(fresh.opt_state) if named else list(fresh.opt_state)
-    old_opt, old_scale = split_loss_scale(old.opt_state[opt_key])
-    new_opt, new_scale = split_loss_scale(fresh.opt_state[opt_key])
+    opt_state: Any = dict(fresh_links) if named else list(fresh_links)
+    old_opt, old_scale = split_loss_scale(old_links[opt_key])
+    new_opt, new_scale = split_loss_scale(fresh_links[opt_key])
     carried = _carried_optimizer(old_opt, new_opt, n)
     if new_scale is not None:
         kept = new_scale if old_scale is None else old_scale
         carried = kept._replace(inner_state=carried)
     opt_state[opt_key] = carried
     if carry_sync:
-        sync = fresh.opt_state[sync_slot]
+        sync = fresh_links[sync_slot]
         opt_state[sync_slot] = sync._replace(
-            count=old.opt_state[sync_slot].count,
-            monitor_states=old.opt_state[sync_slot].monitor_states,
-            metrics=old.opt_state[sync_slot].metrics,
+            count=old_links[sync_slot].count,
+            monitor_states=old_links[sync_slot].monitor_states,
+            metrics=old_links[sync_slot].metrics,
         )
+    links = type(fresh_links)(opt_state) if named else tuple(opt_state)
     new = dataclasses.replace(
         fresh,
         step=old.step,
         nonfinite_count=old.nonfinite_count,
         model_state=old.model_state,
         graphdef=old.graphdef,
-        opt_state=type(fresh.opt_state)(opt_state) if named else tuple(opt_state),
+        opt_state=with_chain_state(fresh.opt_state, links),
     )
     new = jax.tree.map(np.array, new)
     return jax.device_put(new, train_state_shardings(new, mesh, sharding=sharding))

@@ -49,6 +49,11 @@ class RunSpec:
       mesh_shape: a sharded mesh such as ``{"data": 2, "fsdp": 4}`` (``None``: 1-D).
       microbatches: gradient accumulation steps (``None``: 1, or 2 on one device
         with an even batch, so that the noise scale has two gradient samples).
+      micro_batch_size: the global samples one compiled step takes (``None``:
+        the whole batch). Set, each step accumulates ``batch_size /
+        micro_batch_size`` micro-steps of it (:func:`adaptjax.accumulate`), so
+        a batch change to another multiple of it compiles nothing and the
+        memory per device stays that of one micro-batch.
       learning_rate: the rate (a float or optax schedule) the optimizer was built
         with, if not injected: policies set it as a factor on the updates.
       has_aux: ``loss_fn`` returns ``(loss, aux)``: aux's scalars join each step's
@@ -87,6 +92,7 @@ class RunSpec:
     devices: int | None = None
     mesh_shape: Mapping[str, int] | None = None
     microbatches: int | None = None
+    micro_batch_size: int | None = None
     learning_rate: float | Callable[[Any], Any] | None = None
     has_aux: bool = False
     codec: GradientCodec | None = None
@@ -108,8 +114,10 @@ class RunSpec:
         if not isinstance(self.run_dir, str | os.PathLike):
             raise ValueError(f"RunSpec.run_dir must be a path, got {self.run_dir!r}")
         object.__setattr__(self, "run_dir", os.fspath(self.run_dir))
-        for name in ("devices", "microbatches", "norm_chunks", "max_devices"):
+        for name in ("devices", "microbatches", "micro_batch_size", "norm_chunks",
+                     "max_devices"):
             object.__setattr__(self, name, every_or_none(getattr(self, name), f"RunSpec.{name}"))
+        _check_micro_batch(self.batch_size, self.micro_batch_size)
         object.__setattr__(self, "policies", _check_policies(self.policies))
         object.__setattr__(self, "policy_every",
                            check_count(self.policy_every, "RunSpec.policy_every", positive=True))
@@ -202,6 +210,18 @@ def _check_policies(policies) -> tuple:
             raise ValueError("RunSpec.policies must hold adaptjax.policies.Policy objects, "
                              f"got {type(p).__name__}")
     return tuple(policies)
+
+
+def _check_micro_batch(batch_size, micro_batch_size: int | None) -> None:
+    """``batch_size`` is whole micro-batches (when ``micro_batch_size`` is set)."""
+    if micro_batch_size is None:
+        return
+    batch = check_count(batch_size, "RunSpec.batch_size", positive=True)
+    if batch % micro_batch_size:
+        raise ValueError(
+            f"RunSpec.batch_size {batch} is not a multiple of micro_batch_size "
+            f"{micro_batch_size}: a step accumulates whole micro-batches; use a multiple of "
+            f"{micro_batch_size}")
 
 
 def _check_bandwidth(bandwidth) -> None:

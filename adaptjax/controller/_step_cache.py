@@ -13,6 +13,7 @@ import numpy as np
 import optax
 
 from adaptjax import policies as ajp
+from adaptjax._accumulation import AccumulateState, accumulate, set_micro_steps
 from adaptjax._chain import named_chain
 from adaptjax._codec import GradientCodec
 from adaptjax._config_meshes import build_mesh, check_shardings
@@ -85,6 +86,15 @@ class StepCache:
     step is first built, and kept in :attr:`options_of`. Without a schedule
     every step is built as before.
 
+    With ``micro_batch_size`` (:attr:`adaptjax.RunSpec.micro_batch_size`) the
+    chain is wrapped whole in :func:`adaptjax.accumulate`, so
+    ``state.opt_state`` is an ``AccumulateState`` whose ``inner_state`` is the
+    named chain's (:func:`chain_state` finds it either way), and a
+    configuration's step is compiled for one micro-batch
+    (:meth:`compiled`): every batch that is a multiple of it runs the same
+    program, :meth:`micro_steps` times per optimizer step, its number set in
+    the state (:meth:`with_micro_steps`).
+
     Example:
       >>> import jax.numpy as jnp, optax
       >>> from adaptjax import RunConfig
@@ -113,6 +123,8 @@ class StepCache:
     sharding: Any = None  # how parameters lie on a sharded mesh (None: adaptjax.FSDP())
     # dynamic_loss_scale's options for float16 steps (None: its defaults)
     loss_scale: Mapping[str, Any] | None = None
+    # RunSpec.micro_batch_size: each step's program takes this many samples (None: the batch)
+    micro_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         self.loss_scale = check_loss_scale_options(self.loss_scale, "loss_scale")
@@ -238,7 +250,10 @@ class StepCache:
             if scaled:  # around the optimizer link alone: the guard still rides the sync
                 scale = dynamic_loss_scale(parts[1][1], **(self.loss_scale or {}))
                 parts[1] = (OPTIMIZER, scale)
-            self._txs[cache] = named_chain(*parts, (UPDATE_NORM, update_norm())), scale
+            tx = named_chain(*parts, (UPDATE_NORM, update_norm()))
+            if self.micro_batch_size is not None:  # the whole chain, its collectives too
+                tx = accumulate(tx)
+            self._txs[cache] = tx, scale
         return self._txs[cache]
 
     def check_precision(self, precision) -> str | None:
@@ -268,7 +283,29 @@ class StepCache:
         """The loss ``config``'s step differentiates: decode, then cast to its precision."""
         return with_precision(self.loss_fn, config.precision, decode=self.decode)
 
+    def compiled(self, config: RunConfig) -> RunConfig:
+        """The configuration ``config``'s program is compiled for: ``config`` itself, or
+        with ``micro_batch_size`` set, ``config`` at a batch of one micro-batch."""
+        if self.micro_batch_size is None:
+            return config
+        return config.replace(batch_size=self.micro_batch_size)
+
+    def micro_steps(self, config: RunConfig) -> int:
+        """Calls of the compiled step per optimizer step at ``config`` (1 without
+        ``micro_batch_size``)."""
+        return 1 if self.micro_batch_size is None else config.batch_size // self.micro_batch_size
+
+    def with_micro_steps(self, state, config: RunConfig):
+        """``state`` set to take ``config``'s batch in :meth:`micro_steps` micro-steps
+        (:func:`adaptjax.set_micro_steps`: no compile); as it is without ``micro_batch_size``."""
+        if self.micro_batch_size is None:
+            return state
+        k = self.micro_steps(config)
+        return dataclasses.replace(state, opt_state=set_micro_steps(state.opt_state, k))
+
     def step(self, config: RunConfig) -> DataParallelStep:
+        """The compiled step of ``config`` (built once per :meth:`compiled` configuration)."""
+        config = self.compiled(config)
         with self._lock:
             if config not in self._steps:
                 tx, scale = self._tx(
@@ -289,15 +326,16 @@ class StepCache:
     def has_run(self, config: RunConfig) -> bool:
         """Whether a step of ``config`` has been called (so its program is compiled)."""
         with self._lock:
-            step = self._steps.get(config)
+            step = self._steps.get(self.compiled(config))
         return step is not None and step.jitted._cache_size() > 0
 
     def init_state(self, config: RunConfig):
         """A fresh train state for ``config`` (its structure follows codec, sync, precision)."""
-        return init_state(
+        state = init_state(
             self.model, self.tx(config.codec, config.sync, config.precision),
             self.mesh(config), sharding=self.sharding,
         )
+        return self.with_micro_steps(state, config)
 
     def abstract_state(self, config: RunConfig):
         """:meth:`init_state` as ``ShapeDtypeStruct``s with shardings: a restore's target."""
@@ -308,7 +346,7 @@ class StepCache:
 
     def abstract_args(self, config: RunConfig, data):
         """The step's ``(state, batch)`` at ``config`` as ``ShapeDtypeStruct``s (no arrays)."""
-        batch = jax.tree.map(shape_struct, data.batch_at(0, config.batch_size))
+        batch = jax.tree.map(shape_struct, data.batch_at(0, self.compiled(config).batch_size))
         return self.abstract_state(config), batch
 
     def compile(self, config: RunConfig, data=None, *, args=None) -> float:
@@ -324,7 +362,14 @@ class StepCache:
         return time.perf_counter() - t0
 
     def wire_total(self, config: RunConfig, data) -> float | None:
-        """Bytes each device sends per step at ``config`` (from the HLO), cached."""
+        """Bytes each device sends per step at ``config`` (from the HLO), cached.
+
+        With ``micro_batch_size``, those of the compiled micro-step: its
+        gradient collectives run once per optimizer step (on the last
+        micro-step); only the non-finite guard's two scalars cross on every
+        micro-step, which this leaves out.
+        """
+        config = self.compiled(config)
         if config not in self._wire:
             total = None
             if hasattr(data, "batch_at"):
@@ -333,6 +378,22 @@ class StepCache:
                 total = self.strategy(config.sync).amortised_bytes(report)
             self._wire[config] = total
         return self._wire[config]
+
+
+def chain_state(opt_state):
+    """The controller's named chain's state (by link name: ``"sync"``, ``"optimizer"``, ...).
+
+    ``opt_state`` itself, or under ``micro_batch_size`` the ``inner_state`` of
+    the :func:`adaptjax.accumulate` around the chain.
+    """
+    return opt_state.inner_state if isinstance(opt_state, AccumulateState) else opt_state
+
+
+def with_chain_state(opt_state, links):
+    """``opt_state`` with ``links`` as its named chain's state (see :func:`chain_state`)."""
+    if isinstance(opt_state, AccumulateState):
+        return opt_state._replace(inner_state=links)
+    return links
 
 
 def register_held(steps: StepCache, codec, sync, policies) -> None:

@@ -1,0 +1,198 @@
+"""RunSpec(micro_batch_size=...): the controller's batch in accumulated micro-steps.
+
+Each step runs one compiled micro-step ``k = batch_size / micro_batch_size``
+times on consecutive micro-batches, and the optimizer steps on the mean of
+their gradients. Every replica's micro-batches are equal in size, so that mean
+is the mean gradient of the step's ``batch_size`` samples, the gradient one
+compiled step of the whole batch takes: the parameters agree up to float32
+rounding (a sum in another order). The number of micro-steps lives in the
+state, so a batch change to another multiple of the micro-batch compiles
+nothing.
+"""
+
+import importlib.util
+import os
+
+import _fed
+import grain
+import jax
+import numpy as np
+import pytest
+from _controller_args import make_controller, resume_controller
+
+import adaptjax
+from adaptjax import policies as ajp
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location(
+    "controller_job", os.path.join(TESTS, "controller_job.py"))
+job = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(job)
+
+
+def params_of(ctrl):
+    return {k: np.asarray(v) for k, v in jax.device_get(ctrl.state.params).items()}
+
+
+def ordered():
+    return adaptjax.ArrayDataset(job.make_data(), shuffle=False)
+
+
+def controller(run_dir, **overrides):
+    return make_controller(run_dir=run_dir, **job.job_kwargs(**{
+        "policies": [], "checkpoint_every": None, "data": ordered(), **overrides}))
+
+
+def compiles(ctrl):
+    return [e for e in ctrl.log.events if e["kind"] == "compile"]
+
+
+def test_two_micro_steps_of_32_train_as_one_step_of_64(tmp_path):
+    runs = {}
+    for name, micro in (("whole", None), ("micro", 32)):
+        ctrl = controller(tmp_path / name, batch_size=64, micro_batch_size=micro)
+        ctrl.run(6)
+        ctrl.close()
+        runs[name] = ctrl
+    whole, micro = runs["whole"], runs["micro"]
+    assert micro.samples_seen == micro.data.cursor == whole.data.cursor == 6 * 64
+    assert int(micro.state.opt_state.micro_steps) == 2
+    assert int(micro.state.opt_state.micro_step) == 0  # every step ends on its update
+    assert len(compiles(micro)) == 1 and compiles(micro)[0]["config"]["batch_size"] == 64
+    a, b = params_of(whole), params_of(micro)
+    assert not np.array_equal(a["w1"], np.asarray(job.init_params()["w1"]))  # it trained
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_growing_the_batch_to_another_multiple_compiles_nothing(tmp_path):
+    sched = ajp.Schedule({5: ajp.SetBatchSize(128)})
+    ctrl = controller(tmp_path, batch_size=32, micro_batch_size=32, policies=[sched])
+    ctrl.run(10)
+    ctrl.close()
+    assert len(compiles(ctrl)) == 1 == ctrl.compilations
+    assert ctrl.steps.step(ctrl.config).jitted._cache_size() == 1
+    sizes = [int(s["batch_size"]) for s in _metric_rows(tmp_path)]
+    assert set(sizes) == {32, 128} and sizes == sorted(sizes)  # 32 until the change, then 128
+    assert ctrl.config.batch_size == 128 and int(ctrl.state.opt_state.micro_steps) == 4
+    assert ctrl.samples_seen == ctrl.data.cursor == sum(sizes)
+
+
+def _metric_rows(run_dir):
+    import json
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_a_resume_after_a_batch_change_continues_bit_exactly(tmp_path):
+    def kwargs():
+        return dict(batch_size=32, micro_batch_size=32, checkpoint_every=4,
+                    policies=[ajp.Schedule({5: ajp.SetBatchSize(96)})],
+                    data=adaptjax.ArrayDataset(job.make_data(), seed=3))
+
+    whole = make_controller(run_dir=tmp_path / "whole", **job.job_kwargs(**kwargs()))
+    whole.run(12)
+    whole.close()
+    first = make_controller(run_dir=tmp_path / "cut", **job.job_kwargs(**kwargs()))
+    first.run(8)  # past the change (applied at step 6): a checkpoint at 3 micro-steps a step
+    first.close()
+    assert first.config.batch_size == 96
+    resumed = resume_controller(tmp_path / "cut", **job.job_kwargs(**kwargs()))
+    assert resumed.step == 8 and int(resumed.state.opt_state.micro_steps) == 3
+    resumed.run(12)
+    resumed.close()
+    assert resumed.samples_seen == whole.samples_seen == resumed.data.cursor
+    a, b = params_of(whole), params_of(resumed)
+    for k in a:
+        np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+
+
+def test_a_rescale_between_micro_steps_trains_as_a_run_that_never_rescaled(tmp_path):
+    plain = controller(tmp_path / "plain", batch_size=64, micro_batch_size=32)
+    plain.run(10)
+    plain.close()
+    sched = ajp.Schedule({5: ajp.Rescale(devices=4)})
+    scaled = controller(tmp_path / "scaled", batch_size=64, micro_batch_size=32,
+                        policies=[sched])
+    scaled.run(10)
+    scaled.close()
+    moves = [(e["devices_from"], e["devices_to"]) for e in scaled.log.events
+             if e["kind"] == "rescale"]
+    assert moves == [(8, 4)] and scaled.config.devices == 4
+    assert int(scaled.state.opt_state.micro_steps) == 2
+    assert scaled.data.cursor == plain.data.cursor == 10 * 64
+    a, b = params_of(plain), params_of(scaled)
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_a_fixed_batch_iter_dataset_takes_batch_changes_in_micro_steps(tmp_path):
+    # every third record dropped, nothing shuffled: the stream is known element by element
+    rows = grain.MapDataset.source(job.records(job.make_data()))
+    kept = rows.repeat().to_iter_dataset().filter(lambda r: r["idx"] % 3 != 0)
+    data = _fed.record(adaptjax.GrainDataset.from_iter_dataset(kept, batch_size=32), tmp_path)
+    sched = ajp.Schedule({5: ajp.SetBatchSize(96)})
+    ctrl = controller(tmp_path, batch_size=64, micro_batch_size=32, policies=[sched], data=data)
+    ctrl.run(9)
+    ctrl.close()
+    assert ctrl.config.batch_size == 96 and len(compiles(ctrl)) == 1
+    fed, agreed = _fed.stream(tmp_path)
+    assert agreed and len(fed) == ctrl.samples_seen == data.cursor == 6 * 64 + 3 * 96
+    stream = [i for _ in range(2) for i in range(640) if i % 3]
+    assert fed == stream[: len(fed)]  # in order: nothing skipped, nothing repeated
+
+
+@pytest.mark.parametrize("bad", [5, 40])  # in the first micro-batch of step 1, or its last
+def test_a_non_finite_micro_step_skips_its_whole_step(tmp_path, bad):
+    # a plain step of 64 with the NaN sample is skipped whole: so is the accumulated one, and
+    # both runs then go on from the same parameters over the same batches
+    runs = {}
+    for micro in (None, 32):
+        arrays = job.make_data()
+        arrays["x"][bad, 0] = np.nan
+        data = adaptjax.ArrayDataset(arrays, shuffle=False)
+        ctrl = controller(tmp_path / str(micro), batch_size=64, micro_batch_size=micro, data=data)
+        with pytest.warns(RuntimeWarning, match="step 1 had a non-finite"):
+            ctrl.run(1)
+            ctrl.drain()
+        initial = {k: np.asarray(v) for k, v in job.init_params().items()}
+        for k, v in params_of(ctrl).items():
+            np.testing.assert_array_equal(v, initial[k], err_msg=k)
+        ctrl.run(5)
+        ctrl.close()
+        assert ctrl.latest_metrics["nonfinite_count"] == 1
+        runs[micro] = params_of(ctrl)
+    assert int(ctrl.state.opt_state.micro_step) == 0 and int(ctrl.state.opt_state.skipped) == 0
+    for k, v in runs[None].items():
+        np.testing.assert_allclose(runs[32][k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def one_line(call, message):
+    with pytest.raises(ValueError) as err:
+        call()
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_bad_micro_batches_are_one_line_errors(tmp_path):
+    one_line(lambda: adaptjax.RunSpec(run_dir=tmp_path, batch_size=80, micro_batch_size=32),
+             "RunSpec.batch_size 80 is not a multiple of micro_batch_size 32: a step "
+             "accumulates whole micro-batches; use a multiple of 32")
+    one_line(lambda: adaptjax.RunSpec(run_dir=tmp_path, batch_size=64, micro_batch_size=0),
+             "RunSpec.micro_batch_size must be a positive integer, got 0")
+    one_line(lambda: controller(tmp_path / "a", batch_size=72, micro_batch_size=36),
+             "RunSpec.micro_batch_size 36 does not split over replicas x microbatches = 8 x 1; "
+             "use a micro_batch_size that is a multiple of 8")
+    assert not os.path.exists(tmp_path / "a" / "spec.json")  # refused before the disk
+    ctrl = controller(tmp_path / "b", batch_size=64, micro_batch_size=32)
+    try:
+        one_line(lambda: ctrl.apply([ajp.SetBatchSize(80)]),
+                 "batch_size 80 is not a multiple of RunSpec.micro_batch_size 32: a step "
+                 "accumulates whole micro-batches; use a multiple of 32 (a batch-size policy: "
+                 "multiple_of=32)")
+        one_line(lambda: ctrl.apply([ajp.Rescale(devices=3)]),
+                 "RunSpec.micro_batch_size 32 does not split over replicas x microbatches = "
+                 "3 x 1")
+        assert ctrl.config.batch_size == 64 and ctrl.config.devices == 8  # nothing changed
+    finally:
+        ctrl.close()
