@@ -28,9 +28,15 @@ machine's T(M) and any stored accelerator profile, as adaptive_batch.py does;
 one compiled step of the same batch and the compiles per batch change.
 
 Usage:
-  python benchmarks/frontier_run.py            # full: 3 seeds, 5 sizes (<= 45 min, 2 idle cores)
+  python benchmarks/frontier_run.py            # full: 3 seeds, 5 sizes (about 2 hours here)
   python benchmarks/frontier_run.py --quick    # 1 seed, sizes 8 32 128, 1/4 tokens, warmup-sqrt
-                                               # only (<= 8 min)
+                                               # only (22 min on 2 loaded cores)
+
+Measured on the project's shared 2-core machine (docs/benchmarks.md, "The
+fixed-batch frontier"): 3 seeds of sizes 8-64 at 400,000 tokens took 22
+minutes, so the full run is about 2 hours there. ``--quick`` leaves out
+batch 16, which set the frontier in that run, so its ratio flatters the
+adaptive run.
 
 The last line is ``frontier_steps_ratio=<mean> spread=<min-max>
 loss_vs_target=<first variant's mean final / L*> seesaw_steps_ratio=<mean>
