@@ -34,9 +34,9 @@ Usage:
 
 Measured on the project's shared 2-core machine (docs/benchmarks.md, "The
 fixed-batch frontier"): 3 seeds of sizes 8-64 at 400,000 tokens took 22
-minutes, so the full run is about 2 hours there. ``--quick`` once ran sizes 8, 32 and 128, without batch 16, which set the
-frontier in that run: its ratio (0.505) flattered the adaptive run. It runs
-8, 16 and 64 now.
+minutes, so the full run is about 2 hours there. ``--quick`` once ran sizes
+8, 32 and 128, without batch 16, which set the frontier in that run: its
+ratio (0.505) flattered the adaptive run. It runs 8, 16 and 64 now.
 
 The last line is ``frontier_steps_ratio=<mean> spread=<min-max>
 loss_vs_target=<first variant's mean final / L*> seesaw_steps_ratio=<mean>
