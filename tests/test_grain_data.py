@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from _controller_args import make_controller, resume_controller  # noqa: E402
+from _recording import Recording  # noqa: E402
 
 import adaptjax
 
@@ -257,27 +258,6 @@ def test_elements_the_loss_cannot_take_are_refused_before_anything_compiles(tmp_
     if element != "one feature too many":
         assert "features: float32[" in str(err.value)
         assert "the batch has no key 'x'; make the data's shapes match" in str(err.value)
-
-
-class Recording:
-    """Passes the controller's calls to a GrainDataset and keeps every batch's indices."""
-
-    def __init__(self, ds):
-        self.ds, self.seen = ds, []
-
-    def next_batch(self, batch_size):
-        batch = self.ds.next_batch(batch_size)
-        self.seen.extend(batch["idx"].tolist())
-        return batch
-
-    def batch_at(self, cursor, batch_size):
-        return self.ds.batch_at(cursor, batch_size)
-
-    def state_dict(self):
-        return self.ds.state_dict()
-
-    def load_state_dict(self, state):
-        self.ds.load_state_dict(state)
 
 
 def test_the_controller_reads_the_grain_stream_in_order_through_batch_and_mesh_changes(tmp_path):

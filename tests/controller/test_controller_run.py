@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from _controller_args import make_controller, resume_controller  # noqa: E402
+from _recording import Recording  # noqa: E402
 
 import adaptjax
 from adaptjax import policies as ajp
@@ -40,32 +41,6 @@ def snapshot(path):
             with open(p, "rb") as fh:
                 out[os.path.relpath(p, path)] = fh.read()
     return out
-
-
-class Recording:
-    """Wraps a dataset and records the sample indices of every batch it serves."""
-
-    def __init__(self, ds):
-        self.ds = ds
-        self.seen = []
-
-    def next_batch(self, batch_size):
-        b = self.ds.next_batch(batch_size)
-        self.seen.extend(b["idx"].tolist())
-        return b
-
-    def batch_at(self, cursor, batch_size):
-        return self.ds.batch_at(cursor, batch_size)
-
-    def state_dict(self):
-        return self.ds.state_dict()
-
-    def load_state_dict(self, state):
-        self.ds.load_state_dict(state)
-
-    @property
-    def cursor(self):
-        return self.ds.cursor
 
 
 def test_rescale_8_4_8_matches_the_same_run_without_rescale(tmp_path):
