@@ -15,8 +15,10 @@ remembers it), once the newest periodic checkpoint before it is complete on
 disk. ``--hold STEP --gate DIR`` stops every process in ``on_step`` at that
 step until the test has signalled it (``tests/_handshake.py``; the gate's names
 are the ranks). Every process appends the sample indices it fed at each step to
-``RUN_DIR/fed.jsonl``. Run without the launcher's environment it is one
-process on ``XLA_FLAGS``' devices (the reference run).
+``RUN_DIR/fed.jsonl``. ``--data grain`` feeds the same records through a shuffled
+``grain.MapDataset`` (:func:`grain_pipeline`) and ``adaptjax.GrainDataset``. Run
+without the launcher's environment it is one process on ``XLA_FLAGS``' devices
+(the reference run).
 """
 
 import argparse
@@ -40,17 +42,10 @@ import optax  # noqa: E402
 from adaptjax import policies as ajp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _distributed_data import grain_pipeline, make_data  # noqa: E402
 from _handshake import hold  # noqa: E402
 
-D = 8
-
-
-def make_data(n=256):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(n, D)).astype(np.float32)
-    w = rng.normal(size=(D, 2)).astype(np.float32)
-    y = (x @ w + 0.1 * rng.normal(size=(n, 2))).astype(np.float32)
-    return {"x": x, "y": y, "idx": np.arange(n, dtype=np.int32)}
+D = 8  # features (_distributed_data.make_data)
 
 
 def loss_fn(p, b):
@@ -79,6 +74,7 @@ def main():
     parser.add_argument("--hold", type=int, default=None, help="STEP: stop there (--gate)")
     parser.add_argument("--gate", default=None, help="the handshake directory of --hold")
     parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--data", default="arrays", choices=["arrays", "grain"])
     parser.add_argument("--mesh", default=None, help="a sharded mesh: data=2,fsdp=4")
     parser.add_argument("--count-all-reduces", action="store_true",
                         help="write RUN_DIR/all_reduces.json: the step's all-reduces")
@@ -103,23 +99,31 @@ def main():
     os.makedirs(args.run_dir, exist_ok=True)
     fed = open(os.path.join(args.run_dir, "fed.jsonl"), "a", buffering=1)
 
-    class Recorded(adaptjax.ArrayDataset):
-        """Writes down which sample indices this process fed at each step."""
+    def recorded(base):
+        """``base`` (a dataset class) writing down the sample indices this process fed."""
 
-        def next_rows(self, batch_size, start, stop):
-            rows = super().next_rows(batch_size, start, stop)
-            self._write(rows)
-            return rows
+        class Recorded(base):
+            def next_rows(self, batch_size, start, stop):
+                rows = super().next_rows(batch_size, start, stop)
+                self._write(rows)
+                return rows
 
-        def next_batch(self, batch_size):
-            rows = super().next_batch(batch_size)
-            self._write(rows)
-            return rows
+            def next_batch(self, batch_size):
+                rows = super().next_batch(batch_size)
+                self._write(rows)
+                return rows
 
-        def _write(self, rows):
-            rank = jax.process_index()
-            line = {"cursor": self.cursor, "rank": rank, "idx": rows["idx"].tolist()}
-            fed.write(json.dumps(line) + "\n")
+            def _write(self, rows):
+                rank = jax.process_index()
+                line = {"cursor": self.cursor, "rank": rank, "idx": rows["idx"].tolist()}
+                fed.write(json.dumps(line) + "\n")
+
+        return Recorded
+
+    if args.data == "grain":
+        data = recorded(adaptjax.GrainDataset)(grain_pipeline())
+    else:
+        data = recorded(adaptjax.ArrayDataset)(make_data(), seed=3)
 
     def on_step(ctrl):
         if jax.process_index() == 0:
@@ -140,7 +144,7 @@ def main():
         model=init_params(),
         loss_fn=loss_fn,
         optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
-        data=Recorded(make_data(), seed=3),
+        data=data,
         **({"devices": args.devices} | mesh),
         batch_size=args.batch,
         codec=codec,

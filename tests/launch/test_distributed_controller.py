@@ -181,3 +181,39 @@ def test_two_processes_on_a_sharded_mesh_match_one_through_rescales(runs, tmp_pa
     assert moves == [(6, {"data": 4, "fsdp": 2}), (11, {"data": 1, "fsdp": 4})]
     fed = [r for r in rows(tmp_path, "fed.jsonl") if r["cursor"] == 32]  # step 1's rows
     assert sorted((r["rank"], len(r["idx"])) for r in fed) == [(0, 16), (1, 16)]
+
+
+def test_a_grain_pipeline_is_read_in_elastic_iterators_shards_across_a_relaunch(runs, tmp_path):
+    """2 processes, then 4 after a rescale to 8 devices (a relaunch), fed by a shuffled
+    grain MapDataset: the run ends where one process on 8 devices does, and at each step
+    process k of K fed grain's shard k of the global batch (positions c + k, c + k + K, ...
+    of the stream, as ``grain.experimental.ElasticIterator`` and ``ShardByJaxProcess``)."""
+    from _distributed_data import grain_pipeline
+
+    args = (12, "--data", "grain", "--rescale", "6:8")
+    want = get(runs, "one-grain", lambda d: reference(d, 8, *args))
+    got, _, err = launched(tmp_path, 2, 2, *args, max_processes=4, max_restarts=0)
+    assert any("relaunching with 4 process(es) (was 2)" in line for line in err), err
+    # Each device's rows are other samples than in one process (process k holds every K-th
+    # position), so the noise-scale monitors' per-device readings differ; their mean, the
+    # gradient, does not: parameters and Adam's state are those of one process.
+    monitors = [k for k in want if "monitor_states" in k or k == "opt['sync'].metrics.values"]
+    assert len(monitors) == 3 and sorted(got) == sorted(want)
+    assert_same_state({k: v for k, v in got.items() if k not in monitors},
+                      {k: v for k, v in want.items() if k not in monitors})
+    assert_logged_once(tmp_path, 12)
+    fed = {}
+    for r in rows(tmp_path, "fed.jsonl"):
+        fed[(r["cursor"], r["rank"])] = r["idx"]  # a later attempt's rows override
+    stream = grain_pipeline().repeat()
+    cursors = sorted({c for c, _ in fed})
+    assert cursors == [32 * (s + 1) for s in range(12)]  # the cursor after each step's read
+    for c in cursors:
+        ranks = sorted(k for cc, k in fed if cc == c)
+        n = len(ranks)
+        assert ranks == list(range(n)) and n in (2, 4), (c, ranks)
+        for k in ranks:
+            want_idx = [int(stream[p]["idx"]) for p in range(c - 32 + k, c, n)]
+            assert fed[(c, k)] == want_idx, (c, k)
+    seen = collections.Counter(i for c in cursors for k in range(4) for i in fed.get((c, k), []))
+    assert sum(seen.values()) == 12 * 32 and max(seen.values()) <= 2  # 384 = 1.5 epochs
