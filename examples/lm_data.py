@@ -102,16 +102,39 @@ def decode(tokens) -> str:
 
 def read_bytes(files, max_bytes: int | None = None, separator: bytes = b"\n\n") -> np.ndarray:
     """The files' bytes concatenated (with ``separator`` between files), at most ``max_bytes``."""
-    chunks, total = [], 0
+    return _read(files, max_bytes, separator)[0]
+
+
+def _read(files, max_bytes: int | None, separator: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """``read_bytes``' stream and, for each file read, the offset where its bytes start."""
+    chunks, starts, total = [], [], 0
     for f in files:
         data = pathlib.Path(f).read_bytes() + separator
         if max_bytes is not None and total + len(data) > max_bytes:
             data = data[: max_bytes - total]
         chunks.append(data)
+        starts.append(total)
         total += len(data)
         if max_bytes is not None and total >= max_bytes:
             break
-    return np.frombuffer(b"".join(chunks), dtype=np.uint8).copy()
+    stream = np.frombuffer(b"".join(chunks), dtype=np.uint8).copy()
+    return stream, np.asarray(starts, dtype=np.int64)
+
+
+def window_sources(starts: np.ndarray, rows: int, context: int,
+                   stride: int | None = None) -> np.ndarray:
+    """The file each of ``rows`` windows starts in (an index into the files read).
+
+    ``starts`` are the files' offsets in the stream (``_read``); window ``i``
+    starts at byte ``i * stride``. These are the labels of the LM's split by
+    source file (``adaptjax.sync``'s Dirichlet split over replicas).
+
+    Example:
+      >>> window_sources(np.array([0, 5, 7]), rows=4, context=3).tolist()
+      [0, 0, 1, 2]
+    """
+    first_byte = np.arange(rows, dtype=np.int64) * (stride or context)
+    return np.searchsorted(starts, first_byte, side="right") - 1
 
 
 def windows(tokens: np.ndarray, context: int, stride: int | None = None) -> np.ndarray:
@@ -174,7 +197,8 @@ def load_corpus(
       max_val_bytes: read at most this many validation bytes (``None``: all).
 
     Returns:
-      ``(train_windows, val_windows, info)`` with ``info`` a dict describing the corpus.
+      ``(train_windows, val_windows, info)`` with ``info`` a dict describing the corpus;
+      ``info["train_sources"]`` is the training file each train window starts in.
 
     Raises:
       ValueError: in one line naming ``--data`` when no source files are found.
@@ -201,8 +225,9 @@ def load_corpus(
             f"{root} has {len(files)} file(s), too few to split into train and validation by "
             "file; pass --data DIR with more files"
         )
-    train = read_bytes(train_files, max_train_bytes)
+    train, train_starts = _read(train_files, max_train_bytes, b"\n\n")
     val = read_bytes(val_files, max_val_bytes)
+    train_windows = windows(train, context)
     info = {
         "root": str(root),
         "files": len(files),
@@ -210,5 +235,7 @@ def load_corpus(
         "val_files": len(val_files),
         "train_bytes": int(train.size),
         "val_bytes": int(val.size),
+        # the training file each train window starts in: the LM's split by source file
+        "train_sources": window_sources(train_starts, len(train_windows), context),
     }
-    return windows(train, context), windows(val, context), info
+    return train_windows, windows(val, context), info

@@ -123,3 +123,33 @@ def test_the_grain_loader_serves_every_window_once_an_epoch():
     assert sorted(np.concatenate(firsts).tolist()) == list(range(0, 40, 4))
     array = lm.train_data(windows, "array", seed=0).next_batch(10)["tokens"]
     assert sorted(array[:, 0].tolist()) == list(range(0, 40, 4))
+
+
+def test_the_lm_splits_over_replicas_by_source_file(tmp_path):
+    # 24 files of 1,720 or 1,760 bytes (+ 2 separator bytes): each train window's label is
+    # the file it starts in, so a small alpha gives each replica whole files, infinity every file's
+    # windows spread evenly (issue 49: the LM split by source file)
+    import math
+
+    import lm_data
+    import numpy as np
+
+    import adaptjax.sync
+
+    train, _, info = lm_data.load_corpus(_corpus(tmp_path), context=32, val_fraction=0.2)
+    sources = info["train_sources"]
+    assert len(sources) == len(train) and sources[0] == 0
+    assert np.all(np.diff(sources) >= 0) and sources[-1] == info["train_files"] - 1
+    per_file = np.bincount(sources)
+    sizes = [len(f"line {i}: the quick brown fox jumps over it\n" * 40) + 2 for i in (0, 10)]
+    assert per_file.min() >= sizes[0] // 32 - 1 and per_file.max() <= -(-sizes[1] // 32)
+    def shares(alpha):  # windows of each file (columns) on each replica (rows)
+        shards = adaptjax.sync.dirichlet_split(sources, 4, alpha, seed=0)
+        assert sorted(np.concatenate(shards).tolist()) == list(range(len(train)))
+        return np.stack([np.bincount(sources[s], minlength=len(per_file)) for s in shards])
+
+    # alpha = inf: every file's windows split evenly (counts within one of each other)
+    even = shares(math.inf)
+    assert np.array_equal(even.max(axis=0), -(-per_file // 4)) and even.min() >= per_file.min() // 4
+    # alpha = 0.01: a file's windows almost all on one replica
+    assert np.mean(shares(0.01).max(axis=0) / per_file) >= 0.95

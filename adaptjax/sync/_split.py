@@ -11,8 +11,10 @@ to the same ``n`` finds the same shards.
 
 :class:`SplitArrayDataset` serves an :class:`adaptjax.ArrayDataset`'s arrays so
 that rows ``[r b/n, (r+1) b/n)`` of every global batch (the rows the step
-gives replica ``r``) come from replica ``r``'s shard. The LM split by source
-file is not here yet.
+gives replica ``r``) come from replica ``r``'s shard. A language model's
+windows split by source file: label each window with the file it starts in
+(``examples/lm_data.py``'s ``load_corpus`` returns these as
+``info["train_sources"]``), and a small α gives each replica mostly whole files.
 """
 
 from __future__ import annotations
