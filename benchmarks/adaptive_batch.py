@@ -357,6 +357,17 @@ def print_tables(runs, names, cpu_points, gpu_points, cfg):
 
 
 # ----------------------------------------------------------------------------- main
+def add_workload_args(parser) -> None:
+    """The LM and its pricing, as frontier_run.py takes them too."""
+    parser.add_argument("--val-windows", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--context", type=int, default=32)
+    parser.add_argument("--max-train-bytes", type=int, default=8_000_000)
+    parser.add_argument("--profile-steps", type=int, default=40, help="timed steps per size")
+    parser.add_argument("--gpu-profile", default=None, help="a stored profile to price with")
+
+
 def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one seed, sizes 8 32 128, 1/4 tokens")
@@ -370,16 +381,10 @@ def build_parser():
                         help="adaptive runs: warmup (BatchSizeWarmup's defaults), "
                         "warmup-<rule>[-<fraction>] or goodput-<rule> (AdaptiveBatchSize); the "
                         "first is 'adaptive' in the last line")
-    parser.add_argument("--val-windows", type=int, default=512)
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--context", type=int, default=32)
-    parser.add_argument("--max-train-bytes", type=int, default=8_000_000)
-    parser.add_argument("--profile-steps", type=int, default=40, help="timed steps per size")
+    add_workload_args(parser)
     parser.add_argument("--measure-profile", action="store_true",
                         help="time T(M) on this machine, store it under benchmarks/profiles/, exit")
-    parser.add_argument("--gpu-profile", default=None, help="a stored profile to price with")
     parser.add_argument("--probe-sizes", type=int, nargs="+", default=None,
                         help="the probes' branch batches (default: --sizes)")
     # The policy's defaults: the benchmark measures what CriticalBatchProbe asks for.
