@@ -59,7 +59,6 @@ _NAMES = {
     "when": "adaptjax.policies._combinators",
     "goodput": "adaptjax.policies._goodput",
     "Candidate": "adaptjax.policies._planner",
-    "Predictor": "adaptjax.policies._planner",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
@@ -82,7 +81,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load laz
     from adaptjax.policies._critical_batch import CriticalBatchProbe
     from adaptjax.policies._elastic import ElasticScale
     from adaptjax.policies._goodput import goodput
-    from adaptjax.policies._planner import Candidate, Predictor
+    from adaptjax.policies._planner import Candidate
     from adaptjax.policies._plateau import EarlyStop, ReduceLROnPlateau
     from adaptjax.policies._policy import Policy
     from adaptjax.policies._precision import PrecisionPolicy
@@ -123,7 +122,6 @@ __all__ = [
     "when",
     "goodput",
     "Candidate",
-    "Predictor",
 ]
 
 __getattr__, __dir__ = attach(__name__, _NAMES)

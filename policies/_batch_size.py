@@ -112,7 +112,8 @@ class AdaptiveBatchSize(BatchSizePolicy):
       prior_overhead: the fixed-cost fraction assumed before two batch sizes
         are measured, in [0, 1).
       window: step times kept per batch size (the median is used), >= 1.
-      planner: an object following :class:`adaptjax.policies.Predictor`, or ``None``.
+      planner: an :class:`adaptjax.costs.Planner` (or any object with
+        ``step_time(candidate)``), or ``None``.
       count_compiles: discount batch sizes not yet run in this configuration
         (devices, micro-batches, compressed or not) by the compile's share of
         the run so far (see above).

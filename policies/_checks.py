@@ -144,8 +144,8 @@ def check_planner(planner, owner: str) -> None:
     """A ``planner=`` argument is ``None`` or has a callable ``step_time``."""
     if planner is not None and not callable(getattr(planner, "step_time", None)):
         raise ValueError(
-            f"{owner}: planner must have a step_time(candidate) method (see "
-            f"adaptjax.policies.Predictor), got {short_repr(planner)}; or pass planner=None"
+            f"{owner}: planner must have a step_time(candidate) method (e.g. "
+            f"adaptjax.costs.Planner), got {short_repr(planner)}; or pass planner=None"
         )
 
 

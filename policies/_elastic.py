@@ -55,7 +55,8 @@ class ElasticScale(StatefulPolicy):
         ``{step: {"data": d, "fsdp": f}}`` (a mesh shape).
       predicate: ``(metrics, ctx) -> int | mesh shape | None``. Give ``schedule``,
         ``predicate``, ``planner`` or several.
-      planner: an object following :class:`adaptjax.policies.Predictor`, or ``None``.
+      planner: an :class:`adaptjax.costs.Planner` (or any object with
+        ``step_time(candidate)``), or ``None``.
       min_gain: with a planner, the smallest predicted relative speed-up worth a rescale.
 
     Example:

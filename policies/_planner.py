@@ -1,13 +1,16 @@
 """What a policy may ask a cost model: predicted step times, and what is worth probing.
 
-A planner (a :class:`Predictor`) is any object with a ``step_time`` method (and optionally
-``observe`` and ``explore``); policies take one as ``planner=`` and never
-import it, so this layer stays plain Python. ``adaptjax.costs.Planner`` is the
-library's, calibrated from timed collectives and the run's own step times.
+A planner is any object with ``step_time(candidate) -> float | None``
+(``None``: the model cannot tell) and optionally ``observe(candidate,
+step_time)`` (a measured step time, for online refits) and
+``explore(candidates) -> Candidate | None`` (the candidate worth probing);
+policies take one as ``planner=`` and never import it, so this layer stays
+plain Python. ``adaptjax.costs.Planner`` is the library's, the one
+planner class, calibrated from timed collectives and the run's own step times.
 """
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple
 
 from adaptjax.policies._checks import read_metric
 from adaptjax.policies._context import Context
@@ -41,29 +44,6 @@ class Candidate(NamedTuple):
     mesh_shape: object = None
     sync: object = None
     precision: object = None
-
-
-@runtime_checkable
-class Predictor(Protocol):
-    """Predicts step times of configurations (``None``: the model cannot tell).
-
-    Optional methods a policy uses when present:
-
-    * ``observe(candidate, step_time)``: a measured step time at ``candidate``
-      (the policy passes on what the controller measured), for online refits;
-    * ``explore(candidates) -> Candidate | None``: the candidate worth probing
-      (cost-aware search), or ``None``.
-
-    Example:
-      >>> from adaptjax.policies import Candidate, Predictor
-      >>> class Fixed:
-      ...     def step_time(self, candidate):
-      ...         return 0.1 if candidate.codec is None else 0.05
-      >>> isinstance(Fixed(), Predictor), Fixed().step_time(Candidate(8, 64))
-      (True, 0.1)
-    """
-
-    def step_time(self, candidate: Candidate) -> float | None: ...
 
 
 def current(ctx: Context) -> Candidate:

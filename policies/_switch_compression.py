@@ -35,7 +35,8 @@ class SwitchCompression(Policy):
       when_comm_share_above: the on-threshold, in [0, 1).
       off_below: the off-threshold, in [0, when_comm_share_above), or ``None`` to never
         switch off.
-      planner: an object following :class:`adaptjax.policies.Predictor`, or ``None``.
+      planner: an :class:`adaptjax.costs.Planner` (or any object with
+        ``step_time(candidate)``), or ``None``.
       min_gain: with a planner, the smallest predicted relative speed-up worth a switch.
 
     Example:

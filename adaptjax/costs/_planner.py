@@ -1,6 +1,6 @@
 """The planner policies ask: predicted step times from a model refitted on the run's own steps.
 
-:class:`Planner` follows :class:`adaptjax.policies.Predictor`: policies given
+:class:`Planner` is what policies given
 ``planner=`` call ``step_time(candidate)`` (``None`` when the model cannot
 tell), pass on each measured step time through ``observe`` (the model is
 refitted on them), and ask ``explore(candidates)`` which unpredictable
