@@ -21,6 +21,8 @@ from adaptjax import policies as ajp
 
 N, H, ETA, BATCH = 4, 4, 0.5, 8
 A = np.array([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [1.0, 1.0]], np.float32)
+FIRST_ROUND = np.array([0.5, 0.5, 1.0, 0.0])  # ‖a_i − ā‖² / ‖ā‖², ā = (1, 1)
+MAPPING = adaptjax.sync.LrMapping.fit([0.0, 1.0], [0.5, 0.125])  # lr(m) = 0.5 · 0.25^m
 LOCAL = adaptjax.sync.LocalSGD(H=H)
 ROWS = np.tile(np.repeat(A, BATCH // N, axis=0), (64, 1))  # replica i: a_i (on 4 replicas)
 
@@ -108,6 +110,30 @@ def test_a_rescale_keeps_survivors_factors_and_new_replicas_start_at_one(tmp_pat
         # the rows name the replicas there are, not the ones before the move
         assert [ctrl.latest_metrics.get(f"replica_lr/{i}") for i in range(N)] == factors
         assert [e["devices_to"] for e in events(ctrl, "rescale")] == [2, 4]
+
+
+def test_fedtune_sets_each_factor_from_the_replica_metrics_the_state_holds(tmp_path):
+    policy = adaptjax.sync.FedTune(MAPPING)
+    with make(tmp_path, policies=[policy]) as ctrl:
+        ctrl.run(steps=H + 2)  # the first sync at step H; no other before step 2H
+        m = adaptjax.sync.replica_metrics(ctrl.state.opt_state)
+        seen = np.array([m[f"grad_dissimilarity/{i}"] for i in range(N)])
+        np.testing.assert_allclose(seen, FIRST_ROUND, rtol=1e-6)
+        [first] = events(ctrl, "set_hyperparams")  # once: later decisions found it in force
+        assert first["step"] <= H + 1
+        want = {f"replica_lr/{i}": MAPPING(v) / ETA for i, v in enumerate(seen)}
+        assert {k: v for k, v in first.items() if k != "step"} == pytest.approx(want, rel=1e-12)
+        np.testing.assert_allclose(adaptjax.sync.replica_lr(ctrl.state.opt_state),
+                                   [0.5, 0.5, 0.25, 1.0], rtol=1e-6)
+        [decision] = [e for e in ctrl.log.events if e["kind"] == "decision"]
+        assert decision["metrics"]["grad_dissimilarity/2"] == seen[2]  # what the policy saw
+        assert decision["reasons"][0].startswith("FedTune: grad_dissimilarity/")
+        ctrl.run(steps=2 * H + 2)  # the second sync moves every metric: refitted once more
+        m = adaptjax.sync.replica_metrics(ctrl.state.opt_state)
+        second = events(ctrl, "set_hyperparams")[-1]
+        assert len(events(ctrl, "set_hyperparams")) == 2 and H + 1 < second["step"] <= 2 * H + 1
+        want = {f"replica_lr/{i}": MAPPING(m[f"grad_dissimilarity/{i}"]) / ETA for i in range(N)}
+        assert {k: v for k, v in second.items() if k != "step"} == pytest.approx(want, rel=1e-12)
 
 
 def test_factors_are_checkpointed_with_the_state(tmp_path):
