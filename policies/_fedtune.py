@@ -5,7 +5,8 @@ at several heterogeneity levels, the best inner learning rate of each level
 found by a Bayesian tuner (:func:`adaptjax.sync._fedtune.fedtune_search`, which needs
 scikit-learn and so lives outside this pure layer), and a fitted mapping
 from the measured metric to the rate. Here is the mapping and how it reads
-the replicas' metrics: pure numpy, no jax.
+the replicas' metrics, and :class:`FedTune`, the policy that applies it to
+each replica at run time: pure numpy, no jax.
 
 The fit is least squares of ``log(lr)`` on the metric (a straight line;
 constant when every point has the same metric), and a prediction is clipped
@@ -20,6 +21,13 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from adaptjax.policies._actions import Action, SetHyperparams
+from adaptjax.policies._checks import check_float, check_int
+from adaptjax.policies._context import Context
+from adaptjax.policies._policy import Policy
+
+#: The hyperparameter of replica ``i``'s learning-rate factor under the controller.
+REPLICA_LR = "replica_lr/{}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,3 +117,101 @@ class LrMapping:
                 "of a local SGD or DiLoCo run"
             )
         return np.array([self(v) / base_lr for v in values])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FedTune(Policy):
+    """Sets each replica's inner learning rate from its measured heterogeneity.
+
+    Under local SGD or DiLoCo the controller passes each replica's metrics
+    (``grad_dissimilarity/i``, ...; :func:`adaptjax.sync.replica_metrics`, as
+    measured at the latest sync) and shows each replica's rate factor as the
+    hyperparameter ``replica_lr/i``. At every ``every``-th step this policy
+    maps replica ``i``'s metric to a rate with ``mapping`` and returns
+    ``SetHyperparams({"replica_lr/i": mapping(metric_i) / learning_rate})``:
+    the factor that makes the replica's effective rate the mapping's. As the
+    metrics drift (they change at each sync) the mapping is simply applied
+    again; a decision whose factors are all within ``rtol`` of the ones in
+    force returns ``[]``, so the log holds one change per real move.
+
+    Nothing is done before the first sync measured anything: while every
+    replica's metric and ``replica_loss/i`` read 0 (the state's values at the
+    start and after a rescale, which measures afresh). The metrics only move
+    at a sync, so a decision between two syncs finds the factors in force and
+    costs nothing; ``every`` only thins out the checks. The policy keeps no
+    state: the factors in force are read from ``ctx.hyperparams``, so a resumed
+    run decides as the uninterrupted one did.
+
+    Args:
+      mapping: the :class:`LrMapping` from the metric to a rate
+        (:func:`adaptjax.sync.fedtune_search` fits one on proxy data).
+      every: check at steps that are multiples of it, >= 1.
+      rtol: the relative change of a factor below which nothing is set, >= 0.
+
+    References:
+      Yi, *FedTune: Automatic Tuning of Federated Learning Hyper-Parameters
+      from System Perspective*, 2022.
+
+    Example:
+      >>> from adaptjax.policies import Context
+      >>> from adaptjax.policies._fedtune import FedTune, LrMapping
+      >>> policy = FedTune(LrMapping.fit([0.0, 1.0], [0.1, 0.025]))
+      >>> ctx = Context(step=8, batch_size=8, microbatches=1, devices=2, max_devices=2,
+      ...               hyperparams={"learning_rate": 0.1, "replica_lr/0": 1.0,
+      ...                            "replica_lr/1": 1.0})
+      >>> metrics = {"grad_dissimilarity/0": 0.0, "grad_dissimilarity/1": 0.5}
+      >>> [action] = policy.decide(metrics, ctx)  # replica 1's rate: 0.1 * 0.25**0.5 = 0.05
+      >>> {key: round(factor, 9) for key, factor in action.values.items()}
+      {'replica_lr/0': 1.0, 'replica_lr/1': 0.5}
+    """
+
+    mapping: LrMapping
+    every: int = 1
+    rtol: float = dataclasses.field(default=0.01, kw_only=True)
+
+    def __post_init__(self) -> None:
+        owner = "FedTune"
+        if not isinstance(self.mapping, LrMapping):
+            raise ValueError(
+                f"{owner}: mapping must be an LrMapping (LrMapping.fit or "
+                f"adaptjax.sync.fedtune_search(...).mapping), got {type(self.mapping).__name__}"
+            )
+        object.__setattr__(self, "every", check_int(self.every, owner=owner, name="every",
+                                                    minimum=1))
+        object.__setattr__(self, "rtol", check_float(self.rtol, owner=owner, name="rtol",
+                                                     low=0.0))
+
+    def decide(self, metrics: Mapping[str, float], ctx: Context) -> list[Action]:
+        """``SetHyperparams`` of every replica's factor, when one moved by more than ``rtol``."""
+        name = self.mapping.metric
+        if ctx.step % self.every or f"{name}/0" not in metrics or not _measured(metrics, name):
+            return []
+        base = _read(ctx.hyperparams, "learning_rate")
+        factors = self.mapping.replica_factors(metrics, base)
+        keys = [REPLICA_LR.format(i) for i in range(len(factors))]
+        current = np.array([_read(ctx.hyperparams, k) for k in keys])
+        if np.all(np.abs(factors - current) <= self.rtol * np.abs(current)):
+            return []
+        moved = int(np.argmax(np.abs(factors - current)))
+        reason = (f"FedTune: {name}/{moved} = {float(metrics[f'{name}/{moved}']):.4g} maps to "
+                  f"lr {float(factors[moved] * base):.4g} (factor {float(factors[moved]):.4g}, "
+                  f"was {float(current[moved]):.4g})")
+        values = {k: float(f) for k, f in zip(keys, factors, strict=True)}
+        return [SetHyperparams(values, reason=reason)]
+
+
+def _measured(metrics: Mapping[str, float], name: str) -> bool:
+    """Whether any replica's ``name/i`` or ``replica_loss/i`` is non-zero (a sync measured)."""
+    heads = (f"{name}/", "replica_loss/")
+    return any(v != 0 for k, v in metrics.items() if k.startswith(heads))
+
+
+def _read(hyperparams: Mapping[str, float], key: str) -> float:
+    """``hyperparams[key]``, or a one-line error naming what there is."""
+    if key not in hyperparams:
+        raise ValueError(
+            f"FedTune: ctx.hyperparams has no {key!r} (has {sorted(hyperparams)}); it runs "
+            "under a Controller whose sync is adaptjax.sync.LocalSGD or DiLoCo, with a known "
+            "learning_rate"
+        )
+    return float(hyperparams[key])

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from adaptjax import policies as ajp
 from adaptjax._loss_scale import split_loss_scale
 from adaptjax._per_replica import merge_replicas
 from adaptjax._run_config import RunConfig
@@ -30,6 +31,12 @@ from adaptjax.controller._hyperparams import hyperparams_of as optimizer_hyperpa
 from adaptjax.controller._hyperparams import write_hyperparams as set_hyperparams
 from adaptjax.controller._persistence import config_from
 from adaptjax.controller._rebuild import rebuild_state
+from adaptjax.controller._replica_lr import (
+    check_replica_values,
+    replica_hyperparams,
+    split_replica_values,
+    write_replica_lr,
+)
 from adaptjax.controller._step_cache import (
     OPTIMIZER,
     SYNC,
@@ -38,6 +45,7 @@ from adaptjax.controller._step_cache import (
     with_chain_state,
 )
 from adaptjax.launch._distributed import max_processes, processes_for
+from adaptjax.sync._replicas import replica_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,15 +134,33 @@ def carry_out(state, config: RunConfig, plan: Transition, steps: StepCache) -> C
 
 
 def hyperparams_of(state) -> dict[str, float]:
-    """What a policy may read and set in ``state``'s optimizer (see
-    :mod:`adaptjax.controller._hyperparams`)."""
-    return optimizer_hyperparams(chain_state(state.opt_state)[OPTIMIZER])
+    """What a policy may read and set in ``state``: its optimizer's hyperparameters (see
+    :mod:`adaptjax.controller._hyperparams`) and, under local SGD or DiLoCo, each replica's
+    rate factor ``replica_lr/i`` (see :mod:`adaptjax.controller._replica_lr`)."""
+    found = optimizer_hyperparams(chain_state(state.opt_state)[OPTIMIZER])
+    return {**found, **replica_hyperparams(state.opt_state)}
+
+
+def hyperparam_names(state, actions: Sequence[ajp.Action]) -> list[str]:
+    """The hyperparameters ``state`` has, once the ``replica_lr/...`` values that
+    ``actions`` set are checked (a one-line ``ValueError`` naming the replicas there are)."""
+    names = list(hyperparams_of(state))
+    asked = {k: v for a in actions if isinstance(a, ajp.SetHyperparams)
+             for k, v in a.values.items()}
+    check_replica_values(asked, replica_count(state.opt_state), names)
+    return names
 
 
 def write_hyperparams(state, values: Mapping[str, float], mesh):
-    """``state`` with ``values`` set in its optimizer (injected, or the rate's factor)."""
-    optimizer = chain_state(state.opt_state)[OPTIMIZER]
-    return _with_link(state, OPTIMIZER, set_hyperparams(optimizer, values, mesh))
+    """``state`` with ``values`` set: in its optimizer (injected, or the rate's factor), and
+    ``replica_lr/i`` in the strategy's per-replica knobs."""
+    replica, rest = split_replica_values(values)
+    if rest:
+        optimizer = chain_state(state.opt_state)[OPTIMIZER]
+        state = _with_link(state, OPTIMIZER, set_hyperparams(optimizer, rest, mesh))
+    if replica:
+        state = dataclasses.replace(state, opt_state=write_replica_lr(state.opt_state, replica))
+    return state
 
 
 def _with_link(state, name: str, value):

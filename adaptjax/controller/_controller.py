@@ -40,6 +40,7 @@ from adaptjax.controller._background import BackgroundCompiler
 from adaptjax.controller._carry_out import (
     Carried,
     carry_out,
+    hyperparam_names,
     hyperparams_of,
     restore_latest,
     roll_back,
@@ -57,6 +58,7 @@ from adaptjax.controller._persistence import (
 from adaptjax.controller._plan_probe import make_probe, move_actions
 from adaptjax.controller._preemption import EXIT_PREEMPTED, Preemption
 from adaptjax.controller._probe_branch import ProbeRunner
+from adaptjax.controller._replica_lr import replica_metrics_of
 from adaptjax.controller._run_clock import RunClock
 from adaptjax.controller._run_dir import RunDirectory, elapsed, user_stacklevel
 from adaptjax.controller._spec import RunSpec, resumed_spec, save_spec
@@ -455,7 +457,8 @@ class Controller:
 
     def _decide(self, snapshot: Snapshot) -> None:
         """Asks the policies about ``snapshot``; applies what they return."""
-        metrics = dict(snapshot.metrics)
+        # under local SGD / DiLoCo, each replica's measurements at the latest sync (one read)
+        metrics = {**snapshot.metrics, **replica_metrics_of(self.state.opt_state)}
         if jax.process_count() > 1:
             # Step times are measured per process: every process decides on process 0's.
             metrics = broadcast_json(metrics)
@@ -479,7 +482,7 @@ class Controller:
         ``ajp.SetSync``, ``ajp.Checkpoint()``, ``ajp.Stop()``, ...
         """
         actions = validate_actions(list(actions))
-        names = self.hyperparams.keys()
+        names = hyperparam_names(self.state, actions)  # replica_lr/i: checked here
         plan = self._transition(actions, hyperparam_names=names)  # checks all, changes nothing
         if plan.rollback is not None:
             self.rollback(plan.rollback)
@@ -487,7 +490,9 @@ class Controller:
         t0 = time.perf_counter()
         carried = carry_out(self.state, self.config, plan, self.steps)
         self._land(carried)  # a sharded move: the state is restored from its checkpoint below
-        if plan.hyperparams and self._host_hparams is not None:
+        if carried.transition or plan.sync_changed or plan.codec_changed:
+            self._host_hparams = None  # replicas came, went or restarted: read replica_lr/i
+        elif plan.hyperparams and self._host_hparams is not None:
             self._host_hparams = {**self._host_hparams, **plan.hyperparams}
         if carried.relaunch is not None:
             self._relaunch(carried, carried.relaunch)

@@ -9,6 +9,8 @@ a new replica count. Local SGD and DiLoCo take per-replica hyperparameters
 (:func:`set_replica_lr`, :func:`set_replica_local_steps`) and report the
 replicas' heterogeneity (:func:`replica_metrics`); :func:`dirichlet_split`
 and :class:`SplitArrayDataset` give each replica its own data.
+:class:`FedTune` sets each replica's rate under the controller from an
+:class:`LrMapping` that :func:`fedtune_search` fits on proxy data.
 """
 
 from typing import TYPE_CHECKING
@@ -41,11 +43,16 @@ _NAMES = {
     "set_replica_lr": "adaptjax.sync._replicas",
     "SplitArrayDataset": "adaptjax.sync._split",
     "dirichlet_split": "adaptjax.sync._split",
+    "FedTune": "adaptjax.policies._fedtune",
+    "LrMapping": "adaptjax.policies._fedtune",
+    "fedtune_search": "adaptjax.sync._fedtune",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
     from adaptjax._per_replica import merge_replicas, to_global, to_local
+    from adaptjax.policies._fedtune import FedTune, LrMapping
     from adaptjax.sync._diloco import DiLoCo, diloco
+    from adaptjax.sync._fedtune import fedtune_search
     from adaptjax.sync._gossip import Gossip, gossip
     from adaptjax.sync._local_sgd import LocalSGD, local_sgd
     from adaptjax.sync._model_averaging import ModelAveraging, model_averaging
@@ -89,6 +96,9 @@ __all__ = [
     "set_replica_lr",
     "SplitArrayDataset",
     "dirichlet_split",
+    "FedTune",
+    "LrMapping",
+    "fedtune_search",
 ]
 
 __getattr__, __dir__ = attach(__name__, _NAMES)

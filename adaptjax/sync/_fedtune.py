@@ -155,7 +155,7 @@ def fedtune_search(
 
     For each heterogeneity level (e.g. a Dirichlet α of
     :func:`adaptjax.sync.dirichlet_split` over the *proxy* data),
-    :func:`tune_learning_rate` searches the inner rate minimising
+    ``tune_learning_rate`` (GP-EI, see the module) searches the inner rate minimising
     ``run_proxy(level, lr).loss``; the level's metric is the one measured at
     its best rate. :meth:`LrMapping.fit` then maps metric to rate.
 
@@ -169,7 +169,20 @@ def fedtune_search(
       seed: seeds the tuner.
 
     Returns:
-      A :class:`FedTuneSearch` (``steps``: every proxy run's steps, summed).
+      A ``FedTuneSearch(mapping, points, steps)``: the fitted :class:`LrMapping`, each
+      level's ``(metric, best lr)``, and every proxy run's steps, summed.
+
+    Example:
+      >>> import math
+      >>> from adaptjax.sync import fedtune_search
+      >>> from adaptjax.sync._fedtune import ProxyRun
+      >>> def run_proxy(level, lr):  # a toy proxy: the best rate is 0.1 / 2**level
+      ...     return ProxyRun(metric=level, loss=math.log(lr * 10 * 2**level) ** 2, steps=10)
+      >>> search = fedtune_search(run_proxy, [0.0, 2.0], 1e-3, 1.0, probes=6)
+      >>> [abs(math.log2(lr / want)) < 0.1 for (_, lr), want in zip(search.points, [0.1, 0.025])]
+      [True, True]
+      >>> search.steps, search.mapping.metric
+      (120, 'grad_dissimilarity')
     """
     if len(levels) < 1:
         raise ValueError("fedtune_search needs at least one heterogeneity level")

@@ -87,6 +87,18 @@ def _model_sync_node(opt_state: Any):
     return node
 
 
+def replica_count(opt_state: Any) -> int:
+    """Host side: the replicas whose knobs ``opt_state`` keeps (0 without local SGD or DiLoCo).
+
+    Reads shapes only: nothing crosses to the host.
+    """
+    from adaptjax.sync._strategy import find_model_sync
+
+    node = find_model_sync(opt_state)
+    knobs = getattr(node, "knobs", None)
+    return 0 if knobs is None else int(np.shape(knobs.value)[0])
+
+
 def _replace_node(opt_state: Any, node, new_node):
     def is_node(x):
         return x is node
