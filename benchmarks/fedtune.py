@@ -14,13 +14,14 @@ averages them; every run has the same rounds.
 * **FedTune.** On the proxy set alone (never a replica's data), per seed:
   8 simulated clients at each heterogeneity level (Dirichlet α in
   ``--levels``); each level's best inner rate by GP expected improvement
-  (:func:`adaptjax.sync._fedtune.fedtune_search`, ``--probes`` proxy runs of
+  (:func:`adaptjax.sync.fedtune_search`, ``--probes`` proxy runs of
   the same rounds, judged by the consensus model's loss on the whole proxy
-  set); the level's metric is its clients' mean gradient dissimilarity over
-  the syncs. The fitted mapping (:class:`adaptjax.policies._fedtune.LrMapping`)
-  sets each real replica's rate from its own measured dissimilarity (mean
-  over the syncs so far), after the first round (run at the mapping's rate
-  for the mean level) and again after every round as the metric drifts.
+  set); the level's metric is its clients' mean gradient dissimilarity at
+  the last sync. The fitted mapping (:class:`adaptjax.sync.LrMapping`) sets
+  each real replica's rate from its own dissimilarity at the latest sync, as
+  the :class:`adaptjax.sync.FedTune` policy does under the Controller: after
+  the first round (run at the mapping's rate for the mean level) and again
+  after every round as the metric drifts.
 
 ``--workload lm``: ``examples/lm.py``'s byte-level LM (the ``tiny`` size,
 dropout off) on the standard library's sources, the replicas split by source
@@ -63,7 +64,6 @@ import optax  # noqa: E402
 
 import adaptjax  # noqa: E402
 import adaptjax.sync  # noqa: E402
-from adaptjax.sync._fedtune import ProxyRun, fedtune_search  # noqa: E402
 
 REPLICAS = 8
 
@@ -208,9 +208,8 @@ class Trainer:
 
 
 def dissimilarity(history: list[dict]) -> np.ndarray:
-    """Each replica's gradient dissimilarity, the mean over the syncs in ``history``."""
-    return np.array([[h[f"grad_dissimilarity/{i}"] for i in range(REPLICAS)] for h in history]
-                    ).mean(axis=0)
+    """Each replica's gradient dissimilarity at the latest sync in ``history``."""
+    return np.array([history[-1][f"grad_dissimilarity/{i}"] for i in range(REPLICAS)])
 
 
 def constant(lr: float):
@@ -220,17 +219,23 @@ def constant(lr: float):
 def proxy_search(trainer: Trainer, sp: Split, seed: int, levels, probes: int, grid):
     """FedTune's search on the proxy set: returns the ``FedTuneSearch``."""
 
-    def run_proxy(alpha: float, lr: float) -> ProxyRun:
+    def run_proxy(alpha: float, lr: float) -> adaptjax.sync.ProxyRun:
         params, history = trainer.run(seed, sp.proxy, sp.proxy_labels, alpha, constant(lr))
         loss = trainer.loss(params, sp.proxy)
         loss = loss if np.isfinite(loss) else 1e3  # a diverged run: a large, finite loss
-        return ProxyRun(float(dissimilarity(history).mean()), loss, trainer.rounds * trainer.H)
+        metric = float(dissimilarity(history).mean())
+        return adaptjax.sync.ProxyRun(metric, loss, trainer.rounds * trainer.H)
 
-    return fedtune_search(run_proxy, levels, min(grid), max(grid), probes=probes, seed=seed)
+    return adaptjax.sync.fedtune_search(
+        run_proxy, levels, min(grid), max(grid), probes=probes, seed=seed)
 
 
 def fedtune_rates(mapping, start: float):
-    """Round 0 at ``start``; then each replica's rate from its mean dissimilarity so far."""
+    """Round 0 at ``start``; then each replica's rate from its latest dissimilarity.
+
+    What :class:`adaptjax.sync.FedTune` sets under the Controller: the mapping
+    of each replica's metric at the latest sync.
+    """
 
     def rates(r, history):
         if r == 0:

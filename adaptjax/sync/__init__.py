@@ -46,13 +46,14 @@ _NAMES = {
     "FedTune": "adaptjax.policies._fedtune",
     "LrMapping": "adaptjax.policies._fedtune",
     "fedtune_search": "adaptjax.sync._fedtune",
+    "ProxyRun": "adaptjax.sync._fedtune",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
     from adaptjax._per_replica import merge_replicas, to_global, to_local
     from adaptjax.policies._fedtune import FedTune, LrMapping
     from adaptjax.sync._diloco import DiLoCo, diloco
-    from adaptjax.sync._fedtune import fedtune_search
+    from adaptjax.sync._fedtune import ProxyRun, fedtune_search
     from adaptjax.sync._gossip import Gossip, gossip
     from adaptjax.sync._local_sgd import LocalSGD, local_sgd
     from adaptjax.sync._model_averaging import ModelAveraging, model_averaging
@@ -99,6 +100,7 @@ __all__ = [
     "FedTune",
     "LrMapping",
     "fedtune_search",
+    "ProxyRun",
 ]
 
 __getattr__, __dir__ = attach(__name__, _NAMES)

@@ -175,7 +175,7 @@ def fedtune_search(
     Example:
       >>> import math
       >>> from adaptjax.sync import fedtune_search
-      >>> from adaptjax.sync._fedtune import ProxyRun
+      >>> from adaptjax.sync import ProxyRun
       >>> def run_proxy(level, lr):  # a toy proxy: the best rate is 0.1 / 2**level
       ...     return ProxyRun(metric=level, loss=math.log(lr * 10 * 2**level) ** 2, steps=10)
       >>> search = fedtune_search(run_proxy, [0.0, 2.0], 1e-3, 1.0, probes=6)
