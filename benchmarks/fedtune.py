@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         proxy_steps += steps
     print(f"{time.perf_counter() - t0:.0f} s")
     scale = 100 if work.name == "digits" else 1  # accuracy points; nats
-    gain = ",".join(f"{k.split()[0]}:{scale * v:+.4g}" for k, v in gains.items())
+    gain = ",".join(f"{k.split()[0]}:{scale * v:+.4f}" for k, v in gains.items())
     print(f"fedtune_gain={gain} fedtune_proxy_steps={int(statistics.mean(proxy_steps))}")
     return 0
 

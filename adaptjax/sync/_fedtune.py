@@ -73,6 +73,17 @@ def _expected_improvement(mu: np.ndarray, sigma: np.ndarray, best: float) -> np.
     return (best - mu) * norm.cdf(z) + sigma * norm.pdf(z)
 
 
+def _capped(ys: np.ndarray) -> np.ndarray:
+    """``ys`` with every loss above ``median + 3 (median − best)`` set to that cap.
+
+    A diverged probe's loss (1e20, or a large stand-in) would otherwise set
+    the scale ``normalize_y`` divides by, flatten the GP over every other
+    probe and send the search away from the good side of the range.
+    """
+    median, best = float(np.median(ys)), float(ys.min())
+    return np.minimum(ys, median + 3.0 * (median - best))
+
+
 def _next_probe(grid: np.ndarray, xs: list[float], ys: list[float], seed: int) -> float:
     """The candidate of ``grid`` (log rates) with the most expected improvement."""
     from sklearn.exceptions import ConvergenceWarning
@@ -84,12 +95,13 @@ def _next_probe(grid: np.ndarray, xs: list[float], ys: list[float], seed: int) -
         0.25 * span, (0.02 * span, 4.0 * span), nu=2.5
     ) + WhiteKernel(1e-4, (1e-8, 1e-1))
     gp = GaussianProcessRegressor(kernel, normalize_y=True, random_state=seed)
+    capped = _capped(np.array(ys))
     with warnings.catch_warnings():  # a length scale at its bound is no error of the search
         warnings.simplefilter("ignore", ConvergenceWarning)
-        gp.fit(np.array(xs)[:, None], np.array(ys))
+        gp.fit(np.array(xs)[:, None], capped)
     left = np.array([g for g in grid if not np.any(np.isclose(g, xs))])
     mu, sigma = gp.predict(left[:, None], return_std=True)
-    ei = _expected_improvement(mu, np.maximum(sigma, 1e-9), min(ys))
+    ei = _expected_improvement(mu, np.maximum(sigma, 1e-9), float(capped.min()))
     return float(left[int(np.argmax(ei))])
 
 

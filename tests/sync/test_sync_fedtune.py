@@ -17,6 +17,22 @@ def test_tuner_finds_the_minimum_of_a_known_curve():
     assert result.best_loss == min(loss for _, loss in result.trials)
 
 
+def test_a_diverged_probe_does_not_send_the_search_away_from_the_optimum():
+    """Loss 2.8 + (log10 lr − log10 0.8)² below lr 1.5, 1e20 (diverged) above, range [0.03, 3].
+
+    The third probe (lr 3) diverges; uncapped, its 1e20 flattened the GP and
+    the search spent every later probe below 0.3 (best 0.303 of 8 probes).
+    """
+    target = math.log10(0.8)
+
+    def loss(lr):
+        return 1e20 if lr > 1.5 else 2.8 + (math.log10(lr) - target) ** 2
+
+    result = tune_learning_rate(loss, 0.03, 3.0, probes=8)
+    assert result.trials[2] == (pytest.approx(3.0), 1e20)
+    assert abs(math.log10(result.best_lr) - target) < 0.05  # within 12% of 0.8
+
+
 def test_search_maps_each_level_to_its_best_rate_and_counts_steps():
     """Level α has metric 1/α and best rate 0.1 exp(−metric): the mapping is that line."""
 
