@@ -73,6 +73,8 @@ class OnebitAdamState(NamedTuple):
     mu: optax.Updates
     nu: optax.Updates
     feedback: CompressionState
+    # It all-reduces the gradients itself: the controller's chain must not (adaptjax._codec).
+    _syncs_gradients = True
 
 
 def _check_freeze_step(freeze_step) -> None:
