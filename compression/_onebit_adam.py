@@ -130,6 +130,10 @@ def onebit_adam(
     Give it each replica's gradient inside ``jax.shard_map`` over
     ``axis_name`` (or :func:`adaptjax.data_parallel_step`): it syncs them
     itself, so it replaces ``sync_gradients`` and ``optax.adam`` in a chain.
+    As :class:`adaptjax.Controller`'s ``optimizer=`` it gets each replica's gradient
+    too (the controller finds this state in the optimizer's), and a policy's
+    ``SetHyperparams({"freeze_step": k})`` turns a run started as Adam
+    (``freeze_step=2**30``) into 1-bit Adam without a compile, keeping ``mu`` and ``nu``.
     The step switches phase with a ``lax.cond`` on ``count``, so the program
     holds both phases' collectives (``adaptjax.wire_bytes(...).branch_totals()``
     gives each). Its error-feedback residuals are per replica
