@@ -52,3 +52,45 @@ class GradientCodec(Protocol):
     def sync(
         self, grads: Any, state: Any, *, axis_name: str | tuple[str, ...], step: jax.Array
     ) -> tuple[Any, Any]: ...
+
+
+#: The mark of an optimizer that all-reduces the gradients itself: a true class attribute
+#: of a node in its state (``adaptjax.compression.OnebitAdamState``).
+SYNCS_GRADIENTS = "_syncs_gradients"
+
+
+def _marked(node: Any) -> bool:
+    return bool(getattr(node, SYNCS_GRADIENTS, False))
+
+
+def syncs_itself(optimizer: Any, params: Any) -> bool:
+    """Whether ``optimizer`` syncs the gradients itself (e.g. ``compression.onebit_adam``).
+
+    Such an optimizer takes each replica's own gradient and runs its own
+    collectives, so the controller's chain must not average the gradients
+    before it. It says so in its state: a node whose class has a true
+    ``_syncs_gradients`` (:data:`SYNCS_GRADIENTS`). The state is where the mark
+    survives every wrapper: ``optax.inject_hyperparams`` builds the
+    transformation again inside its own ``init``/``update`` and ``optax.chain``
+    keeps only functions, so nothing of the transformation object says what is
+    inside, but both keep the inner state as a node of theirs. Read from
+    ``jax.eval_shape(optimizer.init, params)``: the state's structure, nothing
+    computed or placed. ``False`` for an optimizer whose ``init`` cannot be
+    traced so (its first real ``init`` then raises as it would).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from adaptjax import compression as ajc
+      >>> from adaptjax._codec import syncs_itself
+      >>> p = {"w": jnp.zeros(4)}
+      >>> syncs_itself(optax.adam(1e-3), p)
+      False
+      >>> tx = optax.inject_hyperparams(ajc.onebit_adam, hyperparam_dtype=jnp.float32)(1e-3)
+      >>> syncs_itself(optax.chain(optax.clip(1.0), tx), p)
+      True
+    """
+    try:
+        state = jax.eval_shape(optimizer.init, params)
+    except Exception:  # noqa: BLE001 - left for the real init to raise, with its own message
+        return False
+    return any(_marked(n) for n in jax.tree.leaves(state, is_leaf=_marked))

@@ -88,6 +88,7 @@ def plan_transition(
     device_limit: int | None = None,
     check_mesh: Callable[[RunConfig, str], None] | None = None,
     micro_batch_size: int | None = None,
+    optimizer_syncs: bool = False,
 ) -> Transition:
     """Folds ``actions`` into one :class:`Transition` from ``config``; checks every request.
 
@@ -117,6 +118,10 @@ def plan_transition(
     step is whole micro-batches of it, each split over the replicas; a batch
     that is not a multiple of it, or replicas x micro-batches that do not
     divide it, raise (:func:`check_micro_batch`) instead of being rounded.
+
+    ``optimizer_syncs``: the optimizer syncs the gradients itself
+    (:func:`adaptjax._codec.syncs_itself`), so a codec or a strategy with local
+    models raises (:func:`check_optimizer_sync`).
     """
     asked = _fold(actions, config)
     devices = asked.devices
@@ -136,6 +141,8 @@ def plan_transition(
     codec = asked.codec
     codec_changed = codec is not _KEEP and codec_key(codec) != config.codec
     sync, sync_changed = _sync(asked, config, devices, strategies)
+    if optimizer_syncs:
+        check_optimizer_sync(None if codec is _KEEP else codec, sync, action=True)
     precision = (
         config.precision if asked.precision is _KEEP else controller_precision(asked.precision)
     )
@@ -281,6 +288,35 @@ def _sync(asked: _Asked, config: RunConfig, devices: int, strategies) -> tuple[o
     if sync is not None:  # a strategy already (resolve_sync returns one as it is)
         resolve_sync(sync).check(devices, object() if has_codec else None)
     return sync, changed
+
+
+def check_optimizer_sync(codec, sync, *, action: bool) -> None:
+    """One-line ``ValueError`` when an optimizer that syncs the gradients itself (such as
+    ``adaptjax.compression.onebit_adam``) would run with a codec or a strategy with local
+    models (``action``: asked for by ``SetCodec``/``SetSync``, else by the ``RunSpec``).
+
+    Example:
+      >>> from adaptjax import compression as ajc
+      >>> from adaptjax._transition import check_optimizer_sync
+      >>> check_optimizer_sync(None, None, action=True)
+      >>> check_optimizer_sync(ajc.bf16(), None, action=True)
+      Traceback (most recent call last):
+      ...
+      ValueError: SetCodec(bf16()) cannot run with an optimizer that syncs the gradients itself (such as adaptjax.compression.onebit_adam): the gradients would be synced twice; keep codec None while it runs
+    """  # noqa: E501
+    if codec is not None:
+        key = codec_key(codec)
+        name, field = (f"SetCodec({key})", "keep codec None while it runs") if action else (
+            f"codec={key}", "drop codec=")
+    elif sync is not None and resolve_sync(sync).local_models:
+        key = sync_key(sync)
+        name, field = (f"SetSync({key})", "keep S-SGD while it runs") if action else (
+            f"sync={key}", "drop sync=")
+    else:
+        return
+    raise ValueError(
+        f"{name} cannot run with an optimizer that syncs the gradients itself (such as "
+        f"adaptjax.compression.onebit_adam): the gradients would be synced twice; {field}")
 
 
 def check_micro_batch(batch_size: int, micro_batch_size: int, devices: int,

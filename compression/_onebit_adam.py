@@ -21,7 +21,10 @@ and ``NcclBackend.compressed_allreduce``), each chosen for a reason:
 * Bias correction: ``optax.adam`` corrects both moments, so the warm-up does
   too (it must equal ``optax.adam``); after the freeze ``m`` keeps its
   correction ``1/(1 − b1^t)`` and the frozen ``nu`` keeps the one of its last
-  update, ``1/(1 − b2^freeze_step)``, so the step is continuous at the freeze.
+  update, ``1/(1 − b2^freeze_step)``, so the step is continuous at the freeze
+  (the state counts ``nu``'s updates, so a ``freeze_step`` set below the step
+  count, as a controller's ``SetHyperparams`` lands a step late, freezes at
+  once and stays continuous).
   DeepSpeed corrects neither moment in either phase.
 * Scale: the project's sign format sends ``mean |x|`` per block of ``block``
   elements (the scale minimising ``‖x − s·sign(x)‖²``); DeepSpeed sends one
@@ -63,6 +66,9 @@ class OnebitAdamState(NamedTuple):
       mu: the momentum, the same on every replica (after the freeze, the
         compressed mean of the replicas' momenta).
       nu: the second moment; constant from ``freeze_step`` on.
+      nu_count: int32 updates ``nu`` has taken (the warm-up's steps): the frozen
+        ``nu``'s bias correction, right even when ``freeze_step`` is set below
+        ``count`` (a freeze that lands late freezes at once).
       feedback: the momentum codec's state (a
         ``CompressionState``): its error-feedback
         residuals are :class:`adaptjax.PerReplica` (merge ``"mean"``), zero
@@ -72,7 +78,10 @@ class OnebitAdamState(NamedTuple):
     count: jax.Array
     mu: optax.Updates
     nu: optax.Updates
+    nu_count: jax.Array
     feedback: CompressionState
+    # It all-reduces the gradients itself: the controller's chain must not (adaptjax._codec).
+    _syncs_gradients = True
 
 
 def _check_freeze_step(freeze_step) -> None:
@@ -121,6 +130,10 @@ def onebit_adam(
     Give it each replica's gradient inside ``jax.shard_map`` over
     ``axis_name`` (or :func:`adaptjax.data_parallel_step`): it syncs them
     itself, so it replaces ``sync_gradients`` and ``optax.adam`` in a chain.
+    As :class:`adaptjax.Controller`'s ``optimizer=`` it gets each replica's gradient
+    too (the controller finds this state in the optimizer's), and a policy's
+    ``SetHyperparams({"freeze_step": k})`` turns a run started as Adam
+    (``freeze_step=2**30``) into 1-bit Adam without a compile, keeping ``mu`` and ``nu``.
     The step switches phase with a ``lax.cond`` on ``count``, so the program
     holds both phases' collectives (``adaptjax.wire_bytes(...).branch_totals()``
     gives each). Its error-feedback residuals are per replica
@@ -186,6 +199,7 @@ def onebit_adam(
             count=jnp.zeros((), jnp.int32),
             mu=optax.tree.zeros_like(params),
             nu=optax.tree.zeros_like(params),
+            nu_count=jnp.zeros((), jnp.int32),
             feedback=codec.init(params),
         )
 
@@ -204,7 +218,7 @@ def onebit_adam(
                 lambda s: s / n, jax.lax.psum(updates, axis_arg(names)))
             out, s = adam.update(mean, optax.ScaleByAdamState(state.count, state.mu, state.nu))
             s = cast(optax.ScaleByAdamState, s)
-            return out, s.mu, s.nu, state.feedback
+            return out, s.mu, s.nu, jnp.asarray(s.count), state.feedback
 
         def compressed():
             local = optax.tree.update_moment(updates, state.mu, b1, 1)
@@ -213,19 +227,20 @@ def onebit_adam(
             mu = jax.tree.map(lambda m, v: jnp.where(v == 0, jnp.zeros_like(m), m), mu, state.nu)
             count_inc = optax.safe_increment(state.count)
             mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
-            nu_hat = optax.tree.bias_correction(state.nu, b2, jnp.minimum(count_inc, freeze_step))
+            nu_hat = optax.tree.bias_correction(state.nu, b2, state.nu_count)
             out = jax.tree.map(lambda m, v: jnp.clip(m / (jnp.sqrt(v) + eps), -bound, bound),
                                mu_hat, nu_hat)
-            return out, mu, state.nu, feedback
+            return out, mu, state.nu, state.nu_count, feedback
 
-        out, mu, nu, feedback = jax.lax.cond(state.count < freeze_step, warm_up, compressed)
+        out, mu, nu, nu_count, feedback = jax.lax.cond(
+            state.count < freeze_step, warm_up, compressed)
         if decay:
             out, _ = optax.add_decayed_weights(weight_decay).update(out, optax.EmptyState(), params)
         lr_state = (optax.ScaleByScheduleState(count=state.count) if callable(learning_rate)
                     else optax.EmptyState())
         out, _ = scale.update(out, lr_state)
         return out, OnebitAdamState(jnp.asarray(optax.safe_increment(state.count)), mu, nu,
-                                    feedback)
+                                    nu_count, feedback)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

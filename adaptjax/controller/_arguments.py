@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from adaptjax import policies as ajp
+from adaptjax._codec import syncs_itself
 from adaptjax._config_meshes import job_devices, start_shape
 from adaptjax._data import check_count
 from adaptjax._mesh import make_mesh
@@ -31,6 +32,7 @@ from adaptjax._run_config import RunConfig, codec_key
 from adaptjax._state import merge_model, split_model
 from adaptjax._transition import (
     check_micro_batch,
+    check_optimizer_sync,
     monitor_sample_needs,
     one_gradient_sample,
     sample_split,
@@ -71,6 +73,8 @@ class Checked:
     # process, with a dataset that gives a batch's shapes without reading it (batch_at)
     compile_ahead: bool
     device_limit: int = 1  # the devices the job may have (a mesh of more is refused)
+    # the optimizer syncs the gradients itself (onebit_adam): no sync link, no monitors
+    optimizer_syncs: bool = False
 
 
 class NoPolicy(ajp.Policy):
@@ -111,6 +115,7 @@ def check_arguments(model, loss_fn, optimizer, data, spec: RunSpec, hooks,
     check_cache_dir(spec.compile.cache_dir, "CompileOptions.cache_dir")
     check_optimizer(optimizer, spec.learning_rate)
     check_float_tree(split_model(model)[1], "parameters")
+    optimizer_syncs = check_optimizer_syncs(optimizer, model, spec)
     check_data(data)
     check_loss_signature(loss_fn)
     if hasattr(data, "batch_at") and not resume:
@@ -121,7 +126,8 @@ def check_arguments(model, loss_fn, optimizer, data, spec: RunSpec, hooks,
     check_run_dir(os.fspath(spec.run_dir), resume)
     policies = list(spec.policies)
     policy = ajp.any_of(*policies) if policies else NoPolicy()
-    monitors = check_monitors(spec.monitors, devices, microbatches, resume)
+    monitors = () if optimizer_syncs else check_monitors(spec.monitors, devices, microbatches,
+                                                         resume)
     evaluates = any(isinstance(h, Evaluate) for h in hooks)
     warn_unproducible_metrics(policy, monitors, spec.link_bandwidth, evaluates)
     warn_unreachable_schedules(policies, max_devices)
@@ -131,6 +137,7 @@ def check_arguments(model, loss_fn, optimizer, data, spec: RunSpec, hooks,
         sample_needs=monitor_sample_needs(monitors), plan=plan,
         compile_ahead=spec.compile.precompile_upcoming and jax.process_count() == 1
         and hasattr(data, "batch_at"), device_limit=job_devices(),
+        optimizer_syncs=optimizer_syncs,
     )
 
 
@@ -178,6 +185,22 @@ def check_optimizer(optimizer, learning_rate) -> None:
             f"{type(learning_rate).__name__}")
     if not (math.isfinite(float(learning_rate)) and float(learning_rate) > 0):
         raise ValueError(f"learning_rate must be > 0 and finite, got {learning_rate}")
+
+
+def check_optimizer_syncs(optimizer, model, spec: RunSpec) -> bool:
+    """Whether ``optimizer`` syncs the gradients itself (:func:`adaptjax._codec.syncs_itself`,
+    e.g. ``compression.onebit_adam``); if so, a one-line ``ValueError`` for the spec's codec,
+    strategy with local models or monitors (they read the mean gradient the controller's sync
+    would form, which such an optimizer never hands over)."""
+    if not syncs_itself(optimizer, split_model(model)[1]):
+        return False
+    check_optimizer_sync(spec.codec, spec.sync, action=False)
+    if spec.monitors:
+        raise ValueError(
+            "monitors= cannot run with an optimizer that syncs the gradients itself (such as "
+            "adaptjax.compression.onebit_adam): they read the mean gradient, which it keeps to "
+            "itself; drop monitors=")
+    return True
 
 
 def check_data(data) -> None:

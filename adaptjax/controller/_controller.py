@@ -216,14 +216,16 @@ class Controller:
                                has_aux=spec.has_aux, learning_rate=spec.learning_rate,
                                monitors=a.monitors, sharding=spec.sharding,
                                norm_chunks=spec.norm_chunks, loss_scale=spec.loss_scale,
-                               micro_batch_size=spec.micro_batch_size)
+                               micro_batch_size=spec.micro_batch_size,
+                               optimizer_syncs=a.optimizer_syncs)
         register_held(self.steps, spec.codec, spec.sync, self._policies)
         a = dataclasses.replace(a, config=self.steps.start(a.config, data, spec.precision))
         min_samples, min_replicas = a.sample_needs  # what the monitors need of a configuration
         self._limits: dict[str, Any] = dict(
             max_devices=a.max_devices, strategies=self.steps.strategies, min_samples=min_samples,
             min_replicas=min_replicas, device_limit=a.device_limit,
-            check_mesh=self.steps.check_mesh, micro_batch_size=spec.micro_batch_size)
+            check_mesh=self.steps.check_mesh, micro_batch_size=spec.micro_batch_size,
+            optimizer_syncs=a.optimizer_syncs)
         enable_compilation_cache(spec.compile.cache_dir)
         self.reader = MetricsReader(functools.partial(comm_seconds, self.steps, data,
                                                       spec.link_bandwidth))

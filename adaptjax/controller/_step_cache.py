@@ -24,11 +24,13 @@ from adaptjax._run_config import RunConfig, codec_key, controller_precision
 from adaptjax._state import abstract_state, init_state, shape_struct, split_model
 from adaptjax._step import DataParallelStep, data_parallel_step
 from adaptjax._sync import sync_gradients
+from adaptjax._transition import check_optimizer_sync
 from adaptjax._walk import find_held
 from adaptjax._wire import wire_bytes
 from adaptjax.controller._hyperparams import injected_values, with_rate_factor
 from adaptjax.sync._registry import register_strategies, resolve_sync, sync_key
 from adaptjax.sync._ssgd import SSGD
+from adaptjax.sync._strategy import pass_gradients
 
 #: Names of the controller's chain; optimizer state is addressed by them, never by position.
 SYNC, OPTIMIZER, UPDATE_NORM = "sync", "optimizer", "update_norm"
@@ -51,7 +53,12 @@ class StepCache:
     :mod:`adaptjax.controller._hyperparams`). Under a synchronisation strategy with
     local models (``RunConfig.sync``, see :class:`adaptjax.sync.SyncStrategy`) the
     chain is ``("sync", pass-through), ("optimizer", with_rate_factor(per-replica optimizer)),
-    ("model_sync", the strategy's post step), ("update_norm", ...)``. Meshes
+    ("model_sync", the strategy's post step), ("update_norm", ...)``. With an
+    optimizer that syncs the gradients itself (``optimizer_syncs``, e.g.
+    ``compression.onebit_adam``) ``"sync"`` is a pass-through too: the
+    optimizer's own collectives are the step's only ones (besides the
+    non-finite guard's two scalars, then a collective of their own), and, as
+    under local models, no monitor runs. Meshes
     are cached by shape (:attr:`RunConfig.mesh_shape`, or the device count of
     a 1-D mesh), transformations by codec and strategy key, compiled steps by
     the whole configuration: returning to a configuration seen before
@@ -125,6 +132,9 @@ class StepCache:
     loss_scale: Mapping[str, Any] | None = None
     # RunSpec.micro_batch_size: each step's program takes this many samples (None: the batch)
     micro_batch_size: int | None = None
+    # the optimizer syncs the gradients itself (adaptjax._codec.syncs_itself): "sync" passes
+    # each replica's gradient through, and neither a codec nor local models can join it
+    optimizer_syncs: bool = False
 
     def __post_init__(self) -> None:
         self.loss_scale = check_loss_scale_options(self.loss_scale, "loss_scale")
@@ -234,9 +244,11 @@ class StepCache:
             if fields and codec is not None:
                 codec = dataclasses.replace(codec, **fields)
             rate = self.learning_rate
+            if self.optimizer_syncs:  # its own collectives alone (precompile(codec=...) too)
+                check_optimizer_sync(codec, strategy, action=True)
             if not strategy.local_models:
                 chunks = {} if self.norm_chunks is None else {"norm_chunks": self.norm_chunks}
-                pre = sync_gradients(
+                pre = pass_gradients() if self.optimizer_syncs else sync_gradients(
                     "data", codec=codec, monitors=self.monitors, **chunks, **lane
                 )
                 parts = [(SYNC, pre), (OPTIMIZER, with_rate_factor(self.optimizer, rate))]
