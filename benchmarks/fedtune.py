@@ -9,8 +9,10 @@ step; local SGD (``H = 8``) or DiLoCo (``H = 8``, outer Nesterov 0.7 / 0.9)
 averages them; every run has the same rounds.
 
 * **Best global rate.** One inner rate for every replica, swept over
-  ``--grid``; the rate with the best mean test accuracy over the seeds (the
-  sweep sees the test set: the strongest baseline this split allows).
+  ``--grid`` (8 rates from 0.03 to 3, dense around the optimum: a coarse grid
+  lets FedTune's continuous search win by resolution alone); the rate with
+  the best mean test score over the seeds (the sweep sees the test set: the
+  strongest baseline this split allows). FedTune searches the grid's range.
 * **FedTune.** On the proxy set alone (never a replica's data), per seed:
   8 simulated clients at each heterogeneity level (Dirichlet α in
   ``--levels``); each level's best inner rate by GP expected improvement
@@ -278,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--alpha", type=float, default=0.1)
-    parser.add_argument("--grid", type=float, nargs="+", default=[0.03, 0.1, 0.3, 1.0, 3.0])
+    parser.add_argument("--grid", type=float, nargs="+",
+                        default=[0.03, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 3.0])
     parser.add_argument("--levels", type=float, nargs="+", default=[0.05, 0.3, 3.0, 100.0])
     parser.add_argument("--probes", type=int, default=6)
     parser.add_argument("--quick", action="store_true", help="one seed, 15 rounds, 4 probes")
