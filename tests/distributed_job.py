@@ -155,6 +155,12 @@ def main():
         tensorboard=False,
         on_step=on_step,
         run_dir=args.run_dir,
+        # What a rescale needs is compiled when it comes, at the training thread's priority:
+        # a background compile runs at nice 19, and in the one-process reference runs the
+        # tiny steps reach the rescale at once and wait for it, starved on busy cores (over
+        # 20 s a run on a loaded 2-core machine). Across processes there is none anyway
+        # (background compiles are one process's), so the launched runs are unchanged.
+        precompile_upcoming=False,
     )
     ckpts = os.path.join(args.run_dir, "checkpoints")
     if os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)):

@@ -85,8 +85,10 @@ CODECS = {
     "topk/allgather": (ajc.topk(0.05, min_size=100), 2, None),
     "topk->bf16 lane": (ajc.topk(0.3, min_size=100), 4, None),
     "dgc": (ajc.dgc(0.05, min_size=100), 4, None),
-    # every warm-up stage is its own top-k per bucket (lax.switch): ~50 s to compile
-    "dgc-warmup": pytest.param((ajc.dgc(0.05, min_size=100, warmup_steps=2), 4, None),
+    # every warm-up stage is its own top-k per bucket (lax.switch), each compiled: two
+    # stages (0.25, then the final 0.05), one step each, so both branches also run
+    "dgc-warmup": pytest.param((ajc.dgc(0.05, min_size=100, warmup_steps=1,
+                                        warmup_densities=(0.25,)), 4, None),
                                marks=pytest.mark.slow),
     "randomk+ef": (ajc.randomk(0.1, min_size=100, error_feedback="ef14"), 4, None),
     "powersgd": (ajc.powersgd(3, min_size=100), 4, None),
