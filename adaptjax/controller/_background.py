@@ -18,15 +18,30 @@ from adaptjax.controller._step_cache import StepCache
 _COMPILABLE = (ajp.SetBatchSize, ajp.Rescale, ajp.SetCodec, ajp.SetPrecision, ajp.Probe)
 
 
+LOWEST = 19  # the nice value of the compiling thread while nothing waits for it
+
+
+def set_thread_priority(thread_id: int | None, nice: int | None = None) -> None:
+    """Sets the nice value of the thread ``thread_id`` (Linux: per thread); else nothing.
+
+    ``nice=None``: the calling thread's. Lowering a nice value needs the
+    privilege to (``CAP_SYS_NICE``); without it the thread keeps its own.
+    """
+    if thread_id is None:
+        return
+    try:
+        value = os.getpriority(os.PRIO_PROCESS, 0) if nice is None else nice
+        os.setpriority(os.PRIO_PROCESS, thread_id, value)
+    except (AttributeError, OSError):  # not Linux, or not allowed
+        pass
+
+
 def lower_thread_priority() -> None:
-    """Lowest CPU priority for the calling thread (Linux: per thread); elsewhere nothing.
+    """Lowest CPU priority for the calling thread (see :func:`set_thread_priority`).
 
     The background compiler then takes only the cycles the training steps leave.
     """
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux, or not allowed
-        pass
+    set_thread_priority(threading.get_native_id(), LOWEST)
 
 
 def announced_configs(
@@ -64,8 +79,9 @@ class BackgroundCompiler:
 
     :meth:`submit` queues a configuration (its arguments' shapes are read on
     the caller's thread: the thread touches neither the model nor the
-    dataset); :meth:`wait_for` (before a step is dispatched) waits for that
-    step's compile rather than compiling it twice; :meth:`finished` hands back,
+    dataset); :meth:`wait_for` (before a step is dispatched) makes sure that
+    step's compile is not done twice: a queued one is dropped for the step to
+    compile now, one under way is waited for; :meth:`finished` hands back,
     once each, the ``background_compile`` events of compiles that ended.
     :attr:`compiled_ahead` holds the configurations compiled before their first
     step (here or by :meth:`adaptjax.Controller.precompile`), whose first
@@ -101,6 +117,7 @@ class BackgroundCompiler:
         # None: finished and its event handed back
         self._futures: dict[RunConfig, concurrent.futures.Future | None] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._thread_id: int | None = None  # the compiling thread's, once it started
 
     def submit(self, configs: Iterable[RunConfig], data) -> None:
         """Compiles each of ``configs`` not compiled or submitted yet, in the thread."""
@@ -110,7 +127,7 @@ class BackgroundCompiler:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="adaptjax-compile",
-                    initializer=lower_thread_priority,
+                    initializer=self._start_thread,
                 )
             try:
                 args = self.steps.abstract_args(config, data)
@@ -121,10 +138,20 @@ class BackgroundCompiler:
                 future = self._pool.submit(self.steps.compile, config, args=args)
             self._futures[config] = future
 
-    def wait_for(self, config: RunConfig) -> None:
-        """Before ``config``'s step runs: waits for its compile if one is under way.
+    def _start_thread(self) -> None:
+        """The compiling thread's start: its id noted, its priority the lowest."""
+        self._thread_id = threading.get_native_id()
+        lower_thread_priority()
 
-        Called before every step; notes ``config`` among those that ran.
+    def wait_for(self, config: RunConfig) -> None:
+        """Before ``config``'s step runs: its compile, if one was submitted, is not done twice.
+
+        Still queued (behind compiles of configurations announced but not
+        due): it is taken out of the queue, and the step compiles it on this
+        thread at the training's priority. Under way: the step waits for it,
+        the compiling thread at the training's priority meanwhile (where the
+        process may raise it). Called before every step; notes ``config``
+        among those that ran.
         """
         if config is not self._last:  # per change of configuration, not per step
             self._last = config
@@ -132,9 +159,14 @@ class BackgroundCompiler:
         pending = self._futures.get(config)
         if pending is None:
             return
+        if pending.cancel():  # queued: the step's own call compiles it, now
+            self._futures[config] = None
+            return
         if not pending.done():
+            set_thread_priority(self._thread_id)  # the training's, while it waits
             concurrent.futures.wait([pending])
-        if not pending.cancelled() and pending.exception() is None:
+            set_thread_priority(self._thread_id, LOWEST)
+        if pending.exception() is None:
             self.compiled_ahead.add(config)
 
     def compile_now(self, now: RunConfig, data, codec=..., **changes) -> tuple[RunConfig, float]:

@@ -1,5 +1,7 @@
 """Configurations a policy announces are compiled in the background, once each."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +33,13 @@ def step_compiles():
 def run(tmp_path, precompile, steps=40):
     x = np.random.default_rng(0).normal(size=(512, 4)).astype(np.float32)
     data = adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0)
+    # After each step, every background compile submitted so far is finished: on
+    # loaded cores the lowest-priority thread may otherwise still be compiling
+    # when a step needs its program, which the step then compiles itself (tested
+    # below); here each change must find its program compiled.
+    drained = adaptjax.Hook(lambda ctrl: ctrl._compiler.wait_all())
     ctrl = make_controller(
+        hooks=[drained],
         model={"w": jnp.zeros(4)},
         loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
         optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=0.05), data=data,
@@ -70,6 +78,52 @@ def test_announced_configurations_compile_once_in_the_background(tmp_path, step_
     events_fg, params_fg = run(tmp_path / "fg", precompile=False)
     assert not [e for e in events_fg if e["kind"] == "background_compile"]
     np.testing.assert_array_equal(params, params_fg)
+
+
+def test_a_step_compiles_its_own_program_when_the_background_has_not_started_it(
+        tmp_path, step_compiles, monkeypatch):
+    """The compiling thread is held on a hint's compile; the step due next is queued behind it.
+
+    Announced at the first step, in the policies' order: the Schedule's batch 64
+    (due at step 50) and the ElasticScale's 4 -> 2 devices (due at step 20). The
+    thread takes (4, 64) first and is held there, so (2, 32) waits in the queue.
+    Step 21 must not wait for the held compile: it takes (2, 32) out of the queue
+    and compiles it on the training thread.
+    """
+    from adaptjax.controller._step_cache import StepCache
+
+    release = threading.Event()
+    compile_ = StepCache.compile
+
+    def held(self, config, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread() and config.batch_size == 64:
+            assert release.wait(60), "the test never released the held compile"
+        return compile_(self, config, *args, **kwargs)
+
+    monkeypatch.setattr(StepCache, "compile", held)
+    x = np.random.default_rng(0).normal(size=(512, 4)).astype(np.float32)
+    ctrl = make_controller(
+        model={"w": jnp.zeros(4)},
+        loss_fn=lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
+        optimizer=optax.sgd(0.05), data=adaptjax.ArrayDataset({"x": x, "y": x.sum(1)}, seed=0),
+        devices=4, batch_size=32,
+        policies=[ajp.Schedule({50: ajp.SetBatchSize(64)}), ajp.ElasticScale({20: 2})],
+        compilation_cache_dir=None, precompile_upcoming=True,
+        run_dir=tmp_path / "run", progress=False, tensorboard=False,
+    )
+    try:
+        ctrl.run(30)  # would hang at the rescale (until the 60 s assert) if it waited
+        assert ctrl.config.devices == 2 and ctrl.step == 30
+        events = list(ctrl.log.events)
+    finally:
+        release.set()
+        ctrl._compiler.wait_all()  # no compile of this test's left running into the next
+        ctrl.close()
+    compiles = [(e["config"]["devices"], e["config"]["batch_size"], e.get("compiled_ahead"))
+                for e in events if e["kind"] == "compile"]
+    assert compiles == [(4, 32, None), (2, 32, None)]  # compiled by the step, not ahead
+    background = [e for e in events if e["kind"] == "background_compile"]
+    assert not [e for e in background if e["config"]["batch_size"] == 32]
 
 
 def test_a_hint_that_cannot_compile_is_logged_and_training_goes_on(tmp_path, step_compiles):
