@@ -67,10 +67,11 @@ def test_tiny_lm_on_sharded_meshes_prints_bytes_per_device(tmp_path):
     data = _corpus(tmp_path)
     results, lines = [], []
     meshes = ("data=2,fsdp=4", "data=2,fsdp=2,model=2")
-    for mesh in meshes:
+    for i, mesh in enumerate(meshes):
         result, text = _run_lm(
             "--size", "tiny", "--steps", "2", "--data", str(data), "--mesh", mesh,
             "--val-windows", "8", "--layers", "1", "--width", "64",
+            "--run-dir", str(tmp_path / f"run{i}"),  # not ./runs/lm, which lm.py deletes first
         )
         results.append(result)
         lines.append(text)
