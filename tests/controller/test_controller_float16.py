@@ -147,7 +147,10 @@ def test_a_sync_strategy_switch_under_float16_keeps_the_scale():
         [ajp.SetSync(adaptjax.sync.LocalSGD(H=2))], config, max_devices=8), steps)
     scaled = local.state.opt_state[OPTIMIZER]
     assert isinstance(scaled, LossScaleState) and float(scaled.scale) == 4 * INITIAL
-    assert hyperparams_of(local.state) == hyperparams_of(state)
+    moved = hyperparams_of(local.state)  # plus each new replica's rate factor, from 1.0
+    assert {k: v for k, v in moved.items() if not k.startswith("replica_lr/")} == (
+        hyperparams_of(state))
+    assert [moved.pop(f"replica_lr/{i}") for i in range(4)] == [1.0] * 4
     back = carry_out(local.state, local.config, plan_transition(
         [ajp.SetSync(None)], local.config, max_devices=8), steps)
     assert float(back.state.opt_state[OPTIMIZER].scale) == 4 * INITIAL
