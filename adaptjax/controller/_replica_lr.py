@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from adaptjax.policies._fedtune import REPLICA_LR
 from adaptjax.sync._replicas import replica_count, replica_lr, replica_metrics, set_replica_lr
 
-PREFIX = "replica_lr/"
+PREFIX = REPLICA_LR.format("")  # the name FedTune sets, without its replica
 
 
 def replica_hyperparams(opt_state: Any) -> dict[str, float]:
