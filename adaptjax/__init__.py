@@ -62,7 +62,6 @@ _NAMES = {
     "current_loss_scale": "adaptjax._loss_scale",
     "sync_gradients": "adaptjax._sync",
     "noise_scale": "adaptjax._sync",
-    "chain": "adaptjax._chain",
     "GradientMonitor": "adaptjax._monitors",
     "GradientNoiseScale": "adaptjax._monitors",
     "GradientNorm": "adaptjax._monitors",
@@ -76,7 +75,6 @@ _NAMES = {
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time names load lazily
     from adaptjax._accumulation import accumulate, set_micro_steps
-    from adaptjax._chain import chain
     from adaptjax._data import ArrayDataset, IterableDataset
     from adaptjax._grain import GrainDataset
     from adaptjax._input_codec import InputCodec
@@ -149,7 +147,6 @@ __all__ = [
     "current_loss_scale",
     "sync_gradients",
     "noise_scale",
-    "chain",
     "GradientMonitor",
     "GradientNoiseScale",
     "GradientNorm",

@@ -3,7 +3,7 @@
 ``optax.MultiSteps`` accumulates gradients for ``k`` calls and applies the inner
 optimizer on the ``k``-th, with ``k`` from a schedule of the step count.
 :func:`accumulate` does the same for a chain that synchronises gradients
-(``adaptjax.chain(adaptjax.sync_gradients(...), ...)``) inside a data-parallel
+(``optax.chain(adaptjax.sync_gradients(...), ...)``) inside a data-parallel
 step, with two differences that matter there:
 
 * it accumulates each replica's *own* gradients (per-replica state) and runs
@@ -71,7 +71,7 @@ def accumulate(
 
     Args:
       inner: the transformation to run on the accumulated gradients, usually
-        ``adaptjax.chain(adaptjax.sync_gradients(...), optimizer)``; it receives
+        ``optax.chain(adaptjax.sync_gradients(...), optimizer)``; it receives
         this replica's mean gradient over the micro-steps.
       micro_steps: micro-steps per optimizer step at the start; change it in
         the state with :func:`set_micro_steps` (no compile).

@@ -1,8 +1,13 @@
-"""``optax.chain`` that keeps its links apart, so the step can guard what follows the sync."""
+"""The controller's ``optax`` chain, kept in links so the step can guard what follows the sync.
+
+Users chain with ``optax.chain``; :func:`adaptjax.sync.sync_chain` and the
+controller build their chains here, so that
+:func:`adaptjax.data_parallel_step` can send the non-finite guard's two
+scalars in the gradients' all-reduce instead of an all-reduce of their own.
+"""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Self
 
 import optax
@@ -80,7 +85,7 @@ def chain(*transforms: optax.GradientTransformation) -> SyncChain:
 
     Example:
       >>> import jax.numpy as jnp, optax, adaptjax
-      >>> tx = adaptjax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.1))
+      >>> tx = chain(adaptjax.sync_gradients("data"), optax.sgd(0.1))
       >>> state = tx.init({"w": jnp.zeros(3)})   # optax.chain's state: a tuple
       >>> len(state), type(state[0]).__name__
       (2, 'SyncState')
@@ -88,7 +93,7 @@ def chain(*transforms: optax.GradientTransformation) -> SyncChain:
     inner = optax.chain(*transforms)
     if transforms and isinstance(transforms[0], SyncGradients):
         rest = optax.chain(*transforms[1:])
-        return _checked(SyncChain(inner.init, inner.update, transforms[0], rest))
+        return SyncChain(inner.init, inner.update, transforms[0], rest)
     return SyncChain(inner.init, inner.update)
 
 
@@ -112,33 +117,8 @@ def named_chain(*transforms: tuple[str, optax.GradientTransformation]) -> SyncCh
     if transforms and isinstance(transforms[0][1], SyncGradients):
         names = tuple(name for name, _ in transforms)
         rest = optax.named_chain(*transforms[1:])
-        return _checked(SyncChain(inner.init, inner.update, transforms[0][1], rest, names))
+        return SyncChain(inner.init, inner.update, transforms[0][1], rest, names)
     return SyncChain(inner.init, inner.update)
-
-
-def _checked(tx: SyncChain) -> SyncChain:
-    """``tx`` whose first ``init`` warns when its codec pairs badly with the optimizer.
-
-    The codec's optional ``pairing_warning(optimizer_state)`` (see
-    :class:`adaptjax.compression.Codec`) reads the state of the links after the
-    sync; a line it returns is warned once per chain (and Python shows each
-    line once per run).
-    """
-    check = getattr(getattr(tx.sync, "codec", None), "pairing_warning", None)
-    if check is None:
-        return tx
-    asked = []
-
-    def init(params):
-        state = tx.init(params)
-        if not asked:
-            asked.append(True)
-            message = check(tx.split_state(state)[1])
-            if message is not None:
-                warnings.warn(message, UserWarning, stacklevel=2)
-        return state
-
-    return SyncChain(init, tx.update, tx.sync, tx.rest, tx._names)
 
 
 def guarded_sync(tx: object) -> bool:

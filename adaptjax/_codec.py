@@ -42,9 +42,9 @@ class GradientCodec(Protocol):
     Optionally, ``pairing_warning(optimizer_state)`` returns ``None`` or one
     line saying that this codec is known to train worse than dense sync with
     the optimizer whose init state it is given, and what to use instead;
-    :func:`adaptjax.chain` (so :func:`adaptjax.sync.sync_chain` and the
-    controller's chain too) asks it once, at the chain's first ``init``, and
-    warns with the line.
+    the codec's :func:`adaptjax.sync_gradients` link asks it when
+    :func:`adaptjax.data_parallel_step` first traces the step (so under the
+    controller too), and warns with the line.
     """
 
     def init(self, params: Any) -> Any: ...

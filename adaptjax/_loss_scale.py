@@ -277,9 +277,9 @@ def dynamic_loss_scale(
     true-scale values), skips a non-finite step on every replica, and moves
     the scale after the skip-or-apply branch; ``update`` receives
     ``loss_scaled=True`` and runs only ``inner``. Wrap just the optimizer
-    link there (``adaptjax.chain(sync_gradients("data"),
-    dynamic_loss_scale(opt))``), so the guard rides the gradients'
-    all-reduce.
+    link there (``adaptjax.sync.sync_chain(dynamic_loss_scale(opt))``, or
+    ``optax.chain(sync_gradients("data"), dynamic_loss_scale(opt))``); in
+    ``sync_chain``'s chain the guard then rides the gradients' all-reduce.
 
     Args:
       inner: the transformation to wrap (the sync and the optimizer).

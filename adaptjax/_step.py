@@ -138,10 +138,13 @@ def data_parallel_step(
     inside ``jax.shard_map`` each replica computes its gradient (accumulated
     over ``microbatches`` micro-batches with ``lax.scan``) and runs ``tx`` with
     the axis bound, so ``tx`` should contain :func:`adaptjax.sync_gradients` (or
-    another cross-replica reduction). ``tx.update`` receives the extra
-    arguments ``local_batch_size``, ``microbatches`` and ``micro_sqnorm``, and
-    with ``skip_nonfinite`` and one micro-batch ``local_sqnorm`` (this replica's
-    ``‖g‖²``, which the guard computes anyway).
+    another cross-replica reduction): ``optax.chain(adaptjax.sync_gradients(
+    "data"), optimizer)``. ``tx.update`` receives the extra arguments
+    ``local_batch_size``, ``microbatches``, ``micro_sqnorm`` and ``chain_state``
+    (``tx``'s whole state: a codec's ``sync_gradients`` warns with its
+    ``pairing_warning`` about the optimizer in it), and with ``skip_nonfinite``
+    and one micro-batch ``local_sqnorm`` (this replica's ``‖g‖²``, which the
+    guard computes anyway).
 
     A non-finite loss or gradient (on any replica) skips the update when
     ``skip_nonfinite``: params, optimizer and model state stay as they were and
@@ -156,7 +159,7 @@ def data_parallel_step(
 
     **float16** (``loss_fn = adaptjax.with_precision(loss, "float16")``) needs
     dynamic loss scaling: put ``ls = adaptjax.dynamic_loss_scale(optimizer)``
-    in ``tx`` (``adaptjax.chain(adaptjax.sync_gradients("data"), ls)``) and
+    in ``tx`` (``optax.chain(adaptjax.sync_gradients("data"), ls)``) and
     pass ``loss_scale=ls``. The step differentiates the loss times the
     state's current scale (:func:`adaptjax.current_loss_scale`), divides each
     micro-batch's gradients by it in float32, so the guard, ``micro_sqnorm``
@@ -246,10 +249,12 @@ def data_parallel_step(
       axis_name: the data-parallel axis (or tuple of axes).
       donate: donate the state buffers to the step.
       skip_nonfinite: skip updates whose loss or gradients are not finite.
-        With ``tx = adaptjax.chain(adaptjax.sync_gradients(...), ...)`` the
-        check's two scalars ride in the gradients' all-reduce and only the
-        links after the sync are skipped; with any other ``tx`` the check is
-        an all-reduce of its own before the whole update.
+        The check is an all-reduce of two scalars before the whole update
+        (2-4% of a small LM's step on 8 simulated CPU devices, the docs'
+        benchmarks page); in the chain :func:`adaptjax.sync.sync_chain` builds
+        (``sync_chain(optimizer, SSGD(codec=...))``) they ride in the
+        gradients' all-reduce instead and only the links after the sync are
+        skipped.
       sync: the :class:`adaptjax.sync.SyncStrategy` ``tx`` was built with (by
         :func:`adaptjax.sync.sync_chain`), or its name; checked against the mesh
         (e.g. gossip needs two replicas) before anything compiles. Whatever
@@ -465,8 +470,9 @@ def _local_step(config: _StepConfig, layout: ShardLayout | None, state: TrainSta
         extra["loss_scaled"] = True  # unscaled already: the LossScaled link runs only its inner
     if layout is not None:
         extra["shard_layout"] = layout
-    # With adaptjax.chain(sync_gradients(...), ...) the guard's scalars ride in
-    # the gradients' all-reduce and only what follows the sync is skipped.
+    extra["chain_state"] = state.opt_state  # for a codec's pairing_warning (see sync_gradients)
+    # In sync_chain's chain (a SyncChain) the guard's scalars ride in the
+    # gradients' all-reduce and only what follows the sync is skipped.
     in_sync = config.skip_nonfinite and guarded_sync(config.tx) and not has_local
     guard = None
     if config.skip_nonfinite:
@@ -629,7 +635,7 @@ def _accumulate_microbatch(config: _StepConfig, layout, params, graphdef, scale,
 
 
 def _sync_with_guard(config: _StepConfig, state, grads, guard, global_params, extra) -> _Synced:
-    """The guard's scalars ride in the sync link's all-reduce (``adaptjax.chain``)."""
+    """The guard's scalars ride in the sync link's all-reduce (a ``SyncChain``)."""
     tx = config.tx
     assert isinstance(tx, SyncChain) and tx.sync and tx.rest  # the caller checked guarded_sync
     update_with_sums = tx.sync.update_with_sums
@@ -670,7 +676,7 @@ def _apply_update(
     operands = (synced.summed, synced.rest_state, params, model_state, synced.sync_state)
     if not config.skip_nonfinite:
         return update(*operands)
-    # The update runs inside the taken branch (without adaptjax.chain its
+    # The update runs inside the taken branch (outside a SyncChain its
     # collectives too), so a skipped step reads nothing and the kept state
     # passes through in place. Choosing afterwards instead (select(ok, new,
     # old) per leaf) keeps the old optimizer state alive next to the new

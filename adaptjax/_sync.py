@@ -332,10 +332,13 @@ class SyncGradients(optax.GradientTransformationExtraArgs):
     drop the step (a non-finite guard) calls ``complete`` only in the branch
     that keeps it, so a dropped step runs neither and keeps every state
     exactly.
-    :func:`adaptjax.data_parallel_step` uses it (through :func:`adaptjax.chain`)
-    for the non-finite guard's two scalars, so guarding a step adds no
-    collective. ``codec`` is the codec it was built with (``None``: dense),
-    which :func:`adaptjax.chain` asks about the optimizer that follows it.
+    :func:`adaptjax.data_parallel_step` uses it (in the chains that
+    :func:`adaptjax.sync.sync_chain` and the controller build) for the
+    non-finite guard's two scalars, so guarding a step adds no collective.
+    ``codec`` is the codec it was built with (``None``: dense). Given the
+    extra argument ``chain_state`` (the whole chain's state, which
+    :func:`adaptjax.data_parallel_step` passes), ``update`` warns once per
+    trace with the codec's ``pairing_warning`` about the optimizer in it.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, adaptjax
@@ -585,6 +588,8 @@ def _update_with_sums(
     check_axes_bound(config.axis_name, f"sync_gradients({config.axis_name!r})")
     check_float_tree(updates)
     _check_per_replica(updates, config.axis_name)
+    if "chain_state" in extra:  # data_parallel_step: the whole chain's state, at trace time
+        _warn_pairing(config.codec, extra["chain_state"])
     k = _samples_per_replica(extra.get("microbatches"))
     inputs = _Inputs(
         updates, state, params, axis_size(config.axis_name), k,
@@ -607,6 +612,20 @@ def _update_with_sums(
     if config.codec is None:  # the mean is finished where the caller reads it
         return sums.out, functools.partial(_dense_mean, updates, inputs.n), new_state, sums.extra
     return mean, _identity, new_state, sums.extra
+
+
+def _warn_pairing(codec, chain_state) -> None:
+    """Warns with ``codec.pairing_warning``'s line about the optimizer in ``chain_state``.
+
+    ``chain_state`` is the optimizer state of the chain this link is in (what
+    :func:`adaptjax.data_parallel_step` passes): the first place that sees both
+    the codec and the optimizer. It is read at trace time, so the line comes
+    once per compiled step.
+    """
+    check = getattr(codec, "pairing_warning", None)
+    line = None if check is None else check(chain_state)
+    if line is not None:
+        warnings.warn(line, UserWarning, stacklevel=2)
 
 
 def _identity(x):

@@ -48,7 +48,7 @@ from lm import SIZES, ByteLM, loss_fn  # noqa: E402
 
 def _chain():
     monitors = (adaptjax.GradientNoiseScale(), adaptjax.GradientSNR(), adaptjax.GradientNorm())
-    return adaptjax.chain(adaptjax.sync_gradients("data", monitors=monitors), optax.adam(1e-3))
+    return optax.chain(adaptjax.sync_gradients("data", monitors=monitors), optax.adam(1e-3))
 
 
 def _windows(rows, context, seed):

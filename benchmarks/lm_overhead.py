@@ -5,8 +5,8 @@ steps do identical arithmetic), same mesh (``--devices`` simulated CPU
 devices), same global batch and optimizer (Adam):
 
 * ``adaptjax``: :func:`adaptjax.data_parallel_step` with
-  ``adaptjax.chain(adaptjax.sync_gradients("data", monitors=(GradientNoiseScale(),
-  GradientSNR(), GradientNorm())), optax.adam(lr))`` on
+  ``adaptjax.sync.sync_chain(optax.adam(lr), monitors=(GradientNoiseScale(),
+  GradientSNR(), GradientNorm()))`` (the controller's chain) on
   :func:`adaptjax.init_state` (non-finite guard and metrics included; the
   guard's scalars ride in the gradients' all-reduce);
 * ``hand-written``: ``nnx.split`` the model, a ``jax.shard_map`` step that
@@ -111,15 +111,21 @@ def main():
                 adaptjax.GradientSNR(differencing=one), adaptjax.GradientNorm())
     n_params = sum(int(np.prod(p.shape)) for p in
                    jax.tree.leaves(nnx.state(ByteLM(cfg, nnx.Rngs(0)), nnx.Param)))
-    variants = {"adaptjax": (monitors, True, adaptjax.chain)}
+    def synced(mons):  # sync_chain's chain: the guard rides the gradients' all-reduce
+        return adaptjax.sync.sync_chain(optax.adam(1e-3), monitors=mons)
+
+    def plain(mons):  # the same links in optax.chain: the guard's all-reduce apart
+        return optax.chain(adaptjax.sync_gradients("data", monitors=mons), optax.adam(1e-3))
+
+    variants = {"adaptjax": (monitors, True, synced)}
     if args.breakdown:  # what the monitors and the guard each cost
-        variants["adaptjax no monitors"] = ((), True, adaptjax.chain)
-        variants["adaptjax no guard"] = (monitors, False, adaptjax.chain)
-        variants["adaptjax optax.chain"] = (monitors, True, optax.chain)
-        variants["adaptjax bare"] = ((), False, adaptjax.chain)
+        variants["adaptjax no monitors"] = ((), True, synced)
+        variants["adaptjax no guard"] = (monitors, False, synced)
+        variants["adaptjax optax.chain"] = (monitors, True, plain)
+        variants["adaptjax bare"] = ((), False, synced)
     steps, states = {}, {}
-    for name, (mons, guard, chain) in variants.items():
-        tx = chain(adaptjax.sync_gradients("data", monitors=mons), optax.adam(1e-3))
+    for name, (mons, guard, build) in variants.items():
+        tx = build(mons)
         fn = adaptjax.data_parallel_step(loss_fn, tx, mesh, skip_nonfinite=guard)
         for j in range(args.instances):
             states[name, j] = adaptjax.init_state(ByteLM(cfg, nnx.Rngs(0)), tx, mesh)

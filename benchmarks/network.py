@@ -224,7 +224,7 @@ def _jax_step(jax, variant: str, mesh, bucket_bytes: int):
         sync = getattr(adaptjax, name)(*args)
         tx = adaptjax.sync.sync_chain(inner, sync)
     else:
-        tx = adaptjax.chain(adaptjax.sync_gradients("data", codec=codec), inner)
+        tx = optax.chain(adaptjax.sync_gradients("data", codec=codec), inner)
     state = adaptjax.init_state(params, tx, mesh)
     step = adaptjax.data_parallel_step(loss_fn, tx, mesh, skip_nonfinite=spec.guard, sync=sync)
     batch = _jax_batch(jax, mesh, *next(_data(0, 1)))

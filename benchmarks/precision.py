@@ -2,7 +2,7 @@
 
 **Precision, on the LM** (``examples/lm.py``'s ``ByteLM``, ``--size``, dropout
 off): the same model, initialisation, batches and optimizer
-(``adaptjax.chain(sync_gradients("data"), optax.adam(lr))`` in
+(``optax.chain(sync_gradients("data"), optax.adam(lr))`` in
 :func:`adaptjax.data_parallel_step` on ``--devices``), with the loss function
 wrapped by :func:`adaptjax.with_precision` in float32 and in bfloat16 (float32
 master weights and Adam state in both; the logits are cast to float32 for the
@@ -88,7 +88,7 @@ def lm_runs(args) -> dict:
     train, val, _ = lm_data.load_corpus(context=cfg.context, max_train_bytes=2_000_000)
     data = adaptjax.ArrayDataset({"tokens": train}, seed=0)
     batches = [data.next_batch(batch) for _ in range(args.steps)]
-    tx = adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(args.lr))
+    tx = optax.chain(adaptjax.sync_gradients("data"), optax.adam(args.lr))
     steps, states, losses, times = {}, {}, {}, {}
     for p in PRECISIONS:
         steps[p] = adaptjax.data_parallel_step(adaptjax.with_precision(lm_loss, p), tx, mesh)
@@ -189,7 +189,7 @@ def digits_run(steps: int, codec=None) -> tuple[float, int]:
     x_train, x_test, y_train, y_test = load()
     data = adaptjax.ArrayDataset({"x": x_train, "y": y_train}, seed=0, features=codec)
     mesh = adaptjax.make_mesh(2)
-    tx = adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-3))
+    tx = optax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-3))
     loss = adaptjax.with_precision(digits_loss, "float32", decode=data.decode)
     step = adaptjax.data_parallel_step(loss, tx, mesh)
     state = adaptjax.init_state(MLP(nnx.Rngs(0)), tx, mesh)

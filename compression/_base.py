@@ -564,8 +564,9 @@ class Codec:
     def pairing_warning(self, optimizer_state: Any) -> str | None:
         """One line when this codec trains worse than dense sync with that optimizer, else None.
 
-        :func:`adaptjax.chain` asks at its first ``init``, with the state of the
-        links after the sync, and warns with the line (see
+        The codec's :func:`adaptjax.sync_gradients` link asks when
+        :func:`adaptjax.data_parallel_step` first traces the step, with the
+        chain's state, and warns with the line (see
         ``compression/_pairing.py``: the pairings
         the codec-optimizer benchmark measured more than 1% behind dense).
         """

@@ -4,9 +4,10 @@ The codec-optimizer benchmark (docs/benchmarks.md) trains every codec's default 
 with SGD+momentum and with AdamW (a CNN on digits, a byte-level LM) and
 compares each with dense sync at equal steps. Where a default pairing falls
 more than 1% behind dense, :meth:`adaptjax.compression.Codec.pairing_warning`
-returns one line naming the better choice, and :func:`adaptjax.chain` warns
-with it at the chain's first ``init`` (the first place that sees both the
-codec and the optimizer).
+returns one line naming the better choice, and the codec's
+:func:`adaptjax.sync_gradients` link warns with it when
+:func:`adaptjax.data_parallel_step` first traces the step (the first place
+that sees both the codec and the optimizer).
 """
 
 from __future__ import annotations

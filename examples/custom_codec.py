@@ -72,7 +72,7 @@ def main(argv=None):
     )
     mesh = adaptjax.make_mesh(8)
     codec = sr4(error_feedback=args.error_feedback)
-    tx = adaptjax.chain(adaptjax.sync_gradients("data", codec=codec), optax.adam(1e-3))
+    tx = optax.chain(adaptjax.sync_gradients("data", codec=codec), optax.adam(1e-3))
     step = adaptjax.data_parallel_step(loss_fn, tx, mesh)
     model = MLP(nnx.Rngs(0))
     model.train()

@@ -18,7 +18,7 @@ Coming from ``nnx.Optimizer``::
 
 becomes the same model, loss and optax transformation with the sync first::
 
-    tx = adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-3))
+    tx = optax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-3))
     step = adaptjax.data_parallel_step(loss_fn, tx, adaptjax.make_mesh(8))
     state = adaptjax.init_state(model, tx, mesh)   # model.train() first
     state, metrics = step(state, batch)            # a functional state, returned
@@ -69,7 +69,7 @@ def main():
         x, digits.target.astype(np.int32), test_size=0.2, random_state=0, stratify=digits.target
     )
     mesh = adaptjax.make_mesh(8)
-    tx = adaptjax.chain(  # optax.chain whose guard rides in the all-reduce
+    tx = optax.chain(  # sync and measure, then adam
         adaptjax.sync_gradients(
             "data",
             monitors=(adaptjax.GradientNoiseScale(), adaptjax.GradientSNR(),

@@ -48,8 +48,8 @@ def _concatenated(micro):
 
 # the inner chains: dense S-SGD, a codec with error feedback, DiLoCo's inner steps
 CHAINS = {
-    "dense": lambda: adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-2)),
-    "onebit+ef": lambda: adaptjax.chain(
+    "dense": lambda: optax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-2)),
+    "onebit+ef": lambda: optax.chain(
         adaptjax.sync_gradients("data", codec=ajc.onebit(min_size=64)), optax.adam(1e-2)),
     "diloco": lambda: adaptjax.sync.sync_chain(optax.adam(1e-2), adaptjax.sync.DiLoCo(H=2)),
 }
@@ -84,7 +84,7 @@ def test_k_micro_steps_equal_one_step_of_their_batch(chain):
 
 def test_changing_the_micro_steps_compiles_nothing():
     mesh = adaptjax.make_mesh(N)
-    tx = adaptjax.accumulate(adaptjax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.1)))
+    tx = adaptjax.accumulate(optax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.1)))
     step = adaptjax.data_parallel_step(_loss, tx, mesh)
     state = adaptjax.init_state(_params(), tx, mesh)
     moved = []

@@ -84,7 +84,7 @@ def test_skipped_step_moves_nothing_and_keeps_the_inner_state():
 def test_one_replica_overflowing_skips_the_step_on_every_replica():
     """Own shard_map step on 8 devices: the loss is scaled with current_loss_scale."""
     mesh = adaptjax.make_mesh(8)
-    inner = adaptjax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.5))
+    inner = optax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.5))
     tx = adaptjax.dynamic_loss_scale(inner, axis_name="data", initial_scale=2.0**8, period=2)
 
     def local(params, opt_state, batch):
@@ -156,7 +156,7 @@ def test_float16_gradients_underflow_without_scaling_and_match_float32_with_it()
 def test_scale_and_count_are_checkpointed_with_the_train_state(tmp_path):
     mesh = adaptjax.make_mesh(8)
     tx = adaptjax.dynamic_loss_scale(
-        adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(0.1)), axis_name="data"
+        optax.chain(adaptjax.sync_gradients("data"), optax.adam(0.1)), axis_name="data"
     )
     state = adaptjax.init_state({"w": jnp.ones(4)}, tx, mesh)
     state.opt_state = state.opt_state._replace(

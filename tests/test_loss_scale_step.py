@@ -106,11 +106,11 @@ def test_float16_with_loss_scaling_trains_like_exact_gradient_descent(case):
     sync = adaptjax.sync_gradients("data", codec=codec)
     ls_args = {"initial_scale": 2.0**26, "period": 10_000}
     if whole:
-        tx = adaptjax.dynamic_loss_scale(adaptjax.chain(sync, optax.sgd(LR / C)), **ls_args)
+        tx = adaptjax.dynamic_loss_scale(optax.chain(sync, optax.sgd(LR / C)), **ls_args)
         kwargs = {}
     else:
         ls = adaptjax.dynamic_loss_scale(optax.sgd(LR / C), **ls_args)
-        tx, kwargs = adaptjax.chain(sync, ls), {"loss_scale": ls}
+        tx, kwargs = optax.chain(sync, ls), {"loss_scale": ls}
     step = adaptjax.data_parallel_step(
         weighted_half, tx, mesh, microbatches=microbatches, sharding=RULE, **kwargs
     )
@@ -144,7 +144,7 @@ def test_a_nonfinite_step_is_skipped_everywhere_shrinks_and_period_finite_steps_
 ):
     mesh = adaptjax.make_mesh(shape)
     ls = adaptjax.dynamic_loss_scale(optax.sgd(0.05), initial_scale=2.0**10, period=2)
-    tx = adaptjax.chain(adaptjax.sync_gradients("data"), ls)
+    tx = optax.chain(adaptjax.sync_gradients("data"), ls)
     step = adaptjax.data_parallel_step(
         HALF, tx, mesh, microbatches=microbatches, sharding=RULE, loss_scale=ls
     )
@@ -176,7 +176,7 @@ def _one_line(info) -> str:
 def test_bad_loss_scale_arguments_say_so_in_one_line_before_compiling():
     mesh = adaptjax.make_mesh(8)
     ls = adaptjax.dynamic_loss_scale(optax.sgd(0.1))
-    tx = adaptjax.chain(adaptjax.sync_gradients("data"), ls)
+    tx = optax.chain(adaptjax.sync_gradients("data"), ls)
     with pytest.raises(ValueError) as info:
         adaptjax.data_parallel_step(HALF, tx, mesh, loss_scale=ls, skip_nonfinite=False)
     assert _one_line(info).startswith("loss_scale needs skip_nonfinite=True")
@@ -195,8 +195,8 @@ def test_loss_scale_and_the_state_must_agree_at_trace_time():
     # raised while tracing (``lower``), before anything compiles
     mesh = adaptjax.make_mesh(8)
     ls = adaptjax.dynamic_loss_scale(optax.sgd(0.1))
-    scaled = adaptjax.chain(adaptjax.sync_gradients("data"), ls)
-    plain = adaptjax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.1))
+    scaled = optax.chain(adaptjax.sync_gradients("data"), ls)
+    plain = optax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.1))
     params = {"w": jnp.zeros((8, 4))}
     step = adaptjax.data_parallel_step(mse, scaled, mesh)  # the LossScaled not passed
     with pytest.raises(ValueError) as info:

@@ -57,7 +57,7 @@ def _loss(p, b):
 def test_a_steps_metrics_and_the_syncs_state_are_one_buffer_each():
     mesh = adaptjax.make_mesh(4)
     monitors = (adaptjax.GradientNoiseScale(), adaptjax.GradientSNR(), adaptjax.GradientNorm())
-    tx = adaptjax.chain(adaptjax.sync_gradients("data", monitors=monitors), optax.sgd(0.1))
+    tx = optax.chain(adaptjax.sync_gradients("data", monitors=monitors), optax.sgd(0.1))
     step = adaptjax.data_parallel_step(_loss, tx, mesh, has_aux=True)
     params = {"w": jnp.asarray(np.linspace(-1.0, 1.0, 3), jnp.float32)}
     state = adaptjax.init_state(params, tx, mesh)

@@ -210,7 +210,7 @@ def test_rngs_passed_at_call_time_is_one_line_naming_the_fix():
     model = _CallTimeRngs(nnx.Rngs(1))
     model.train()
     mesh = adaptjax.make_mesh(8)
-    tx = adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-3))
+    tx = optax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-3))
     step = adaptjax.data_parallel_step(lambda m, b: jnp.mean(m(b, rngs) ** 2), tx, mesh)
     with pytest.raises(ValueError) as e:
         step(adaptjax.init_state(model, tx, mesh), np.ones((16, 4), np.float32))

@@ -110,7 +110,7 @@ def test_nnx_module_is_cast_during_the_call_and_restored_after():
 def test_nnx_batch_statistics_still_update_in_the_data_parallel_step():
     model = _Net(nnx.Rngs(0))
     model.train()
-    tx = adaptjax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.1))
+    tx = optax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.1))
     mesh = adaptjax.make_mesh(2)
 
     def loss(m, b):

@@ -29,7 +29,7 @@ def _train(precision, codec=None) -> float:
     """Test accuracy after training in ``precision`` (test inputs encoded by the same codec)."""
     x_train, x_test, y_train, y_test = load()
     data = adaptjax.ArrayDataset({"x": x_train, "y": y_train}, seed=0, features=codec)
-    tx = adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-3))
+    tx = optax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-3))
     mesh = adaptjax.make_mesh(2)
     loss = adaptjax.with_precision(loss_fn, precision, decode=data.decode)
     step = adaptjax.data_parallel_step(loss, tx, mesh)

@@ -168,7 +168,7 @@ def specs(**given):
 )
 def test_bad_specs_name_the_leaf(sharding, words):
     mesh = adaptjax.make_mesh({"data": 1, "fsdp": 8})
-    tx = adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(0.1))
+    tx = optax.chain(adaptjax.sync_gradients("data"), optax.adam(0.1))
     with pytest.raises(ValueError) as e:
         adaptjax.init_state(mlp(), tx, mesh, sharding=sharding)
     assert words in one_line(e)
@@ -199,7 +199,7 @@ def test_every_device_holds_one_fsdp_share_of_a_sharded_leaf():
 
 
 def test_dense_step_equals_on_every_mesh():
-    tx = adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-2))
+    tx = optax.chain(adaptjax.sync_gradients("data"), optax.adam(1e-2))
     ref, m_ref = train(8, tx)
     for shape in ({"data": 2, "fsdp": 4}, {"data": 1, "fsdp": 1}, {"data": 1, "fsdp": 8}, 1):
         state, m = train(shape, tx)
@@ -212,7 +212,7 @@ def test_noise_scale_equals_the_one_dimensional_estimate():
     # 8 gradient samples of 4 rows each in every run: 2 replicas x 4
     # micro-batches, 8 replicas, or 1 replica x 8 micro-batches (and 2 x 2 x 2).
     monitors = (adaptjax.GradientNoiseScale(), adaptjax.GradientSNR())
-    tx = adaptjax.chain(
+    tx = optax.chain(
         adaptjax.sync_gradients("data", monitors=monitors, norm_chunks=1), optax.adam(1e-2)
     )
     _, ref = train(8, tx, steps=6)
@@ -230,7 +230,7 @@ def test_tensor_parallel_mesh_with_a_rule_function():
     rule = lambda path, x: RULE.spec(x.shape, mesh, tp[path[0].key])
     specs = adaptjax.param_specs(mlp(), mesh, sharding=rule)
     assert specs["w1"] == P("fsdp", "model") and specs["w2"] == P("model", "fsdp")
-    tx = adaptjax.chain(
+    tx = optax.chain(
         adaptjax.sync_gradients("data", monitors=(adaptjax.GradientNoiseScale(),), norm_chunks=1),
         optax.adam(1e-2),
     )
@@ -265,7 +265,7 @@ def test_every_strategy_runs_sharded(strategy):
 
 def test_batch_not_divisible_by_the_data_axis_raises_before_compiling():
     mesh = adaptjax.make_mesh({"data": 2, "fsdp": 4})
-    tx = adaptjax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.1))
+    tx = optax.chain(adaptjax.sync_gradients("data"), optax.sgd(0.1))
     step = adaptjax.data_parallel_step(loss, tx, mesh, microbatches=2, sharding=RULE)
     state = adaptjax.init_state(mlp(), tx, mesh, sharding=RULE)
     with pytest.raises(ValueError) as e:
@@ -384,7 +384,7 @@ def test_codec_whose_state_is_not_split_like_the_gradients_falls_back_to_bf16():
     # lane with wire_dtype=bfloat16, so the params are those of that run exactly,
     # and the codec's state (its factors, its residuals) is what init made it
     codec = ajc.powersgd(rank=2, min_size=64)
-    tx = adaptjax.chain(adaptjax.sync_gradients("data", codec=codec, monitors=()),
+    tx = optax.chain(adaptjax.sync_gradients("data", codec=codec, monitors=()),
                         optax.sgd(0.1))
     with pytest.warns(UserWarning) as caught:
         state, _ = train({"data": 2, "fsdp": 4}, tx, steps=3)
@@ -392,7 +392,7 @@ def test_codec_whose_state_is_not_split_like_the_gradients_falls_back_to_bf16():
     assert len(messages) == 1 and "\n" not in next(iter(messages))
     assert "'powersgd' cannot run on each shard" in next(iter(messages))
     assert "travel as bfloat16 instead" in next(iter(messages))
-    bf16 = adaptjax.chain(
+    bf16 = optax.chain(
         adaptjax.sync_gradients("data", wire_dtype=jnp.bfloat16, monitors=()), optax.sgd(0.1))
     expected, _ = train({"data": 2, "fsdp": 4}, bf16, steps=3)
     for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected.params),
@@ -409,7 +409,7 @@ def test_codec_plans_each_shard_as_a_leaf():
     # min_size 64: b1 (64) has a residual as a whole leaf, but its shards (16)
     # go in the exact float32 lane; the unused residual stays as it was.
     codec = ajc.onebit(error_feedback=True, min_size=64)
-    tx = adaptjax.chain(adaptjax.sync_gradients("data", codec=codec), optax.sgd(0.1))
+    tx = optax.chain(adaptjax.sync_gradients("data", codec=codec), optax.sgd(0.1))
     state, _ = train({"data": 2, "fsdp": 4}, tx, steps=3)
     residuals = state.opt_state[0].codec_state.worker.value["ef"]
     assert not np.any(residuals["b1"]) and np.any(residuals["w1"])
@@ -420,7 +420,7 @@ def test_codec_plans_each_shard_as_a_leaf():
 def test_sharded_step_wire_bytes_by_axis(codec):
     # (with a codec, the monitors' exact sample would be the whole of this small model)
     monitors = (adaptjax.GradientNoiseScale(),) if codec is None else ()
-    tx = adaptjax.chain(
+    tx = optax.chain(
         adaptjax.sync_gradients("data", codec=codec, monitors=monitors), optax.adam(1e-2)
     )
     mesh = adaptjax.make_mesh({"data": 2, "fsdp": 4})
@@ -442,7 +442,7 @@ def test_sharded_step_wire_bytes_by_axis(codec):
 def test_differencing_monitor_needs_whole_gradients():
     mesh = adaptjax.make_mesh({"data": 1, "fsdp": 8})
     monitors = (adaptjax.GradientNoiseScale(differencing=True),)
-    tx = adaptjax.chain(adaptjax.sync_gradients("data", monitors=monitors), optax.sgd(0.1))
+    tx = optax.chain(adaptjax.sync_gradients("data", monitors=monitors), optax.sgd(0.1))
     step = adaptjax.data_parallel_step(loss, tx, mesh, sharding=RULE)
     with pytest.raises(ValueError) as e:
         step.lower(adaptjax.abstract_state(mlp(), tx, mesh, sharding=RULE), BATCHES[0])
@@ -481,7 +481,7 @@ def test_collective_axes_from_replica_groups(groups, axes):
 )
 def test_sync_options_on_a_sharded_mesh(kwargs):
     monitors = (adaptjax.GradientNoiseScale(),)
-    tx = adaptjax.chain(
+    tx = optax.chain(
         adaptjax.sync_gradients("data", monitors=monitors, norm_chunks=1, **kwargs),
         optax.adam(1e-2),
     )
@@ -493,7 +493,7 @@ def test_sync_options_on_a_sharded_mesh(kwargs):
 
 def test_bf16_wire_on_a_sharded_mesh():
     # bf16 on the wire: each device's shard, summed over the 2 replicas
-    tx = adaptjax.chain(adaptjax.sync_gradients("data", wire_dtype=jnp.bfloat16), optax.sgd(0.1))
+    tx = optax.chain(adaptjax.sync_gradients("data", wire_dtype=jnp.bfloat16), optax.sgd(0.1))
     ref, _ = train(2, tx, steps=2)
     state, _ = train({"data": 2, "fsdp": 4}, tx, steps=2)
     assert_trees_close(state.params, ref.params, atol=1e-6)

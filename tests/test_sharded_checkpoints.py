@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import adaptjax
 
 RULE = adaptjax.FSDP(min_size=64)
-TX = adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(0.05))
+TX = optax.chain(adaptjax.sync_gradients("data"), optax.adam(0.05))
 
 
 def mlp():

@@ -9,6 +9,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import adaptjax
+from adaptjax._chain import chain as guarded_chain  # sync_chain's (and the controller's) chain
 from adaptjax._chain import named_chain
 from adaptjax._sync import SyncState
 
@@ -56,8 +57,8 @@ def _adam(chain=optax.chain):
 
 
 # optax.chain: the guard's own all-reduce, then the whole update in its cond;
-# adaptjax.chain: its scalars in the gradients' all-reduce, the optimizer in the cond.
-CHAINS = pytest.mark.parametrize("chain", [optax.chain, adaptjax.chain], ids=["optax", "adaptjax"])
+# guarded_chain: its scalars in the gradients' all-reduce, the optimizer in the cond.
+CHAINS = pytest.mark.parametrize("chain", [optax.chain, guarded_chain], ids=["optax", "adaptjax"])
 
 
 @pytest.mark.parametrize("devices,microbatches", [(8, 1), (8, 2), (4, 4), (1, 4)])
@@ -177,7 +178,7 @@ def test_nonfinite_gradient_skips_update_and_is_counted(chain):
 def test_a_skipped_step_keeps_donated_state_exactly(chain):
     # With donated buffers (the default) the skip branch passes the old state through in
     # place: nothing of it may be overwritten by the update that did not happen (the
-    # monitors' state included, which adaptjax.chain updates outside the cond).
+    # monitors' state included, which guarded_chain updates outside the cond).
     mesh = adaptjax.make_mesh(8)
     tx = _adam(chain)
     step = adaptjax.data_parallel_step(_loss, tx, mesh)
@@ -198,7 +199,7 @@ def test_a_skipped_step_keeps_donated_state_exactly(chain):
 
 @CHAINS
 def test_a_skipped_step_keeps_every_monitor_state_and_count(chain):
-    # With adaptjax.chain the monitors run in a lax.cond on the guard's verdict (their
+    # With guarded_chain the monitors run in a lax.cond on the guard's verdict (their
     # skip branch passes the old state through); either way a non-finite step must leave
     # the noise-scale EMAs, counts, held values and metrics exactly as they were.
     mesh = adaptjax.make_mesh(8)
@@ -264,16 +265,16 @@ def _all_reduces(step, state, batch):
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])
-def test_adaptjax_chain_guard_adds_no_collective_and_matches_optax_chain(microbatches):
-    # The same links in optax.chain and adaptjax.chain: identical states and losses
-    # step by step (a skipped step among them), but the guard of adaptjax.chain sends
+def test_the_guarded_chains_guard_adds_no_collective_and_matches_optax_chain(microbatches):
+    # The same links in optax.chain and guarded_chain: identical states and losses
+    # step by step (a skipped step among them), but the guard of guarded_chain sends
     # its scalars in the gradients' all-reduce: one all-reduce per step, not two.
     mesh = adaptjax.make_mesh(8)
     mons = (adaptjax.GradientNoiseScale(), adaptjax.GradientNorm())
     batches = _batches(4, 32)
     batches[2]["x"][7, 2] = np.nan
     out, counts = [], []
-    for chain in (optax.chain, adaptjax.chain):
+    for chain in (optax.chain, guarded_chain):
         tx = chain(adaptjax.sync_gradients("data", monitors=mons), optax.adam(1e-2))
         step = adaptjax.data_parallel_step(_loss, tx, mesh, microbatches=microbatches)
         state = adaptjax.init_state(_mlp_params(), tx, mesh)
@@ -290,12 +291,12 @@ def test_adaptjax_chain_guard_adds_no_collective_and_matches_optax_chain(microba
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-7)
 
 
-def test_adaptjax_chain_has_optax_chains_state_and_updates():
+def test_the_guarded_chain_has_optax_chains_state_and_updates():
     params = {"w": jnp.arange(3.0), "b": jnp.ones(2)}
     g = {"w": jnp.array([1.0, -2.0, 0.5]), "b": jnp.array([0.1, 0.2])}
     links = [optax.scale_by_adam(), optax.scale(-0.1)]
     for ours, theirs in (
-        (adaptjax.chain(*links), optax.chain(*links)),
+        (guarded_chain(*links), optax.chain(*links)),
         (named_chain(("a", links[0]), ("s", links[1])),
          optax.named_chain(("a", links[0]), ("s", links[1]))),
     ):

@@ -153,7 +153,7 @@ def test_data_parallel_step_is_sgd_on_the_codecs_mean(name):
     def loss(p, b):
         return sum(jnp.vdot(c[k], p[k]) for k in SHAPES) * jnp.mean(b)
 
-    tx = adaptjax.chain(adaptjax.sync_gradients("data", codec=codec), optax.sgd(lr))
+    tx = optax.chain(adaptjax.sync_gradients("data", codec=codec), optax.sgd(lr))
     mesh = adaptjax.make_mesh()
     step = adaptjax.data_parallel_step(loss, tx, mesh)
     state, _ = step(adaptjax.init_state(params, tx, mesh), batch)

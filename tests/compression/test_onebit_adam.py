@@ -72,7 +72,7 @@ def test_warm_up_is_optax_adam_bit_for_bit_through_data_parallel_step(weight_dec
     tx = _injected(ajc.onebit_adam, weight_decay=weight_decay, freeze_step=4)
     dense = (_injected(optax.adamw, weight_decay=weight_decay) if weight_decay
              else _injected(optax.adam))
-    ref = adaptjax.chain(adaptjax.sync_gradients("data"), dense)
+    ref = optax.chain(adaptjax.sync_gradients("data"), dense)
     s, r = adaptjax.init_state(_params(), tx, mesh), adaptjax.init_state(_params(), ref, mesh)
     step = adaptjax.data_parallel_step(_loss, tx, mesh, donate=False)
     ref_step = adaptjax.data_parallel_step(_loss, ref, mesh, donate=False)
@@ -269,7 +269,7 @@ def test_on_a_sharded_mesh_each_shard_of_the_momentum_is_compressed():
     rule = adaptjax.FSDP(min_size=64)
     codec = ajc.onebit(min_size=256)  # w's shards (640 elements) are compressed, b is not
     tx = ajc.onebit_adam(0.01, freeze_step=2, codec=codec)
-    ref = adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(0.01))
+    ref = optax.chain(adaptjax.sync_gradients("data"), optax.adam(0.01))
     s = adaptjax.init_state(_params(), tx, mesh, sharding=rule)
     r = adaptjax.init_state(_params(), ref, mesh, sharding=rule)
     step = adaptjax.data_parallel_step(_loss, tx, mesh, sharding=rule, donate=False)
@@ -308,7 +308,7 @@ def test_converges_close_to_dense_adam():
     rows = np.random.default_rng(4).integers(0, 4096, size=(300, 64))
     losses = {}
     txs = {"onebit": ajc.onebit_adam(0.05, freeze_step=75),
-           "dense": adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(0.05))}
+           "dense": optax.chain(adaptjax.sync_gradients("data"), optax.adam(0.05))}
     for name, tx in txs.items():
         state = adaptjax.init_state({"w": jnp.zeros((64, 40)), "b": jnp.zeros(40)}, tx, mesh)
         step = adaptjax.data_parallel_step(_loss, tx, mesh)

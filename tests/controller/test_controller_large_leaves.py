@@ -53,7 +53,7 @@ def test_the_controllers_first_step_is_the_codecs_step(tmp_path, codec, mesh_sha
     got = {k: np.asarray(v) for k, v in ctrl.state.params.items()}
     ctrl.close()
 
-    tx = adaptjax.chain(adaptjax.sync_gradients("data", codec=codec), optax.sgd(LR))
+    tx = optax.chain(adaptjax.sync_gradients("data", codec=codec), optax.sgd(LR))
     mesh = adaptjax.make_mesh(8 if mesh_shape is None else mesh_shape)
     step = adaptjax.data_parallel_step(loss, tx, mesh)
     state, _ = step(adaptjax.init_state(params, tx, mesh), {"m": batch})

@@ -91,7 +91,7 @@ def test_the_sync_of_a_compiled_step_moves_to_other_shapes_by_its_shards():
     def loss(p, b):
         return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
 
-    tx = adaptjax.chain(adaptjax.sync_gradients("data"), optax.adam(0.05))
+    tx = optax.chain(adaptjax.sync_gradients("data"), optax.adam(0.05))
     batch = {"x": np.ones((32, 16), np.float32), "y": np.ones((32, 8), np.float32)}
     reports = {}
     for shape in ({"data": 2, "fsdp": 4}, {"data": 4, "fsdp": 2}, {"data": 8, "fsdp": 1}):
@@ -144,7 +144,7 @@ def test_state_bytes_per_device_is_what_init_state_places(shape):
     from adaptjax import compression as ajc
 
     params = {"w1": jnp.zeros((16, 64)), "b1": jnp.zeros(64), "w2": jnp.zeros((64, 4))}
-    tx = adaptjax.chain(adaptjax.sync_gradients("data", codec=ajc.onebit(min_size=16)),
+    tx = optax.chain(adaptjax.sync_gradients("data", codec=ajc.onebit(min_size=16)),
                         optax.adam(0.1))  # error feedback: per-replica residuals too
     state = adaptjax.init_state(params, tx, adaptjax.make_mesh(shape), sharding=RULE)
     device = jax.devices()[0]
