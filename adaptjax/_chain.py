@@ -74,8 +74,7 @@ def chain(*transforms: optax.GradientTransformation) -> SyncChain:
     puts its guard's two scalars (the loss and ``‖g‖²``) in the gradients'
     all-reduce and skips only the transformations after the sync. With a plain
     ``optax.chain`` the guard needs a collective of its own before the whole
-    update: a barrier that costs 2–4% of a small LM's step on 8 simulated CPU
-    devices (the benchmarks page of the docs).
+    update: a barrier (its cost is on the benchmarks page of the docs).
 
     Args:
       *transforms: optax transformations, applied in order.

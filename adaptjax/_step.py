@@ -249,9 +249,8 @@ def data_parallel_step(
       axis_name: the data-parallel axis (or tuple of axes).
       donate: donate the state buffers to the step.
       skip_nonfinite: skip updates whose loss or gradients are not finite.
-        The check is an all-reduce of two scalars before the whole update
-        (2-4% of a small LM's step on 8 simulated CPU devices, the docs'
-        benchmarks page); in the chain :func:`adaptjax.sync.sync_chain` builds
+        The check is an all-reduce of two scalars before the whole update (a
+        barrier; its cost is on the docs' benchmarks page); in the chain :func:`adaptjax.sync.sync_chain` builds
         (``sync_chain(optimizer, SSGD(codec=...))``) they ride in the
         gradients' all-reduce instead and only the links after the sync are
         skipped.
