@@ -250,10 +250,10 @@ def data_parallel_step(
       donate: donate the state buffers to the step.
       skip_nonfinite: skip updates whose loss or gradients are not finite.
         The check is an all-reduce of two scalars before the whole update (a
-        barrier; its cost is on the docs' benchmarks page); in the chain :func:`adaptjax.sync.sync_chain` builds
-        (``sync_chain(optimizer, SSGD(codec=...))``) they ride in the
-        gradients' all-reduce instead and only the links after the sync are
-        skipped.
+        barrier; its cost is on the docs' benchmarks page); in the chain
+        :func:`adaptjax.sync.sync_chain` builds (``sync_chain(optimizer,
+        SSGD(codec=...))``) they ride in the gradients' all-reduce instead
+        and only the links after the sync are skipped.
       sync: the :class:`adaptjax.sync.SyncStrategy` ``tx`` was built with (by
         :func:`adaptjax.sync.sync_chain`), or its name; checked against the mesh
         (e.g. gossip needs two replicas) before anything compiles. Whatever
