@@ -29,6 +29,11 @@ branch's times ``freeze_step`` plus the compressed branch's times the rest
 (``WireReport.branch_totals()``). ``warns`` marks a pairing that warns when its
 step compiles (``codec.pairing_warning``).
 
+The control ``dense-ulp`` is dense sync from the same seed's parameters moved
+by one float32 ulp: its gap (``rounding_control_gap``, printed per workload and
+optimizer) is how far a result moves with one rounding, the floor below which
+no codec's gap says anything about the codec.
+
 Usage:
   python benchmarks/codec_optimizers.py [--quick] [--seeds 2] [--workloads cnn,lm]
       [--codecs dense,topk] [--steps N] [--optimizers adamw] [--freeze-fraction 0.15]
@@ -56,6 +61,7 @@ import functools  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -85,8 +91,9 @@ CODECS = {  # name -> the codec's default construction (None: dense sync)
     "dgc": ajc.dgc,
     "powersgd": ajc.powersgd,
     "onebit_adam": None,  # the optimizer and its sync in one (AdamW only)
+    "dense-ulp": lambda: None,  # the control: dense from params one float32 ulp away
 }
-NOT_DEFAULT = ("dense", "onebit-ef21", "onebit_adam")  # left out of worst_default_gap
+NOT_DEFAULT = ("dense", "onebit-ef21", "onebit_adam", "dense-ulp")  # not in worst_default_gap
 QUICK_CODECS = ("dense", "onebit", "powersgd", "onebit_adam")
 
 
@@ -190,7 +197,8 @@ def train(work: Workload, kind: str, codec_name: str, seeds: int, steps: int, me
     """One pairing over ``seeds`` seeds: the final metrics, the bytes over the run, its warnings."""
     lr, wd = work.optimizers[kind]
     tx, freeze = optimizer(kind, lr, wd, codec_name, steps)
-    states = [adaptjax.init_state(work.model(seed), tx, mesh) for seed in range(seeds)]
+    start = nudged if codec_name == "dense-ulp" else (lambda model: model)
+    states = [adaptjax.init_state(start(work.model(seed)), tx, mesh) for seed in range(seeds)]
     step = adaptjax.data_parallel_step(work.loss, tx, mesh)  # one compile for every seed
     metrics, sent, warned = [], None, []
     for seed, state in enumerate(states):
@@ -205,6 +213,18 @@ def train(work: Workload, kind: str, codec_name: str, seeds: int, steps: int, me
         metric, higher_better = work.evaluate(state.model)
         metrics.append(metric)
     return {"metrics": metrics, "higher": higher_better, "bytes": sent, "warned": warned}
+
+
+def nudged(model):
+    """``model`` with every parameter one float32 ulp larger (``nextafter`` toward +inf).
+
+    Dense sync from there is the rounding control: the same run but for one
+    rounding, so its gap to dense is how far this workload's result moves with
+    a perturbation no codec can make smaller.
+    """
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda p: jnp.nextafter(p, jnp.inf), params))
+    return model
 
 
 def gap(metric: float, dense: float, higher_better: bool) -> float:
@@ -256,6 +276,10 @@ def summary(rows: list[dict]) -> str:
     ob = lm.get(("adamw", "onebit_adam"))
     defaults = [r for r in rows if r["codec"] not in NOT_DEFAULT]
     unwarned = [r for r in defaults if not r["warned"]]
+    control = {(r["workload"], r["optimizer"]): r for r in rows if r["codec"] == "dense-ulp"}
+    for (work, kind), r in control.items():
+        print(f"rounding_control_gap={r['gap']:.4f} ({work} {kind}; per seed "
+              f"{' '.join(f'{g:+.4f}' for g in r['gaps'])})")
     if unwarned:
         w = max(unwarned, key=lambda r: r["gap"])
         print(f"worst_unwarned_default_gap={w['gap']:.4f} ({w['codec']}+{w['optimizer']}, "
