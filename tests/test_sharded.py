@@ -385,7 +385,7 @@ def test_codec_whose_state_is_not_split_like_the_gradients_falls_back_to_bf16():
     # and the codec's state (its factors, its residuals) is what init made it
     codec = ajc.powersgd(rank=2, min_size=64)
     tx = optax.chain(adaptjax.sync_gradients("data", codec=codec, monitors=()),
-                        optax.sgd(0.1))
+                     optax.sgd(0.1))
     with pytest.warns(UserWarning) as caught:
         state, _ = train({"data": 2, "fsdp": 4}, tx, steps=3)
     messages = {str(w.message) for w in caught}
