@@ -77,7 +77,7 @@ def build(name, shape, cfg, batch, lr, monitors=(), devices=None) -> Variant:
     """Compiles the LM step on ``shape`` (once: the timing calls that executable)."""
     mesh = adaptjax.make_mesh(shape, device_list=devices)
     tx = optax.chain(adaptjax.sync_gradients("data", monitors=monitors),
-                        optax.adamw(lr, weight_decay=0.01))
+                     optax.adamw(lr, weight_decay=0.01))
     state = adaptjax.init_state(ByteLM(cfg, nnx.Rngs(0)), tx, mesh)
     step = adaptjax.data_parallel_step(loss_fn, tx, mesh)
     compiled = step.lower(state, batch).compile()

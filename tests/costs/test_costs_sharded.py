@@ -145,7 +145,7 @@ def test_state_bytes_per_device_is_what_init_state_places(shape):
 
     params = {"w1": jnp.zeros((16, 64)), "b1": jnp.zeros(64), "w2": jnp.zeros((64, 4))}
     tx = optax.chain(adaptjax.sync_gradients("data", codec=ajc.onebit(min_size=16)),
-                        optax.adam(0.1))  # error feedback: per-replica residuals too
+                     optax.adam(0.1))  # error feedback: per-replica residuals too
     state = adaptjax.init_state(params, tx, adaptjax.make_mesh(shape), sharding=RULE)
     device = jax.devices()[0]
     placed = sum(s.data.nbytes for x in jax.tree.leaves((state.params, state.opt_state))
