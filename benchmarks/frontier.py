@@ -155,24 +155,27 @@ def paired_steps_ratio(baseline: Sequence[tuple[Sequence[float], Sequence[float]
 
 
 def milestone_steps(fractions: Sequence[float], budget: int, batch: int,
-                    growth: int = 1) -> list[int]:
+                    growth: int = 1, growths: int | None = None) -> list[int]:
     """Steps at which a run starting at ``batch`` passes ``fractions`` of ``budget`` samples.
 
-    With ``growth`` > 1 the batch is multiplied by it at each milestone (the
-    Seesaw run), so later milestones come in fewer steps; each step is rounded
-    to a whole one.
+    With ``growth`` > 1 the batch is multiplied by it at each milestone, or at
+    the first ``growths`` of them (the Seesaw run), so later milestones come
+    in fewer steps; each step is rounded to a whole one.
 
     Example:
       >>> milestone_steps([0.5, 0.75], 1600, 8)
       [100, 150]
       >>> milestone_steps([0.5, 0.75], 1600, 8, growth=2)
       [100, 125]
+      >>> milestone_steps([0.5, 0.75, 0.875], 1600, 8, growth=2, growths=1)
+      [100, 125, 138]
     """
     steps, at, done, b = [], 0.0, 0.0, batch
-    for f in sorted(fractions):
+    for i, f in enumerate(sorted(fractions)):
         if not 0.0 < f < 1.0:
             raise ValueError(f"every milestone fraction must be in (0, 1), got {f}")
         at += (f * budget - done) / b
-        done, b = f * budget, b * growth
+        done = f * budget
+        b *= growth if growths is None or i < growths else 1
         steps.append(round(at))
     return steps

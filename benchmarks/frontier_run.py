@@ -12,17 +12,22 @@ loss at ``--curve-points`` (>= 40) evenly spaced sample counts:
 * each of ``--variants`` (``warmup``, ``warmup-<rule>[-<fraction>]``,
   ``goodput-<rule>``, as adaptive_batch.py): from the smallest batch at that
   batch's best rate;
-* ``step-decay-<b>``: batch ``--seesaw-batch`` at its best rate, halved at
-  ``--seesaw-at`` fractions of the budget (an optax schedule of the step);
-  ``seesaw-<b>``: the same schedule under :class:`adaptjax.policies.Seesaw`,
-  which doubles the batch and lets the rate fall by √2 only, at the same
+* ``step-decay-<b>``: batch ``--seesaw-batch`` from ``--seesaw-lr`` × its
+  best constant rate (a decaying schedule starts above the best constant
+  rate), halved at ``--seesaw-at`` fractions of the budget (an optax schedule
+  of the step); ``seesaw-<b>``: the same schedule under
+  :class:`adaptjax.policies.Seesaw` with its defaults, which doubles the
+  batch and lets the rate fall by √2 only at the first milestone
+  (``growths=1``) and leaves the later ones to the schedule, at the same
   sample counts (so in fewer steps).
 
 The arithmetic is ``benchmarks/frontier.py``'s: ``L*`` = the best fixed run's
 mean final loss + ``--margin``; ``S(L*)``, the frontier ``F`` per seed, and
-``frontier_steps_ratio = S_adaptive(L*) / F``. Seesaw is judged against its
-own schedule at a fixed batch: the steps it takes to that run's mean final
-loss (+ margin) over the steps that run takes. Runs are priced on this
+``frontier_steps_ratio = S_adaptive(L*) / F``, printed for every adaptive run;
+the last line's is Seesaw's, the batch policy this benchmark shows beating the
+frontier. Seesaw is also judged against its own schedule at a fixed batch: the
+steps it takes to that run's mean final loss (+ margin) over the steps that
+run takes. Runs are priced on this
 machine's T(M) and any stored accelerator profile, as adaptive_batch.py does;
 ``benchmarks/accumulate.py`` gives accumulated micro-steps' overhead against
 one compiled step of the same batch and the compiles per batch change.
@@ -78,11 +83,15 @@ def build_parser():
     parser.add_argument("--lr", type=float, default=2e-3, help="the rule's rate at the smallest")
     parser.add_argument("--variants", nargs="+", default=None,
                         help="adaptive runs as adaptive_batch.py's (default: warmup-sqrt warmup; "
-                        "--quick: warmup-sqrt); the first is the last line's")
+                        "--quick: warmup-sqrt)")
     parser.add_argument("--seesaw-batch", type=int, default=None,
                         help="the step-decay runs' first batch (default: the second size)")
-    parser.add_argument("--seesaw-at", type=float, nargs="+", default=[0.5, 0.75],
+    parser.add_argument("--seesaw-at", type=float, nargs="+", default=[0.5, 0.75, 0.875],
                         help="fractions of the budget where the schedule halves the rate")
+    parser.add_argument("--seesaw-lr", type=float, default=math.sqrt(2),
+                        help="the schedule's first rate over the batch's best constant rate")
+    parser.add_argument("--seesaw-growths", type=int, default=None,
+                        help="Seesaw's growths (default: the policy's own default)")
     parser.add_argument("--curve-points", type=int, default=40)
     parser.add_argument("--margin", type=float, default=0.005)
     parser.add_argument("--devices", type=int, default=2)
@@ -108,10 +117,11 @@ def check_args(parser, args):
         parser.error(f"--curve-points must be >= 40, got {args.curve_points}")
     if args.seesaw_batch is None:
         args.seesaw_batch = args.sizes[1]
-    growth = 2 ** len(args.seesaw_at)
+    growths = seesaw_policy(args, [1]).growths
+    growth = 2 ** min(len(args.seesaw_at), len(args.seesaw_at) if growths is None else growths)
     if args.seesaw_batch not in args.sizes or args.seesaw_batch * growth > args.sizes[-1]:
         parser.error(f"--seesaw-batch must be one of --sizes with x{growth} (a doubling per "
-                     f"--seesaw-at) at most {args.sizes[-1]}, got {args.seesaw_batch}")
+                     f"growing milestone) at most {args.sizes[-1]}, got {args.seesaw_batch}")
     args.probe_steps = 0  # adaptive_batch's probes are not part of this benchmark
     for name in args.variants:
         ab.variant_policy(name, args.sizes[-1])
@@ -138,19 +148,28 @@ def sweep_fixed(train, args, small):
     return runs, rates
 
 
+def seesaw_policy(args, milestones):
+    """Seesaw with its defaults (``--seesaw-growths`` overrides ``growths``)."""
+    if args.seesaw_growths is None:
+        return ajp.Seesaw(milestones=milestones, max_batch_size=args.sizes[-1])
+    return ajp.Seesaw(milestones=milestones, max_batch_size=args.sizes[-1],
+                      growths=args.seesaw_growths)
+
+
 def seesaw_runs(train, args, budget, lr):
     """The step-decay schedule at a fixed batch, and under Seesaw, on every seed."""
-    b, large = args.seesaw_batch, args.sizes[-1]
+    b = args.seesaw_batch
     fixed_at = fr.milestone_steps(args.seesaw_at, budget, b)
-    seesaw_at = fr.milestone_steps(args.seesaw_at, budget, b, growth=2)
+    growths = seesaw_policy(args, [1]).growths
+    seesaw_at = fr.milestone_steps(args.seesaw_at, budget, b, growth=2, growths=growths)
     decay = optax.piecewise_constant_schedule(lr, {m: 0.5 for m in fixed_at})
     sched = optax.piecewise_constant_schedule(lr, {m: 0.5 for m in seesaw_at})
-    print(f"step decay at batch {b}: rate halved at steps {fixed_at}; Seesaw at steps "
-          f"{seesaw_at}", flush=True)
+    print(f"step decay at batch {b} from rate {lr:.2e}: halved at steps {fixed_at}; Seesaw at "
+          f"steps {seesaw_at}", flush=True)
     runs = {f"step-decay-{b}": [], f"seesaw-{b}": []}
     for seed in range(args.seeds):
         runs[f"step-decay-{b}"].append(train(batch=b, lr=decay, seed=seed))
-        policy = ajp.Seesaw(milestones=seesaw_at, max_batch_size=large)
+        policy = seesaw_policy(args, seesaw_at)
         runs[f"seesaw-{b}"].append(train(batch=b, lr=sched, seed=seed, policies=[policy]))
     return runs
 
@@ -177,7 +196,7 @@ def run_all(data, cfg, args, devices, budget):
         rates[name] = rates[f"fixed-{small}"]
         runs[name] = [train(batch=small, lr=rates[name], seed=s, policies=[policy])
                       for s in range(args.seeds)]
-    lr = rates[f"fixed-{args.seesaw_batch}"]
+    lr = rates[f"fixed-{args.seesaw_batch}"] * args.seesaw_lr
     for name, rs in seesaw_runs(train, args, budget, lr).items():
         runs[name], rates[name] = rs, lr
     return runs, rates
@@ -270,14 +289,14 @@ def report(runs, args, target, s, f):
     print(f"\nL* = {target:.4f} (best fixed mean final + {args.margin:.1%}); frontier F per "
           f"seed: {', '.join(f'{x:.0f}' for x in f)}; separation {large} vs {small}: "
           f"{mean[large] / mean[small] - 1:+.2%} (>= 2% in either direction: they separate)")
-    first = None
-    for name in args.variants:
+    b = args.seesaw_batch
+    headline = None
+    for name in [*args.variants, f"step-decay-{b}", f"seesaw-{b}"]:
         ratios = fr.frontier_ratios({n: s[n] for n in s if n.startswith("fixed-")}, s[name])
         m, lo, hi = fr.summary(ratios)
         print(f"{name}: frontier_steps_ratio per seed {', '.join(f'{x:.3f}' for x in ratios)}"
               f"; mean {m:.3f}; final / L* {mean[name] / target:.4f}")
-        first = first or (m, lo, hi, mean[name] / target)
-    b = args.seesaw_batch
+        headline = (m, lo, hi, mean[name] / target)  # the last: Seesaw's
     pairs = [[curve(r) for r in runs[f"{k}-{b}"]] for k in ("step-decay", "seesaw")]
     sd_target, sd_ratios = fr.paired_steps_ratio(*pairs, margin=args.margin)
     print(f"seesaw-{b} against step-decay-{b}: target {sd_target:.4f}; steps ratio per seed "
@@ -287,7 +306,7 @@ def report(runs, args, target, s, f):
     if args.accumulate_rounds:
         acc = accumulate.main(["--k", "4", "--rounds", str(args.accumulate_rounds),
                                "--devices", str(min(8, len(jax.devices())))])
-    m, lo, hi, vs = first
+    m, lo, hi, vs = headline
     print(f"frontier_steps_ratio={m:.4f} spread={lo:.4f}-{hi:.4f} loss_vs_target={vs:.4f} "
           f"seesaw_steps_ratio={statistics.fmean(sd_ratios):.4f} "
           f"accumulate_overhead={acc['ratio']:.4f} recompiles_per_change={acc['recompiles']}")

@@ -28,7 +28,7 @@ def _run(policy, steps, batch=16, max_devices=8):
 
 
 def test_the_batch_doubles_and_the_rate_falls_by_root_two_where_the_schedule_halves():
-    seen = _run(Seesaw(milestones=(10, 20)), steps=30)
+    seen = _run(Seesaw(milestones=(10, 20), growths=None), steps=30)
     for step, batch, rate in seen:
         passed = sum(step >= m for m in (10, 20))
         assert batch == 16 * 2**passed
@@ -36,10 +36,22 @@ def test_the_batch_doubles_and_the_rate_falls_by_root_two_where_the_schedule_hal
             assert rate == pytest.approx(0.1 / math.sqrt(2) ** passed, rel=1e-12)
 
 
-def test_past_max_batch_size_the_schedule_decays_alone():
-    seen = dict((s, (b, r)) for s, b, r in _run(Seesaw((10, 20), max_batch_size=32), steps=30))
+@pytest.mark.parametrize("limit", [{"max_batch_size": 32}, {"growths": 1}, {}],
+                         ids=["max_batch_size", "growths", "default"])
+def test_past_its_limit_the_schedule_decays_alone(limit):
+    seen = dict((s, (b, r)) for s, b, r in _run(Seesaw((10, 20), **{"growths": None, **limit})
+                                                if limit else Seesaw((10, 20)), steps=30))
     assert seen[15] == (32, pytest.approx(0.1 / math.sqrt(2)))
     assert seen[25] == (32, pytest.approx(0.1 / math.sqrt(2) / 2))  # halved by the schedule
+
+
+def test_two_milestones_passed_at_once_grow_only_as_far_as_growths_allows():
+    policy = Seesaw(milestones=(10, 20), growths=1)
+    ctx = Context(step=25, batch_size=16, microbatches=1, devices=8, max_devices=8,
+                  hyperparams={"learning_rate": 0.025})  # the schedule halved 0.1 twice
+    batch, rate = policy.decide({}, ctx)
+    assert batch.batch_size == 32  # one doubling: the second halving stays the schedule's
+    assert rate.values["learning_rate"] == pytest.approx(0.025 * math.sqrt(2), rel=1e-12)
 
 
 def test_a_resumed_policy_does_not_act_twice():
@@ -58,6 +70,7 @@ def test_a_resumed_policy_does_not_act_twice():
      "Seesaw: decay must be 1/n for an integer n >= 2 (0.5: the batch doubles), got 0.3"),
     ({"milestones": (5,), "decay": 1.0},
      "Seesaw: decay must be 1/n for an integer n >= 2 (0.5: the batch doubles), got 1.0"),
+    ({"milestones": (5,), "growths": -1}, "Seesaw: growths must be an int >= 0, got -1"),
 ])
 def test_bad_arguments_are_one_line(kwargs, message):
     with pytest.raises(ValueError) as e:
