@@ -79,7 +79,7 @@ def build_parser():
                         help="1 seed, sizes 8 16 64, 1/4 of the tokens, fewer timing rounds")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128])
-    parser.add_argument("--tokens", type=int, default=1_600_000, help="token budget of every run")
+    parser.add_argument("--tokens", type=int, default=400_000, help="token budget of every run")
     parser.add_argument("--lr", type=float, default=2e-3, help="the rule's rate at the smallest")
     parser.add_argument("--variants", nargs="+", default=None,
                         help="adaptive runs as adaptive_batch.py's (default: warmup-sqrt warmup; "
