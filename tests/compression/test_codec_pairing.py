@@ -17,6 +17,7 @@ import pytest
 
 import adaptjax
 from adaptjax import compression as ajc
+from adaptjax import policies as ajp
 
 PARAMS = {"w": jnp.zeros((64, 40)), "b": jnp.zeros(40)}  # w (2560 elements) is compressed
 
@@ -128,3 +129,22 @@ def test_one_bit_adam_is_the_advice_and_does_not_warn():
         warnings.simplefilter("always")
         _two_steps(ajc.onebit_adam(1e-3, freeze_step=1))
     assert [str(w.message) for w in said] == []
+
+
+
+def test_the_controller_warns_once_when_a_policy_switches_to_a_bad_pairing(tmp_path):
+    rng = np.random.default_rng(0)
+    data = adaptjax.ArrayDataset({"x": rng.normal(size=(256, 64)).astype(np.float32),
+                                  "y": rng.normal(size=(256, 40)).astype(np.float32)})
+    spec = adaptjax.RunSpec(run_dir=tmp_path / "run", devices=8, batch_size=16, policy_every=1,
+                            policies=[ajp.Schedule({2: ajp.SetCodec(ajc.onebit())})])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        ctrl = adaptjax.Controller(dict(PARAMS), _loss, optax.adamw(1e-3), data, spec)
+        ctrl.run(1)
+        before = [str(w.message) for w in said if issubclass(w.category, UserWarning)]
+        ctrl.run(5)
+        ctrl.close()
+    after = [str(w.message) for w in said if issubclass(w.category, UserWarning)]
+    assert before == [] and ctrl.config.codec == "onebit()"
+    assert after == [ONEBIT_ADAM]
