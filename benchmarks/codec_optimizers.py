@@ -32,7 +32,9 @@ step compiles (``codec.pairing_warning``).
 The control ``dense-ulp`` is dense sync from the same seed's parameters moved
 by one float32 ulp: its gap (``rounding_control_gap``, printed per workload and
 optimizer) is how far a result moves with one rounding, the floor below which
-no codec's gap says anything about the codec.
+no codec's gap says anything about the codec. ``unwarned_beyond_rounding``
+names the worst default pairing that does not warn although its gap is over
+both 1% and that floor (``none``: every such pairing warns).
 
 Usage:
   python benchmarks/codec_optimizers.py [--quick] [--seeds 2] [--workloads cnn,lm]
@@ -284,6 +286,12 @@ def summary(rows: list[dict]) -> str:
         w = max(unwarned, key=lambda r: r["gap"])
         print(f"worst_unwarned_default_gap={w['gap']:.4f} ({w['codec']}+{w['optimizer']}, "
               f"{w['workload']})")
+    if unwarned and control:  # a gap says something about the codec beyond 1% and the control
+        beyond = [r for r in unwarned if r["gap"] > max(0.01, control[
+            r["workload"], r["optimizer"]]["gap"])]
+        w = max(beyond, key=lambda r: r["gap"]) if beyond else None
+        print("unwarned_beyond_rounding=" + (f"{w['gap']:.4f} ({w['codec']}+{w['optimizer']}, "
+                                             f"{w['workload']})" if w else "none"))
     head = (f"onebit_adam_loss_gap={ob['gap']:.4f} onebit_adam_bytes_ratio={ob['bytes_ratio']:.2f}"
             if ob else "onebit_adam_loss_gap=nan onebit_adam_bytes_ratio=nan")
     if not defaults:  # e.g. --codecs dense,onebit_adam: no default construction was run
