@@ -259,15 +259,20 @@ def measure(work: Workload, codecs, seeds: int, steps: int, mesh, kinds=None) ->
     return rows
 
 
+def gap_text(g: float) -> str:
+    """A gap as a percentage; ``diverged`` past 10x worse than dense (or not finite)."""
+    return f"{100 * g:+.1f}%" if np.isfinite(g) and g <= 10 else "diverged"
+
+
 def table(rows: list[dict]) -> str:
     """The rows as a Markdown table."""
     lines = ["| workload | optimizer | codec | metric (per seed) | gap vs dense | "
              "MB sent per device | dense / codec bytes | warns |", "|---" * 8 + "|"]
     for r in rows:
-        metric = " ".join(f"{m:.4f}" for m in r["metrics"])
+        metric = " ".join(f"{m:.4f}" if abs(m) < 1e3 else f"{m:.1e}" for m in r["metrics"])
         lines.append(
             f"| {r['workload']} | {r['optimizer']} | {r['codec']} | {metric} | "
-            f"{100 * r['gap']:+.1f}% | {r['bytes'] / 1e6:,.1f} | {r['bytes_ratio']:.1f}x | "
+            f"{gap_text(r['gap'])} | {r['bytes'] / 1e6:,.1f} | {r['bytes_ratio']:.1f}x | "
             f"{'yes' if r['warned'] else ''} |")
     return "\n".join(lines)
 
@@ -297,7 +302,8 @@ def summary(rows: list[dict]) -> str:
     if not defaults:  # e.g. --codecs dense,onebit_adam: no default construction was run
         return f"{head} worst_default_gap=nan (none run)"
     worst = max(defaults, key=lambda r: r["gap"])
-    return f"{head} worst_default_gap={worst['gap']:.4f} ({worst['codec']}+{worst['optimizer']})"
+    g = f"{worst['gap']:.4f}" if gap_text(worst["gap"]) != "diverged" else "inf"
+    return f"{head} worst_default_gap={g} ({worst['codec']}+{worst['optimizer']})"
 
 
 def main(argv=None):

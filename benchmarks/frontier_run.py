@@ -33,13 +33,13 @@ machine's T(M) and any stored accelerator profile, as adaptive_batch.py does;
 one compiled step of the same batch and the compiles per batch change.
 
 Usage:
-  python benchmarks/frontier_run.py            # full: 3 seeds, 5 sizes (about 2 hours here)
+  python benchmarks/frontier_run.py            # full: 3 seeds, 5 sizes (32 minutes here)
   python benchmarks/frontier_run.py --quick    # 1 seed, sizes 8 16 64, 1/4 tokens, warmup-sqrt
                                                # only
 
 Measured on the project's shared 2-core machine (docs/benchmarks.md, "The
-fixed-batch frontier"): 3 seeds of sizes 8-64 at 400,000 tokens took 22
-minutes, so the full run is about 2 hours there. ``--quick`` once ran sizes
+fixed-batch frontier"): the default run, 3 seeds of sizes 8-128 at 400,000
+tokens, took 32 minutes next to another benchmark. ``--quick`` once ran sizes
 8, 32 and 128, without batch 16, which set the frontier in that run: its
 ratio (0.505) flattered the adaptive run. It runs 8, 16 and 64 now.
 
