@@ -32,9 +32,8 @@ class Seesaw(StatefulPolicy):
         must be an integer (the batch's factor).
       max_batch_size: the largest global batch to ask for, or None.
       growths: how many milestones may grow the batch (the first ones), or
-        None (every one). The default, 1, is what the frontier benchmark of
-        the docs chose: on a small LM, growing at two milestones ended above
-        the target loss on one seed in three, growing at one on none.
+        None (every one). The default, 1, is what the frontier benchmark
+        chose (the docs' benchmarks page says why).
 
     Example:
       >>> from adaptjax.policies import Context, Seesaw
