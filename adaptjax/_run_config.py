@@ -40,11 +40,16 @@ class RunConfig:
         ``"data"`` alone is stored as ``None``, so configurations written
         before sharded meshes compare equal). :meth:`replace` with a new
         ``devices`` keeps the other axes.
+      micro_batch: the global samples one call of the compiled step takes
+        (``None``: the whole batch). Set, a step is ``batch_size //
+        micro_batch`` calls of the program compiled for a batch of
+        ``micro_batch``, accumulated (:func:`adaptjax.accumulate`): it divides
+        ``batch_size`` and replicas x micro-batches divide it.
 
     Example:
       >>> from adaptjax import RunConfig
       >>> RunConfig(devices=8, batch_size=64)
-      RunConfig(devices=8, batch_size=64, microbatches=1, codec=None, sync=None, precision=None, mesh_shape=None)
+      RunConfig(devices=8, batch_size=64, microbatches=1, codec=None, sync=None, precision=None, mesh_shape=None, micro_batch=None)
       >>> RunConfig(8, 64, precision="bf16").precision, RunConfig(8, 64, precision="float32").precision
       ('bfloat16', None)
       >>> c = RunConfig(2, 64, mesh_shape={"data": 2, "fsdp": 4})
@@ -63,6 +68,7 @@ class RunConfig:
     sync: str | None = None
     precision: str | None = None
     mesh_shape: tuple[tuple[str, int], ...] | None = None
+    micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("devices", "batch_size", "microbatches"):
@@ -86,6 +92,17 @@ class RunConfig:
             raise ValueError(
                 f"batch_size {self.batch_size} is not divisible by replicas x microbatches = "
                 f"{self.devices} x {self.microbatches}; use a multiple of {unit}"
+            )
+        if self.micro_batch is not None:
+            self._check_micro_batch(unit)
+
+    def _check_micro_batch(self, unit: int) -> None:
+        micro = check_count(self.micro_batch, "micro_batch", positive=True)
+        object.__setattr__(self, "micro_batch", micro)
+        if self.batch_size % micro or micro % unit:
+            raise ValueError(
+                f"micro_batch {micro} must divide batch_size {self.batch_size} and be a "
+                f"multiple of replicas x microbatches = {unit}"
             )
 
     @property

@@ -87,7 +87,7 @@ def plan_transition(
     min_replicas: int = 1,
     device_limit: int | None = None,
     check_mesh: Callable[[RunConfig, str], None] | None = None,
-    micro_batch_size: int | None = None,
+    micro_batch_size: int | str | None = None,
     optimizer_syncs: bool = False,
 ) -> Transition:
     """Folds ``actions`` into one :class:`Transition` from ``config``; checks every request.
@@ -115,9 +115,12 @@ def plan_transition(
     shape, naming the leaf.
 
     ``micro_batch_size`` (:attr:`adaptjax.RunSpec.micro_batch_size`): every
-    step is whole micro-batches of it, each split over the replicas; a batch
-    that is not a multiple of it, or replicas x micro-batches that do not
-    divide it, raise (:func:`check_micro_batch`) instead of being rounded.
+    step is whole micro-batches of it (the new config's ``micro_batch``), each
+    split over the replicas; a batch that is not a multiple of it, or
+    replicas x micro-batches that do not divide it, raise
+    (:func:`check_micro_batch`) instead of being rounded. ``"auto"``: the
+    ``micro_batch`` in force is kept while the step's shape stays, and is
+    ``None`` (the whole batch) when it changes; the controller then chooses it.
 
     ``optimizer_syncs``: the optimizer syncs the gradients itself
     (:func:`adaptjax._codec.syncs_itself`), so a codec or a strategy with local
@@ -147,7 +150,8 @@ def plan_transition(
         config.precision if asked.precision is _KEEP else controller_precision(asked.precision)
     )
     wanted = config.batch_size if asked.batch is None else asked.batch
-    if micro_batch_size is not None:  # whole micro-batches: nothing to round
+    fixed = isinstance(micro_batch_size, int)
+    if fixed:  # whole micro-batches: nothing to round
         check_micro_batch(wanted, micro_batch_size, devices, micro)
     rounded = round_batch(wanted, devices, micro)
     new = config.replace(
@@ -158,7 +162,10 @@ def plan_transition(
         codec=codec_key(codec) if codec_changed else config.codec,
         sync=sync_key(sync) if sync_changed else config.sync,
         precision=precision,
+        micro_batch=micro_batch_size if fixed else None,
     )
+    if micro_batch_size == "auto" and new == config.replace(micro_batch=None):
+        new = config  # the same step: the same program and micro-steps
     _check_mesh(config, new, device_limit, check_mesh)
     return Transition(
         config=new,

@@ -17,7 +17,8 @@ GROUPS = {
     "checkpoint": (adaptjax.CheckpointOptions, {"checkpoint_every": "every",
                                                 "max_to_keep": "max_to_keep"}),
     "compile": (adaptjax.CompileOptions, {"compilation_cache_dir": "cache_dir",
-                                          "precompile_upcoming": "precompile_upcoming"}),
+                                          "precompile_upcoming": "precompile_upcoming",
+                                          "device_memory": "device_memory"}),
 }
 
 

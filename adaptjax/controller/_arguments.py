@@ -103,14 +103,15 @@ def check_arguments(model, loss_fn, optimizer, data, spec: RunSpec, hooks,
     devices, mesh_shape = start_shape(spec.devices, spec.mesh_shape)
     resolve_sync(spec.sync).check(devices, spec.codec)
     batch_size, microbatches = spec.batch_size, spec.microbatches
-    per_call = spec.micro_batch_size or batch_size  # the samples of one compiled step
+    fixed = spec.micro_batch_size if isinstance(spec.micro_batch_size, int) else None
+    per_call = fixed or batch_size  # the samples of one compiled step ("auto": whole at first)
     if microbatches is None:
         one_even = devices == 1 and isinstance(per_call, int) and per_call % 2 == 0
         microbatches = 2 if one_even else 1
-    if spec.micro_batch_size is not None:
-        check_micro_batch(batch_size, spec.micro_batch_size, devices, microbatches)
+    if fixed is not None:
+        check_micro_batch(batch_size, fixed, devices, microbatches)
     config = RunConfig(devices, batch_size, microbatches, codec_key(spec.codec),
-                       sync_key(spec.sync), mesh_shape=mesh_shape)
+                       sync_key(spec.sync), mesh_shape=mesh_shape, micro_batch=fixed)
     max_devices = check_devices(config, spec.max_devices, resume)
     check_cache_dir(spec.compile.cache_dir, "CompileOptions.cache_dir")
     check_optimizer(optimizer, spec.learning_rate)

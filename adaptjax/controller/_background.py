@@ -209,11 +209,19 @@ class BackgroundCompiler:
         Those of the configurations that ran (:meth:`wait_for`), that were
         compiled ahead, or whose background compile finished without error.
         """
+        return frozenset(c.batch_size for c in self._compiled_like(config))
+
+    def compiled_programs(self, config: RunConfig) -> frozenset[int]:
+        """The batches of the programs compiled in ``config`` but for its batch: those of
+        :meth:`compiled_batch_sizes`, a step of micro-steps counting as its micro-batch's."""
+        return frozenset(self.steps.compiled(c).batch_size for c in self._compiled_like(config))
+
+    def _compiled_like(self, config: RunConfig) -> set[RunConfig]:
+        """The configurations compiled (see :meth:`compiled_batch_sizes`) but for the batch."""
         done = {c for c, f in self._futures.items()
                 if f is not None and f.done() and not f.cancelled() and f.exception() is None}
-        here = _but_batch(config)
-        return frozenset(c.batch_size for c in self.ran | self.compiled_ahead | done
-                         if _but_batch(c) == here)
+        here = but_batch(config)
+        return {c for c in self.ran | self.compiled_ahead | done if but_batch(c) == here}
 
     def submit_upcoming(self, hints: Sequence[ajp.Action], plan, data) -> None:
         """Compiles the configurations ``hints`` lead to (:func:`announced_configs`).
@@ -231,8 +239,9 @@ class BackgroundCompiler:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _but_batch(config: RunConfig) -> dict:
-    """``config``'s fields but its batch size: what a batch size's step is compiled for."""
+def but_batch(config: RunConfig) -> dict:
+    """``config``'s fields but its batch size (and micro-batch): what a batch size's step is
+    compiled for."""
     fields = dataclasses.asdict(config)
-    del fields["batch_size"]
+    del fields["batch_size"], fields["micro_batch"]
     return fields

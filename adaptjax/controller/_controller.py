@@ -49,6 +49,7 @@ from adaptjax.controller._compilation_cache import enable_compilation_cache
 from adaptjax.controller._feed import run_micro_steps, step_batches
 from adaptjax.controller._hooks import Evaluate, Hook, TensorBoard
 from adaptjax.controller._metrics_reader import MetricsReader, Snapshot, add_host_metrics
+from adaptjax.controller._micro_batch import carry, device_memory_limit
 from adaptjax.controller._persistence import (
     checkpoint_meta,
     resume_from,
@@ -216,7 +217,7 @@ class Controller:
                                has_aux=spec.has_aux, learning_rate=spec.learning_rate,
                                monitors=a.monitors, sharding=spec.sharding,
                                norm_chunks=spec.norm_chunks, loss_scale=spec.loss_scale,
-                               micro_batch_size=spec.micro_batch_size,
+                               accumulates=spec.micro_batch_size is not None,
                                optimizer_syncs=a.optimizer_syncs)
         register_held(self.steps, spec.codec, spec.sync, self._policies)
         a = dataclasses.replace(a, config=self.steps.start(a.config, data, spec.precision))
@@ -231,6 +232,7 @@ class Controller:
                                                       spec.link_bandwidth))
         self.data, self.clock = data, RunClock()  # clock: compile_seconds, train_seconds
         self.compilations = self.step = self.samples_seen = 0
+        self._until = 0  # the step run() trains to
         self.latest_metrics: dict[str, float] = {}
         self._to_decide: list[Snapshot] = []
         self._host_hparams: dict[str, float] | None = None  # in force (None: read the state)
@@ -352,6 +354,7 @@ class Controller:
                 f"run(steps={steps}) counts absolute steps, and this run is already at step "
                 f"{self.step}; pass steps >= {self.step}"
             )
+        self._until = steps
         for hook in self.hooks:
             hook.start(self, steps)
         try:
@@ -489,6 +492,7 @@ class Controller:
         if plan.rollback is not None:
             self.rollback(plan.rollback)
             plan = self._transition(actions, hyperparam_names=names)
+        plan = self._carry_batch(plan)
         t0 = time.perf_counter()
         carried = carry_out(self.state, self.config, plan, self.steps)
         self._land(carried)  # a sharded move: the state is restored from its checkpoint below
@@ -516,6 +520,22 @@ class Controller:
     def _transition(self, actions: Sequence[ajp.Action], **kwargs) -> Transition:
         """:func:`plan_transition` from the configuration in force, with this run's limits."""
         return plan_transition(actions, self.config, **self._limits, **kwargs)
+
+    def _carry_batch(self, plan: Transition) -> Transition:
+        """Under ``RunSpec(micro_batch_size="auto")``, a changed step's micro-batch
+        (:func:`~adaptjax.controller._micro_batch.carry`: whole or accumulated, and why)."""
+        if self.spec.micro_batch_size != "auto" or plan.config.micro_batch is not None:
+            return plan
+        if plan.config == self.config:
+            return plan
+        left = self._until - self.step if self._until > self.step else self.step
+        config, event = carry(
+            plan.config, steps=self.steps, data=self.data, compiler=self._compiler,
+            times=self.reader.step_times(), steps_left=left,
+            compile_seconds=self.clock.metrics().get("compile_seconds"),
+            device_memory=device_memory_limit(self.spec.compile.device_memory))
+        self._log([event])
+        return dataclasses.replace(plan, config=config)
 
     def _land(self, carried: Carried) -> None:
         """Continues from a carried-out transition: its state and configuration, its events."""

@@ -73,6 +73,10 @@ class MetricsReader:
             out.append(self._snapshot(*self._pending.pop(0)))
         return out
 
+    def step_times(self) -> dict[RunConfig, float]:
+        """The median seconds per step of each configuration timed so far."""
+        return {c: statistics.median(t) for c, t in self._times.items() if t}
+
     def restart_clock(self) -> None:
         """Forgets the last completion time (after evaluation, checkpoints or a new mesh)."""
         self._last_ready = None

@@ -83,16 +83,24 @@ class CompileOptions:
       precompile_upcoming: compile, in a background thread, the configurations
         that policies announce through ``Policy.upcoming`` (``background_compile``
         events), so that a change does not wait for XLA when it comes.
+      device_memory: the bytes one device's step may use, read under
+        ``RunSpec(micro_batch_size="auto")``: a batch whose step would need
+        more (by the compiled steps' memory analysis) is accumulated in
+        micro-steps that fit. ``None``: the device's own ``bytes_limit``
+        where it reports one (GPUs, TPUs); none on CPU.
 
     Example:
       >>> import adaptjax
       >>> adaptjax.CompileOptions(cache_dir=None, precompile_upcoming=False)
-      CompileOptions(cache_dir=None, precompile_upcoming=False)
+      CompileOptions(cache_dir=None, precompile_upcoming=False, device_memory=None)
     """
 
     cache_dir: str | os.PathLike | None = "auto"
     precompile_upcoming: bool = True
+    device_memory: int | None = None
 
     def __post_init__(self) -> None:
         check_cache_dir(self.cache_dir, "CompileOptions.cache_dir")
+        object.__setattr__(self, "device_memory", every_or_none(
+            self.device_memory, "CompileOptions.device_memory"))
         object.__setattr__(self, "precompile_upcoming", bool(self.precompile_upcoming))

@@ -260,7 +260,7 @@ class ProbeRunner:
         fewer than 3 distinct branches, a learning-rate rule without what it
         reads).
         """
-        why = _unsupported(self.data, self.steps.micro_batch_size)
+        why = _unsupported(self.data, self.steps.accumulates)
         planned = why or plan_branches(
             probe, config, lambda a: self.plan(a).config, hyperparams_of(state), metrics,
             sgd=not has_second_moment(chain_state(state.opt_state)[OPTIMIZER]))
@@ -359,9 +359,9 @@ class ProbeRunner:
         return self._losses[key]
 
 
-def _unsupported(data, micro_batch_size: int | None = None) -> str | None:
+def _unsupported(data, accumulates: bool = False) -> str | None:
     """Why a probe cannot read its samples here, or ``None``."""
-    if micro_batch_size is not None:
+    if accumulates:
         return ("a probe's branches do not run accumulated micro-steps yet "
                 "(RunSpec.micro_batch_size is set)")
     if not hasattr(data, "batch_at"):

@@ -18,7 +18,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -53,7 +53,12 @@ class RunSpec:
         the whole batch). Set, each step accumulates ``batch_size /
         micro_batch_size`` micro-steps of it (:func:`adaptjax.accumulate`), so
         a batch change to another multiple of it compiles nothing and the
-        memory per device stays that of one micro-batch.
+        memory per device stays that of one micro-batch. ``"auto"``: the
+        controller chooses at each batch change between compiling the new
+        batch whole and accumulating micro-steps of a program it has compiled,
+        by what fits a device's memory (``CompileOptions.device_memory``) and
+        whether the compile pays for itself in the steps left
+        (``carry_batch`` events say which and why).
       learning_rate: the rate (a float or optax schedule) the optimizer was built
         with, if not injected: policies set it as a factor on the updates.
       has_aux: ``loss_fn`` returns ``(loss, aux)``: aux's scalars join each step's
@@ -92,7 +97,7 @@ class RunSpec:
     devices: int | None = None
     mesh_shape: Mapping[str, int] | None = None
     microbatches: int | None = None
-    micro_batch_size: int | None = None
+    micro_batch_size: int | Literal["auto"] | None = None
     learning_rate: float | Callable[[Any], Any] | None = None
     has_aux: bool = False
     codec: GradientCodec | None = None
@@ -114,9 +119,14 @@ class RunSpec:
         if not isinstance(self.run_dir, str | os.PathLike):
             raise ValueError(f"RunSpec.run_dir must be a path, got {self.run_dir!r}")
         object.__setattr__(self, "run_dir", os.fspath(self.run_dir))
-        for name in ("devices", "microbatches", "micro_batch_size", "norm_chunks",
-                     "max_devices"):
+        for name in ("devices", "microbatches", "norm_chunks", "max_devices"):
             object.__setattr__(self, name, every_or_none(getattr(self, name), f"RunSpec.{name}"))
+        if isinstance(self.micro_batch_size, str) and self.micro_batch_size != "auto":
+            raise ValueError("RunSpec.micro_batch_size must be a positive integer, 'auto' or "
+                             f"None, got {self.micro_batch_size!r}")
+        if self.micro_batch_size != "auto":
+            object.__setattr__(self, "micro_batch_size", every_or_none(
+                self.micro_batch_size, "RunSpec.micro_batch_size"))
         _check_micro_batch(self.batch_size, self.micro_batch_size)
         object.__setattr__(self, "policies", _check_policies(self.policies))
         object.__setattr__(self, "policy_every",
@@ -212,9 +222,9 @@ def _check_policies(policies) -> tuple:
     return tuple(policies)
 
 
-def _check_micro_batch(batch_size, micro_batch_size: int | None) -> None:
-    """``batch_size`` is whole micro-batches (when ``micro_batch_size`` is set)."""
-    if micro_batch_size is None:
+def _check_micro_batch(batch_size, micro_batch_size: int | str | None) -> None:
+    """``batch_size`` is whole micro-batches (when ``micro_batch_size`` is a number)."""
+    if micro_batch_size is None or micro_batch_size == "auto":
         return
     batch = check_count(batch_size, "RunSpec.batch_size", positive=True)
     if batch % micro_batch_size:

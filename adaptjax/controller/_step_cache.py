@@ -93,11 +93,11 @@ class StepCache:
     step is first built, and kept in :attr:`options_of`. Without a schedule
     every step is built as before.
 
-    With ``micro_batch_size`` (:attr:`adaptjax.RunSpec.micro_batch_size`) the
+    With ``accumulates`` (:attr:`adaptjax.RunSpec.micro_batch_size` set) the
     chain is wrapped whole in :func:`adaptjax.accumulate`, so
     ``state.opt_state`` is an ``AccumulateState`` whose ``inner_state`` is the
-    named chain's (:func:`chain_state` finds it either way), and a
-    configuration's step is compiled for one micro-batch
+    named chain's (:func:`chain_state` finds it either way). A configuration
+    with a ``micro_batch`` runs the step compiled for one micro-batch
     (:meth:`compiled`): every batch that is a multiple of it runs the same
     program, :meth:`micro_steps` times per optimizer step, its number set in
     the state (:meth:`with_micro_steps`).
@@ -130,8 +130,8 @@ class StepCache:
     sharding: Any = None  # how parameters lie on a sharded mesh (None: adaptjax.FSDP())
     # dynamic_loss_scale's options for float16 steps (None: its defaults)
     loss_scale: Mapping[str, Any] | None = None
-    # RunSpec.micro_batch_size: each step's program takes this many samples (None: the batch)
-    micro_batch_size: int | None = None
+    # RunSpec.micro_batch_size is set: the chain is in adaptjax.accumulate (RunConfig.micro_batch)
+    accumulates: bool = False
     # the optimizer syncs the gradients itself (adaptjax._codec.syncs_itself): "sync" passes
     # each replica's gradient through, and neither a codec nor local models can join it
     optimizer_syncs: bool = False
@@ -144,6 +144,7 @@ class StepCache:
         self._txs: dict[tuple, tuple[optax.GradientTransformation, LossScaled | None]] = {}
         self._steps: dict[RunConfig, DataParallelStep] = {}
         self._wire: dict[RunConfig, float | None] = {}
+        self._memory: dict[RunConfig, tuple[int, int]] = {}
         # The controller's background compiles build through here too: one builder at a time.
         self._lock = threading.RLock()
 
@@ -263,7 +264,7 @@ class StepCache:
                 scale = dynamic_loss_scale(parts[1][1], **(self.loss_scale or {}))
                 parts[1] = (OPTIMIZER, scale)
             tx = named_chain(*parts, (UPDATE_NORM, update_norm()))
-            if self.micro_batch_size is not None:  # the whole chain, its collectives too
+            if self.accumulates:  # the whole chain, its collectives too
                 tx = accumulate(tx)
             self._txs[cache] = tx, scale
         return self._txs[cache]
@@ -297,20 +298,20 @@ class StepCache:
 
     def compiled(self, config: RunConfig) -> RunConfig:
         """The configuration ``config``'s program is compiled for: ``config`` itself, or
-        with ``micro_batch_size`` set, ``config`` at a batch of one micro-batch."""
-        if self.micro_batch_size is None:
+        with a ``micro_batch``, ``config`` at a batch of one micro-batch."""
+        if config.micro_batch is None:
             return config
-        return config.replace(batch_size=self.micro_batch_size)
+        return config.replace(batch_size=config.micro_batch, micro_batch=None)
 
     def micro_steps(self, config: RunConfig) -> int:
-        """Calls of the compiled step per optimizer step at ``config`` (1 without
-        ``micro_batch_size``)."""
-        return 1 if self.micro_batch_size is None else config.batch_size // self.micro_batch_size
+        """Calls of the compiled step per optimizer step at ``config`` (1 without a
+        ``micro_batch``)."""
+        return 1 if config.micro_batch is None else config.batch_size // config.micro_batch
 
     def with_micro_steps(self, state, config: RunConfig):
         """``state`` set to take ``config``'s batch in :meth:`micro_steps` micro-steps
-        (:func:`adaptjax.set_micro_steps`: no compile); as it is without ``micro_batch_size``."""
-        if self.micro_batch_size is None:
+        (:func:`adaptjax.set_micro_steps`: no compile); as it is without ``accumulates``."""
+        if not self.accumulates:
             return state
         k = self.micro_steps(config)
         return dataclasses.replace(state, opt_state=set_micro_steps(state.opt_state, k))
@@ -373,10 +374,23 @@ class StepCache:
         self.step(config).jitted.lower(*args).compile()
         return time.perf_counter() - t0
 
+    def memory(self, config: RunConfig, data) -> tuple[int, int]:
+        """``(bytes, temporaries)`` a device holds while running :meth:`compiled` ``config``'s
+        step, by XLA's memory analysis of the compiled program (bytes: arguments + outputs -
+        aliased + temporaries); cached. It compiles the program ahead (``data``: ``batch_at``)."""
+        config = self.compiled(config)
+        if config not in self._memory:
+            args = self.abstract_args(config, data)
+            m = self.step(config).jitted.lower(*args).compile().memory_analysis()
+            total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                     + m.temp_size_in_bytes)
+            self._memory[config] = int(total), int(m.temp_size_in_bytes)
+        return self._memory[config]
+
     def wire_total(self, config: RunConfig, data) -> float | None:
         """Bytes each device sends per step at ``config`` (from the HLO), cached.
 
-        With ``micro_batch_size``, those of the compiled micro-step: its
+        With a ``micro_batch``, those of the compiled micro-step: its
         gradient collectives run once per optimizer step (on the last
         micro-step); only the non-finite guard's two scalars cross on every
         micro-step, which this leaves out.
@@ -395,7 +409,7 @@ class StepCache:
 def chain_state(opt_state):
     """The controller's named chain's state (by link name: ``"sync"``, ``"optimizer"``, ...).
 
-    ``opt_state`` itself, or under ``micro_batch_size`` the ``inner_state`` of
+    ``opt_state`` itself, or under ``RunSpec.micro_batch_size`` the ``inner_state`` of
     the :func:`adaptjax.accumulate` around the chain.
     """
     return opt_state.inner_state if isinstance(opt_state, AccumulateState) else opt_state

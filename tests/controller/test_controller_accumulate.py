@@ -196,3 +196,97 @@ def test_bad_micro_batches_are_one_line_errors(tmp_path):
         assert ctrl.config.batch_size == 64 and ctrl.config.devices == 8  # nothing changed
     finally:
         ctrl.close()
+
+
+def _carries(ctrl):
+    return [e for e in ctrl.log.events if e["kind"] == "carry_batch"]
+
+
+def _auto_limit(tmp_path):
+    """A device_memory under which the model's step fits at 64 samples but not at 128, by
+    the controller's own estimate from the compiled step of 32 (its fixed bytes plus its
+    temporaries in proportion: total + temp at 64, total + 3 temp at 128)."""
+    probe = controller(tmp_path / "probe", batch_size=32, micro_batch_size="auto")
+    try:
+        total, temp = probe.steps.memory(probe.config, probe.data)
+    finally:
+        probe.close()
+    assert temp > 0
+    return total + 2 * temp
+
+
+def test_auto_accumulates_a_batch_that_would_not_fit_exactly_as_a_fixed_micro_batch(tmp_path):
+    limit = _auto_limit(tmp_path)
+    sched = {3: ajp.SetBatchSize(128), 7: ajp.SetBatchSize(32)}
+    runs = {}
+    for micro in ("auto", 32):
+        ctrl = controller(tmp_path / str(micro), batch_size=32, micro_batch_size=micro,
+                          device_memory=limit, policies=[ajp.Schedule(dict(sched))],
+                          policy_every=1)
+        ctrl.run(6)
+        assert ctrl.config.micro_batch == 32 and int(ctrl.state.opt_state.micro_steps) == 4
+        ctrl.run(10)
+        ctrl.close()
+        runs[micro] = ctrl
+    auto, fixed = runs["auto"], runs[32]
+    carried = [(e["batch_size"], e["micro_batch"], e["micro_steps"], e["compiles"])
+               for e in _carries(auto)]
+    assert carried == [(128, 32, 4, False), (32, 32, 1, False)]  # back to 32: compiled whole
+    assert "would need" in _carries(auto)[0]["reason"]
+    assert auto.compilations == fixed.compilations == 1
+    assert auto.config.micro_batch is None and auto.config.batch_size == 32
+    assert auto.samples_seen == auto.data.cursor == fixed.data.cursor
+    a, b = params_of(fixed), params_of(auto)
+    for k in a:  # one program, the same micro-steps: the same arithmetic
+        np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+
+
+def test_auto_resumes_in_the_micro_steps_it_chose(tmp_path):
+    limit = _auto_limit(tmp_path)
+
+    def kwargs():
+        return dict(batch_size=32, micro_batch_size="auto", device_memory=limit,
+                    checkpoint_every=4, policies=[ajp.Schedule({3: ajp.SetBatchSize(128)})],
+                    policy_every=1,
+                    data=adaptjax.ArrayDataset(job.make_data(), seed=3))
+
+    whole = make_controller(run_dir=tmp_path / "whole", **job.job_kwargs(**kwargs()))
+    whole.run(10)
+    whole.close()
+    first = make_controller(run_dir=tmp_path / "cut", **job.job_kwargs(**kwargs()))
+    first.run(8)
+    first.close()
+    resumed = resume_controller(tmp_path / "cut", **job.job_kwargs(**kwargs()))
+    assert resumed.config.micro_batch == 32 and int(resumed.state.opt_state.micro_steps) == 4
+    resumed.run(10)
+    resumed.close()
+    assert resumed.compilations == 1 and resumed.samples_seen == whole.samples_seen
+    a, b = params_of(whole), params_of(resumed)
+    for k in a:
+        np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+
+
+def test_auto_times_a_program_per_call_across_the_batches_it_carried(tmp_path):
+    from adaptjax.controller._micro_batch import carry
+
+    ctrl = controller(tmp_path, batch_size=32, micro_batch_size="auto")
+    try:
+        ctrl.run(2)  # the step of 32 ran: its program is compiled
+        at = ctrl.config
+        # 0.1 s a step of 32 whole, 0.4 s a step of 4 micro-steps of it: 0.1 s a call
+        times = {at: 0.1, at.replace(batch_size=128, micro_batch=32): 0.4}
+        to64 = at.replace(batch_size=64)
+
+        def choose(left):
+            return carry(to64, steps=ctrl.steps, data=ctrl.data, compiler=ctrl._compiler,
+                         times=times, compile_seconds=10.0, device_memory=None,
+                         steps_left=left)
+
+        # one program timed: 2 micro-steps lose at most one call, 0.1 s, a step
+        config, event = choose(50)  # 5 s over 50 steps: not worth 10 s of compile
+        assert config.micro_batch == 32 and event["micro_steps"] == 2
+        assert not event["compiles"] and "would save at most ~5 s in 50 steps" in event["reason"]
+        config, event = choose(200)  # 20 s
+        assert config.micro_batch is None and event["compiles"] and event["micro_steps"] == 1
+    finally:
+        ctrl.close()
