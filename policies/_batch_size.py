@@ -81,7 +81,9 @@ class AdaptiveBatchSize(BatchSizePolicy):
     background. A batch the context reports compiled (``ctx.compiled_batch_sizes``:
     the controller lists those run, compiled ahead or compiled in the background
     in the current configuration) counts as compiled here too: a candidate at
-    no compile cost.
+    no compile cost; so does a multiple of one of ``ctx.micro_batch_sizes``,
+    which the controller runs in accumulated micro-steps of that compiled step
+    (``RunSpec.micro_batch_size``).
 
     With a ``planner`` (e.g. ``adaptjax.costs.Planner``) step 2 asks it for the
     step time T(M) of each candidate instead of fitting α + βM from this run's
@@ -239,15 +241,19 @@ class AdaptiveBatchSize(BatchSizePolicy):
             return lambda m: 1.0
         compiled = self._compiled(ctx) | {ctx.batch_size}
         kept = max(age - seconds, 0.0) / age if age > 0.0 else 0.0
-        return lambda m: 1.0 if m in compiled else kept
+        return lambda m: 1.0 if m in compiled or _accumulated(m, ctx) else kept
 
     def _compile_words(self, m: int, discount, metrics: Mapping[str, float],
                        ctx: Context) -> str:
         """The reason's words on the compile a move to ``m`` waits for, if any."""
         factor = discount(m)
-        if factor < 1.0 or not self.count_compiles or m not in self._compiled(ctx):
+        if factor < 1.0 or not self.count_compiles:
             return _compile_note(factor, metrics)
-        return "; its step is compiled: no compile to wait for"
+        if m in self._compiled(ctx):
+            return "; its step is compiled: no compile to wait for"
+        if _accumulated(m, ctx):
+            return "; it runs in micro-steps of a compiled step: no compile to wait for"
+        return _compile_note(factor, metrics)
 
     @staticmethod
     def _config(ctx: Context) -> tuple[int, int, bool]:
@@ -396,6 +402,11 @@ def _compile_note(factor: float, metrics: Mapping[str, float]) -> str:
         f" after its compile (~{read_metric(metrics, 'compile_seconds'):.3g} s of a run "
         f"{read_metric(metrics, 'train_seconds'):.3g} s old: x{factor:.2f})"
     )
+
+
+def _accumulated(m: int, ctx: Context) -> bool:
+    """Whether a batch of ``m`` runs as micro-steps of a compiled step (no compile)."""
+    return any(m % p == 0 for p in ctx.micro_batch_sizes)
 
 
 def _config_of(entry: Mapping) -> tuple[int, int, bool]:

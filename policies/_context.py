@@ -40,6 +40,9 @@ class Context:
         current devices, micro-batches, codec, sync and precision (run, or
         compiled ahead): a move to one waits for no compile. Any iterable of
         ints >= 1, kept as a ``frozenset``; empty when unknown.
+      micro_batch_sizes: the compiled steps whose micro-steps a batch can be
+        accumulated in (``RunSpec.micro_batch_size`` set): a move to a multiple
+        of one waits for no compile. Kept as a ``frozenset``; empty when none.
       mesh_shape: the sharded mesh's axes in order, ``{"data": devices, "fsdp": f, ...}``
         (a read-only mapping), or ``None`` on a 1-D data-parallel mesh. On a
         sharded mesh ``devices`` and ``max_devices`` count replicas (the
@@ -67,6 +70,7 @@ class Context:
     sync: object | None = None
     precision: object | None = None
     compiled_batch_sizes: frozenset[int] = frozenset()
+    micro_batch_sizes: frozenset[int] = frozenset()
     mesh_shape: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
@@ -101,15 +105,9 @@ class Context:
             check_str(key, owner=owner, name="every key of hyperparams", allow_empty=False)
             hyper[key] = check_float(value, owner=owner, name=f"hyperparams[{key!r}]")
         object.__setattr__(self, "hyperparams", FrozenMapping(hyper))
-        sizes = self.compiled_batch_sizes
-        if isinstance(sizes, str | bytes | Mapping) or not hasattr(sizes, "__iter__"):
-            raise ValueError(
-                f"{owner}: compiled_batch_sizes must be an iterable of ints, "
-                f"got {short_repr(sizes)}"
-            )
-        object.__setattr__(self, "compiled_batch_sizes", frozenset(
-            check_int(b, owner=owner, name="every compiled batch size", minimum=1) for b in sizes
-        ))
+        for name, each in (("compiled_batch_sizes", "every compiled batch size"),
+                           ("micro_batch_sizes", "every micro-batch size")):
+            object.__setattr__(self, name, _batch_sizes(getattr(self, name), owner, name, each))
         if self.mesh_shape is not None:
             object.__setattr__(self, "mesh_shape", self._checked_mesh(self.mesh_shape, owner))
 
@@ -125,3 +123,10 @@ class Context:
                 "(devices counts replicas)"
             )
         return FrozenMapping(shape)
+
+
+def _batch_sizes(sizes, owner: str, name: str, each: str) -> frozenset[int]:
+    """``sizes`` as a frozenset of ints >= 1; else a one-line error naming ``name``."""
+    if isinstance(sizes, str | bytes | Mapping) or not hasattr(sizes, "__iter__"):
+        raise ValueError(f"{owner}: {name} must be an iterable of ints, got {short_repr(sizes)}")
+    return frozenset(check_int(b, owner=owner, name=each, minimum=1) for b in sizes)

@@ -337,6 +337,8 @@ class Controller:
             codec=self.steps.codecs.get(self.config.codec), samples_seen=self.samples_seen,
             sync=self.steps.strategies.get(self.config.sync), precision=self.config.precision_name,
             compiled_batch_sizes=self._compiler.compiled_batch_sizes(self.config),
+            micro_batch_sizes=(self._compiler.compiled_programs(self.config)
+                               if self.steps.accumulates else ()),
         )
 
     def run(self, steps: int) -> None:

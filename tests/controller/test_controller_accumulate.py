@@ -76,6 +76,8 @@ def test_growing_the_batch_to_another_multiple_compiles_nothing(tmp_path):
     assert set(sizes) == {32, 128} and sizes == sorted(sizes)  # 32 until the change, then 128
     assert ctrl.config.batch_size == 128 and int(ctrl.state.opt_state.micro_steps) == 4
     assert ctrl.samples_seen == ctrl.data.cursor == sum(sizes)
+    # policies see that any multiple of 32 runs without a compile
+    assert ctrl.context().micro_batch_sizes == {32}
 
 
 def _metric_rows(run_dir):

@@ -134,6 +134,9 @@ def test_context_copies_hyperparams_read_only():
         ({"compiled_batch_sizes": 64}, "Context: compiled_batch_sizes must be an iterable of"),
         ({"compiled_batch_sizes": [64, 0]},
          "Context: every compiled batch size must be an int >= 1, got 0"),
+        ({"micro_batch_sizes": "32"}, "Context: micro_batch_sizes must be an iterable of"),
+        ({"micro_batch_sizes": [32, -1]},
+         "Context: every micro-batch size must be an int >= 1, got -1"),
     ],
 )
 def test_bad_context(overrides, message):

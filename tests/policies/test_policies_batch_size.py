@@ -451,3 +451,20 @@ def test_a_batch_compiled_ahead_is_not_held_back_by_the_compile_discount():
     assert got[0].reason.endswith("; its step is compiled: no compile to wait for")
     # the same decision as when compiles are not counted at all
     assert got == ajp.AdaptiveBatchSize(1024, count_compiles=False).decide(metrics, ctx(64))
+
+
+def test_a_multiple_of_a_compiled_micro_batch_is_not_held_back_by_the_compile_discount():
+    # Under RunSpec.micro_batch_size the controller runs 128 as 2 micro-steps of the
+    # compiled 64 (ctx.micro_batch_sizes): no compile, so the gain alone decides, as above.
+    metrics = {"noise_scale": 1e4, "step_time": 0.2, "compile_seconds": 5.0,
+               "train_seconds": 4.0}
+    fields = dict(step=0, batch_size=64, microbatches=1, devices=8, max_devices=8,
+                  hyperparams={"learning_rate": 0.1}, base_batch_size=64)
+    got = ajp.AdaptiveBatchSize(1024).decide(metrics, ajp.Context(**fields, micro_batch_sizes=[64]))
+    assert got[0] == ajp.SetBatchSize(128)
+    assert got[0].reason.endswith("; it runs in micro-steps of a compiled step: no compile to "
+                                  "wait for")
+    assert got == ajp.AdaptiveBatchSize(1024, count_compiles=False).decide(metrics, ctx(64))
+    # a micro-batch that 128 is no multiple of leaves the discount in force
+    assert ajp.AdaptiveBatchSize(1024).decide(
+        metrics, ajp.Context(**fields, micro_batch_sizes=[96])) == []
