@@ -49,7 +49,7 @@ from adaptjax.controller._compilation_cache import enable_compilation_cache
 from adaptjax.controller._feed import run_micro_steps, step_batches
 from adaptjax.controller._hooks import Evaluate, Hook, TensorBoard
 from adaptjax.controller._metrics_reader import MetricsReader, Snapshot, add_host_metrics
-from adaptjax.controller._micro_batch import carry, device_memory_limit
+from adaptjax.controller._micro_batch import Carrier
 from adaptjax.controller._persistence import (
     checkpoint_meta,
     resume_from,
@@ -232,7 +232,6 @@ class Controller:
                                                       spec.link_bandwidth))
         self.data, self.clock = data, RunClock()  # clock: compile_seconds, train_seconds
         self.compilations = self.step = self.samples_seen = 0
-        self._until = 0  # the step run() trains to
         self.latest_metrics: dict[str, float] = {}
         self._to_decide: list[Snapshot] = []
         self._host_hparams: dict[str, float] | None = None  # in force (None: read the state)
@@ -251,6 +250,8 @@ class Controller:
             raise
         self._prober = ProbeRunner(self.steps, data, self._compiler, self.clock, self.reader,
                                    self._transition)
+        self._carrier = None if spec.micro_batch_size != "auto" else Carrier(
+            self.steps, data, self._compiler, self.reader, self.clock, spec.compile.device_memory)
 
     def _start(self, a: Checked) -> tuple[RunConfig, Any]:
         """Opens the logs; returns the configuration and state the run starts from."""
@@ -356,7 +357,6 @@ class Controller:
                 f"run(steps={steps}) counts absolute steps, and this run is already at step "
                 f"{self.step}; pass steps >= {self.step}"
             )
-        self._until = steps
         for hook in self.hooks:
             hook.start(self, steps)
         try:
@@ -391,6 +391,8 @@ class Controller:
         self._record(lag=0 if sync_point else 1)
         while self._to_decide and self._to_decide[0].step < t:
             self._decide(self._to_decide.pop(0))
+            if self._carrier is not None:  # "auto": the whole step once compiled ahead
+                self._land(self._carrier.whole(self.state, self.config, self.step))
             # after each decision, not before the first: the first decisions often
             # change the configuration at once (a codec, a batch size)
             self._compile_upcoming()
@@ -494,7 +496,9 @@ class Controller:
         if plan.rollback is not None:
             self.rollback(plan.rollback)
             plan = self._transition(actions, hyperparam_names=names)
-        plan = self._carry_batch(plan)
+        if self._carrier is not None:  # micro_batch_size="auto": whole or micro-steps, and why
+            plan, events = self._carrier.carry(plan, self.config, self.step)
+            self._log(events)
         t0 = time.perf_counter()
         carried = carry_out(self.state, self.config, plan, self.steps)
         self._land(carried)  # a sharded move: the state is restored from its checkpoint below
@@ -522,22 +526,6 @@ class Controller:
     def _transition(self, actions: Sequence[ajp.Action], **kwargs) -> Transition:
         """:func:`plan_transition` from the configuration in force, with this run's limits."""
         return plan_transition(actions, self.config, **self._limits, **kwargs)
-
-    def _carry_batch(self, plan: Transition) -> Transition:
-        """Under ``RunSpec(micro_batch_size="auto")``, a changed step's micro-batch
-        (:func:`~adaptjax.controller._micro_batch.carry`: whole or accumulated, and why)."""
-        if self.spec.micro_batch_size != "auto" or plan.config.micro_batch is not None:
-            return plan
-        if plan.config == self.config:
-            return plan
-        left = self._until - self.step if self._until > self.step else self.step
-        config, event = carry(
-            plan.config, steps=self.steps, data=self.data, compiler=self._compiler,
-            times=self.reader.step_times(), steps_left=left,
-            compile_seconds=self.clock.metrics().get("compile_seconds"),
-            device_memory=device_memory_limit(self.spec.compile.device_memory))
-        self._log([event])
-        return dataclasses.replace(plan, config=config)
 
     def _land(self, carried: Carried) -> None:
         """Continues from a carried-out transition: its state and configuration, its events."""
@@ -579,11 +567,12 @@ class Controller:
 
         For a change no policy announces (announced ones are compiled in the
         background): its first step then finds the program compiled. Arguments
-        default to the configuration in force, e.g. ``ctrl.precompile(batch_size=256)``.
+        default to the configuration in force, e.g. ``ctrl.precompile(batch_size=256)``
+        (under ``RunSpec(micro_batch_size="auto")``, the whole batch's step).
         """
-        config, seconds = self._compiler.compile_now(self.config, self.data, codec, devices=devices,
-                                                     batch_size=batch_size,
-                                                     microbatches=microbatches)
+        at = self.config if self._carrier is None else self.config.replace(micro_batch=None)
+        config, seconds = self._compiler.compile_now(
+            at, self.data, codec, devices=devices, batch_size=batch_size, microbatches=microbatches)
         self.log.event("precompile", step=self.step, latency_s=seconds,
                        config=dataclasses.asdict(config))
         return seconds

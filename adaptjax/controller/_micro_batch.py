@@ -12,6 +12,11 @@ memory analysis of each compiled step. A call of ``m`` samples is modelled as
 program is measured, ``alpha <= T(m)`` bounds it. A step's bytes are modelled as its
 arguments and outputs (the state, fixed) plus temporaries growing in proportion to the
 batch, or with two programs measured as the line through their totals.
+
+A compile that may pay does not stall the run where it can be avoided: with
+compiles in the background on (``CompileOptions.precompile_upcoming``) the step
+runs as micro-steps of the compiled program while the whole batch's compiles,
+and goes whole at the first decision after it is done (:meth:`Carrier.whole`).
 """
 
 from __future__ import annotations
@@ -19,12 +24,18 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 
 from adaptjax._run_config import RunConfig
+from adaptjax._transition import Transition
 from adaptjax.controller._background import BackgroundCompiler, but_batch
+from adaptjax.controller._carry_out import Carried
+from adaptjax.controller._metrics_reader import MetricsReader
+from adaptjax.controller._run_clock import RunClock
 from adaptjax.controller._step_cache import StepCache
+from adaptjax.launch._distributed import broadcast_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +57,13 @@ class Program:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """How to carry a batch: ``micro_batch`` (``None``: whole), whether it compiles, why."""
+    """How to carry a batch: ``micro_batch`` (``None``: whole), whether it compiles, why;
+    ``meanwhile``: a compiled micro-batch that can run while the compile is under way."""
 
     micro_batch: int | None
     compiles: bool
     reason: str
+    meanwhile: int | None = None
 
 
 def choose_micro_batch(
@@ -62,9 +75,10 @@ def choose_micro_batch(
     ``unit``: replicas x micro-batches, which every call's batch is a multiple of.
     In order: a compiled whole-batch program that fits; else, when the whole batch
     fits, its compile unless the largest compiled program dividing the batch would
-    lose less than the compile's ``compile_seconds`` over ``steps_left`` steps; else
-    (it does not fit ``device_memory``) micro-steps of the largest compiled program
-    that divides it and fits, or of the largest batch dividing it that fits, compiled.
+    lose less than the compile's ``compile_seconds`` over ``steps_left`` steps (that
+    program is then :attr:`Choice.meanwhile`); else (it does not fit
+    ``device_memory``) micro-steps of the largest compiled program that divides it
+    and fits, or of the largest batch dividing it that fits, compiled.
 
     Example:
       >>> from adaptjax.controller._micro_batch import Program, choose_micro_batch
@@ -107,12 +121,12 @@ def _compile_or_accumulate(batch: int, m: int, programs: Sequence[Program],
     saving = _saving(programs, m, k)
     if saving is None or compile_seconds is None:
         return Choice(None, True, f"a step of {batch} is not timed against {k} micro-steps "
-                                  f"of {m}: compile it")
+                                  f"of {m}: compile it", meanwhile=m)
     gain = saving * steps_left
     if gain > compile_seconds:
-        return Choice(None, True, f"its compile (~{compile_seconds:.3g} s) pays: it saves "
-                                  f"~{gain:.3g} s over {k} micro-steps of {m} in "
-                                  f"{steps_left} steps")
+        return Choice(None, True, f"its compile (~{compile_seconds:.3g} s) may pay: it saves "
+                                  f"up to ~{gain:.3g} s over {k} micro-steps of {m} in "
+                                  f"{steps_left} steps", meanwhile=m)
     return Choice(m, False, f"{k} micro-steps of {m} (compiled): a compile (~"
                             f"{compile_seconds:.3g} s) would save at most ~{gain:.3g} s in "
                             f"{steps_left} steps")
@@ -165,26 +179,70 @@ def device_memory_limit(given: int | None) -> int | None:
     return stats.get("bytes_limit")
 
 
-def carry(config: RunConfig, *, steps: StepCache, data, compiler: BackgroundCompiler,
-          times: Mapping[RunConfig, float], compile_seconds: float | None,
-          device_memory: int | None, steps_left: int) -> tuple[RunConfig, dict]:
-    """``config`` (a changed step's, whole) with the micro-batch :func:`choose_micro_batch`
-    picks from the programs compiled in it, and the ``carry_batch`` event that says why.
+@dataclasses.dataclass
+class Carrier:
+    """The controller's side of ``RunSpec(micro_batch_size="auto")``: what it reads to
+    choose (:func:`choose_micro_batch`) how a changed step runs.
 
-    ``times``: the median seconds per step of the configurations run
-    (:meth:`MetricsReader.step_times`); bytes are read (:meth:`StepCache.memory`) only
-    under a ``device_memory`` and from a dataset with ``batch_at``.
+    ``reader`` gives the median seconds per step of the configurations run
+    (:meth:`MetricsReader.step_times`), ``clock`` the run's median compile wait;
+    bytes are read (:meth:`StepCache.memory`) only under a ``device_memory`` (its
+    :func:`device_memory_limit`) and from a dataset with ``batch_at``. A compile
+    has to pay for itself in as many steps as the run has taken (Pollux's
+    horizon, as ``AdaptiveBatchSize``'s compile discount).
     """
-    programs = _programs(config, steps, data, compiler, times, device_memory)
-    choice = choose_micro_batch(
-        config.batch_size, config.devices * config.microbatches, programs,
-        device_memory=device_memory, compile_seconds=compile_seconds, steps_left=steps_left)
-    new = config.replace(micro_batch=choice.micro_batch)
-    event = {"kind": "carry_batch", "batch_size": new.batch_size,
-             "micro_batch": steps.compiled(new).batch_size,
-             "micro_steps": steps.micro_steps(new), "compiles": choice.compiles,
-             "reason": choice.reason}
-    return new, event
+
+    steps: StepCache
+    data: Any
+    compiler: BackgroundCompiler
+    reader: MetricsReader
+    clock: RunClock
+    device_memory: int | None
+
+    def carry(self, plan: Transition, config: RunConfig, step: int) -> tuple[Transition, list]:
+        """``plan`` from ``config`` at ``step`` with its step's micro-batch chosen
+        (:meth:`choose`) when its step changed, and the events that say how."""
+        if plan.config.micro_batch is not None or plan.config == config:
+            return plan, []
+        new, event = self.choose(plan.config, step)
+        return dataclasses.replace(plan, config=new), [event]
+
+    def whole(self, state, config: RunConfig, step: int) -> Carried:
+        """``state`` and ``config`` run whole, if they run in micro-steps and the whole
+        step is compiled (in the background) and fits; as they are otherwise."""
+        if config.micro_batch is not None:
+            new, event = self.choose(config.replace(micro_batch=None), step)
+            if new.micro_batch is None and not event["compiles"]:
+                return Carried(self.steps.with_micro_steps(state, new), new, (event,))
+        return Carried(state, config, ())
+
+    def choose(self, config: RunConfig, step: int) -> tuple[RunConfig, dict]:
+        """``config`` (a step's, whole) with the micro-batch chosen at ``step``, and the
+        ``carry_batch`` event that says which and why."""
+        limit = device_memory_limit(self.device_memory)
+        programs = _programs(config, self.steps, self.data, self.compiler,
+                             self.reader.step_times(), limit)
+        choice = choose_micro_batch(
+            config.batch_size, config.devices * config.microbatches, programs,
+            device_memory=limit, compile_seconds=self.clock.metrics().get("compile_seconds"),
+            steps_left=step)
+        if choice.meanwhile is not None and self.compiler.enabled:  # compile off the path
+            self.compiler.submit([config], self.data)
+            k = config.batch_size // choice.meanwhile
+            choice = Choice(choice.meanwhile, False, f"{choice.reason}; compiling it in the "
+                            f"background, {k} micro-steps of {choice.meanwhile} meanwhile")
+        micro = choice.micro_batch
+        if jax.process_count() > 1:  # every process runs process 0's choice
+            agreed = broadcast_json({"micro": micro, "compiles": choice.compiles,
+                                     "reason": choice.reason})
+            micro, choice = agreed["micro"], Choice(agreed["micro"], agreed["compiles"],
+                                                    agreed["reason"])
+        new = config.replace(micro_batch=micro)
+        event = {"kind": "carry_batch", "batch_size": new.batch_size,
+                 "micro_batch": self.steps.compiled(new).batch_size,
+                 "micro_steps": self.steps.micro_steps(new), "compiles": choice.compiles,
+                 "reason": choice.reason}
+        return new, event
 
 
 def _programs(config: RunConfig, steps: StepCache, data, compiler: BackgroundCompiler,

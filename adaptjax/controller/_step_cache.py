@@ -371,21 +371,22 @@ class StepCache:
         t0 = time.perf_counter()
         if args is None:
             args = self.abstract_args(config, data)
-        self.step(config).jitted.lower(*args).compile()
+        compiled = self.step(config).jitted.lower(*args).compile()
+        with self._lock:
+            self._memory.setdefault(self.compiled(config), _memory_use(compiled))
         return time.perf_counter() - t0
 
     def memory(self, config: RunConfig, data) -> tuple[int, int]:
         """``(bytes, temporaries)`` a device holds while running :meth:`compiled` ``config``'s
         step, by XLA's memory analysis of the compiled program (bytes: arguments + outputs -
-        aliased + temporaries); cached. It compiles the program ahead (``data``: ``batch_at``)."""
+        aliased + temporaries); kept from :meth:`compile`, else it compiles the program
+        ahead to read it (``data``: ``batch_at``)."""
         config = self.compiled(config)
-        if config not in self._memory:
-            args = self.abstract_args(config, data)
-            m = self.step(config).jitted.lower(*args).compile().memory_analysis()
-            total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                     + m.temp_size_in_bytes)
-            self._memory[config] = int(total), int(m.temp_size_in_bytes)
-        return self._memory[config]
+        with self._lock:
+            if config not in self._memory:  # compiled by jit's dispatch: compile to read it
+                args = self.abstract_args(config, data)
+                self._memory[config] = _memory_use(self.step(config).jitted.lower(*args).compile())
+            return self._memory[config]
 
     def wire_total(self, config: RunConfig, data) -> float | None:
         """Bytes each device sends per step at ``config`` (from the HLO), cached.
@@ -404,6 +405,14 @@ class StepCache:
                 total = self.strategy(config.sync).amortised_bytes(report)
             self._wire[config] = total
         return self._wire[config]
+
+
+def _memory_use(compiled) -> tuple[int, int]:
+    """``(bytes, temporaries)`` per device of a compiled program (XLA's memory analysis)."""
+    m = compiled.memory_analysis()
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+             + m.temp_size_in_bytes)
+    return int(total), int(m.temp_size_in_bytes)
 
 
 def chain_state(opt_state):

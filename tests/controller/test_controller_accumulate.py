@@ -222,9 +222,10 @@ def test_auto_accumulates_a_batch_that_would_not_fit_exactly_as_a_fixed_micro_ba
     sched = {3: ajp.SetBatchSize(128), 7: ajp.SetBatchSize(32)}
     runs = {}
     for micro in ("auto", 32):
+        # nothing compiled in the background, whose timing would decide what is compiled
         ctrl = controller(tmp_path / str(micro), batch_size=32, micro_batch_size=micro,
                           device_memory=limit, policies=[ajp.Schedule(dict(sched))],
-                          policy_every=1)
+                          policy_every=1, precompile_upcoming=False)
         ctrl.run(6)
         assert ctrl.config.micro_batch == 32 and int(ctrl.state.opt_state.micro_steps) == 4
         ctrl.run(10)
@@ -249,7 +250,7 @@ def test_auto_resumes_in_the_micro_steps_it_chose(tmp_path):
     def kwargs():
         return dict(batch_size=32, micro_batch_size="auto", device_memory=limit,
                     checkpoint_every=4, policies=[ajp.Schedule({3: ajp.SetBatchSize(128)})],
-                    policy_every=1,
+                    policy_every=1, precompile_upcoming=False,
                     data=adaptjax.ArrayDataset(job.make_data(), seed=3))
 
     whole = make_controller(run_dir=tmp_path / "whole", **job.job_kwargs(**kwargs()))
@@ -269,26 +270,67 @@ def test_auto_resumes_in_the_micro_steps_it_chose(tmp_path):
 
 
 def test_auto_times_a_program_per_call_across_the_batches_it_carried(tmp_path):
-    from adaptjax.controller._micro_batch import carry
+    from adaptjax.controller._micro_batch import Carrier
 
     ctrl = controller(tmp_path, batch_size=32, micro_batch_size="auto")
     try:
         ctrl.run(2)  # the step of 32 ran: its program is compiled
         at = ctrl.config
-        # 0.1 s a step of 32 whole, 0.4 s a step of 4 micro-steps of it: 0.1 s a call
-        times = {at: 0.1, at.replace(batch_size=128, micro_batch=32): 0.4}
+
+        class Times:  # 0.1 s a step of 32 whole, 0.4 s a step of 4 micro-steps of it
+            def step_times(self):
+                return {at: 0.1, at.replace(batch_size=128, micro_batch=32): 0.4}
+
+        class Clock:  # the run's compiles waited 10 s
+            def metrics(self):
+                return {"compile_seconds": 10.0}
+
+        carrier = Carrier(ctrl.steps, ctrl.data, ctrl._compiler, Times(), Clock(),
+                          device_memory=None)
         to64 = at.replace(batch_size=64)
-
-        def choose(left):
-            return carry(to64, steps=ctrl.steps, data=ctrl.data, compiler=ctrl._compiler,
-                         times=times, compile_seconds=10.0, device_memory=None,
-                         steps_left=left)
-
-        # one program timed: 2 micro-steps lose at most one call, 0.1 s, a step
-        config, event = choose(50)  # 5 s over 50 steps: not worth 10 s of compile
+        # one program timed, at 0.1 s a call: 2 micro-steps lose at most 0.1 s a step, and
+        # the compile has as many steps as the run has taken to pay for itself
+        config, event = carrier.choose(to64, step=50)  # 5 s < 10 s
         assert config.micro_batch == 32 and event["micro_steps"] == 2
         assert not event["compiles"] and "would save at most ~5 s in 50 steps" in event["reason"]
-        config, event = choose(200)  # 20 s
-        assert config.micro_batch is None and event["compiles"] and event["micro_steps"] == 1
+        # 20 s > 10 s: the compile may pay; it goes to the background thread, and the
+        # step runs in micro-steps until it is done, then whole
+        config, event = carrier.choose(to64, step=200)
+        assert config.micro_batch == 32 and not event["compiles"]
+        assert event["reason"].endswith("may pay: it saves up to ~20 s over 2 micro-steps of "
+                                        "32 in 200 steps; compiling it in the background, 2 "
+                                        "micro-steps of 32 meanwhile")
+        ctrl._compiler.wait_all()
+        config, event = carrier.choose(to64, step=200)
+        assert config.micro_batch is None and event["reason"] == "a step of 64 is compiled"
+        # with compiles in the background off, the step waits for its compile instead
+        ctrl._compiler.enabled = False
+        config, event = carrier.choose(at.replace(batch_size=96), step=200)  # 3 x 32: 40 s
+        assert config.micro_batch is None and event["compiles"]
+        assert event["reason"].endswith("over 3 micro-steps of 32 in 200 steps")
+    finally:
+        ctrl.close()
+
+
+def test_auto_takes_the_whole_step_once_it_is_compiled_ahead_and_fits(tmp_path):
+    # By the estimate from the step of 32 alone, 128 does not fit: 4 micro-steps of 32.
+    # Compiled ahead, the step of 128 is measured, and this model's temporaries do not
+    # grow with the batch, so it fits: the next decision runs it whole.
+    limit = _auto_limit(tmp_path)
+    ctrl = controller(tmp_path / "run", batch_size=32, micro_batch_size="auto",
+                      device_memory=limit, policy_every=1, precompile_upcoming=False,
+                      policies=[ajp.Schedule({3: ajp.SetBatchSize(128)})])
+    try:
+        ctrl.run(6)
+        assert ctrl.config.micro_batch == 32 and ctrl.compilations == 1
+        ctrl.precompile(batch_size=128)
+        whole_bytes, _ = ctrl.steps.memory(ctrl.config.replace(micro_batch=None), ctrl.data)
+        assert whole_bytes <= limit
+        ctrl.run(9)
+        assert ctrl.config.micro_batch is None and int(ctrl.state.opt_state.micro_steps) == 1
+        whole = [e for e in _carries(ctrl) if e["micro_steps"] == 1]
+        assert len(whole) == 1 and whole[0]["reason"] == "a step of 128 is compiled"
+        # the decision on step 3's metrics lands after step 4 (metrics are read one behind)
+        assert ctrl.samples_seen == ctrl.data.cursor == 4 * 32 + 5 * 128
     finally:
         ctrl.close()
