@@ -250,7 +250,7 @@ class Controller:
             raise
         self._prober = ProbeRunner(self.steps, data, self._compiler, self.clock, self.reader,
                                    self._transition)
-        self._carrier = None if spec.micro_batch_size != "auto" else Carrier(
+        self._carrier = None if spec.micro_batch_size != "auto" or a.plan else Carrier(
             self.steps, data, self._compiler, self.reader, self.clock, spec.compile.device_memory)
 
     def _start(self, a: Checked) -> tuple[RunConfig, Any]:
