@@ -217,7 +217,7 @@ class Controller:
                                has_aux=spec.has_aux, learning_rate=spec.learning_rate,
                                monitors=a.monitors, sharding=spec.sharding,
                                norm_chunks=spec.norm_chunks, loss_scale=spec.loss_scale,
-                               accumulates=spec.micro_batch_size is not None,
+                               micro_batch_size=spec.micro_batch_size,
                                optimizer_syncs=a.optimizer_syncs)
         register_held(self.steps, spec.codec, spec.sync, self._policies)
         a = dataclasses.replace(a, config=self.steps.start(a.config, data, spec.precision))

@@ -110,7 +110,8 @@ def choose_micro_batch(
     m = next((d for d in range(batch - unit, 0, -unit) if batch % d == 0 and fits(d)), None)
     if m is None:
         raise ValueError(f"{over}, and so would one of {unit} samples (one per replica and "
-                         "micro-batch): raise CompileOptions.device_memory or add devices")
+                         "micro-batch): raise CompileOptions.device_memory or shard the model "
+                         "(RunSpec.mesh_shape)")
     return Choice(m, True, f"{over}: {batch // m} micro-steps of {m}, compiled")
 
 
@@ -156,8 +157,9 @@ def _bytes(programs: Sequence[Program], samples: int) -> float:
     read = [p for p in programs if p.memory is not None]
     if len({p.samples for p in read}) >= 2:
         a, b = _line([(p.samples, p.memory) for p in read])
-        return a + b * samples
-    p = read[0]
+        if b > 0:
+            return a + b * samples
+    p = max(read, key=lambda p: p.samples)  # one step, or bytes that do not grow: its share
     return p.memory - p.temp + p.temp * samples / p.samples
 
 
@@ -208,11 +210,12 @@ class Carrier:
         return dataclasses.replace(plan, config=new), [event]
 
     def whole(self, state, config: RunConfig, step: int) -> Carried:
-        """``state`` and ``config`` run whole, if they run in micro-steps and the whole
-        step is compiled (in the background) and fits; as they are otherwise."""
+        """``state`` and ``config`` run whole, if they run in micro-steps and :meth:`choose`
+        now says whole: the whole step was compiled in the background and fits, or (with
+        background compiles off) its compile pays by now; as they are otherwise."""
         if config.micro_batch is not None:
             new, event = self.choose(config.replace(micro_batch=None), step)
-            if new.micro_batch is None and not event["compiles"]:
+            if new.micro_batch is None:
                 return Carried(self.steps.with_micro_steps(state, new), new, (event,))
         return Carried(state, config, ())
 
@@ -222,6 +225,13 @@ class Carrier:
         limit = device_memory_limit(self.device_memory)
         programs = _programs(config, self.steps, self.data, self.compiler,
                              self.reader.step_times(), limit)
+        if limit is not None and hasattr(self.data, "batch_at") and not any(
+                p.memory is not None for p in programs):
+            # nothing measured in this configuration (a new codec, mesh, precision): compile
+            # the whole batch's step ahead, the compile it needs anyway, and read its bytes
+            self.compiler.compile_now(config, self.data)
+            programs = _programs(config, self.steps, self.data, self.compiler,
+                                 self.reader.step_times(), limit)
         choice = choose_micro_batch(
             config.batch_size, config.devices * config.microbatches, programs,
             device_memory=limit, compile_seconds=self.clock.metrics().get("compile_seconds"),
@@ -257,8 +267,8 @@ def _programs(config: RunConfig, steps: StepCache, data, compiler: BackgroundCom
     read = device_memory is not None and hasattr(data, "batch_at")
     out = []
     for m in sorted(compiler.compiled_programs(config)):
-        memory, temp = (steps.memory(config.replace(batch_size=m, micro_batch=None), data)
-                        if read else (None, 0))
+        use = steps.memory(config.replace(batch_size=m, micro_batch=None), data) if read else None
+        memory, temp = use if use is not None else (None, 0)
         seconds = statistics.median(per_call[m]) if m in per_call else None
         out.append(Program(m, seconds=seconds, memory=memory, temp=temp))
     return out

@@ -93,14 +93,15 @@ class StepCache:
     step is first built, and kept in :attr:`options_of`. Without a schedule
     every step is built as before.
 
-    With ``accumulates`` (:attr:`adaptjax.RunSpec.micro_batch_size` set) the
-    chain is wrapped whole in :func:`adaptjax.accumulate`, so
-    ``state.opt_state`` is an ``AccumulateState`` whose ``inner_state`` is the
-    named chain's (:func:`chain_state` finds it either way). A configuration
-    with a ``micro_batch`` runs the step compiled for one micro-batch
-    (:meth:`compiled`): every batch that is a multiple of it runs the same
-    program, :meth:`micro_steps` times per optimizer step, its number set in
-    the state (:meth:`with_micro_steps`).
+    With ``micro_batch_size`` set (:attr:`adaptjax.RunSpec.micro_batch_size`:
+    :attr:`accumulates`) the chain is wrapped whole in
+    :func:`adaptjax.accumulate`, so ``state.opt_state`` is an
+    ``AccumulateState`` whose ``inner_state`` is the named chain's
+    (:func:`chain_state` finds it either way). A configuration with a
+    ``micro_batch`` (or, naming none, a numeric ``micro_batch_size``) runs the
+    step compiled for one micro-batch (:meth:`compiled`): every batch that is a
+    multiple of it runs the same program, :meth:`micro_steps` times per
+    optimizer step, its number set in the state (:meth:`with_micro_steps`).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -130,8 +131,9 @@ class StepCache:
     sharding: Any = None  # how parameters lie on a sharded mesh (None: adaptjax.FSDP())
     # dynamic_loss_scale's options for float16 steps (None: its defaults)
     loss_scale: Mapping[str, Any] | None = None
-    # RunSpec.micro_batch_size is set: the chain is in adaptjax.accumulate (RunConfig.micro_batch)
-    accumulates: bool = False
+    # RunSpec.micro_batch_size: set, the chain is in adaptjax.accumulate; a number, the
+    # micro-batch of a configuration that names none (RunConfig.micro_batch)
+    micro_batch_size: int | str | None = None
     # the optimizer syncs the gradients itself (adaptjax._codec.syncs_itself): "sync" passes
     # each replica's gradient through, and neither a codec nor local models can join it
     optimizer_syncs: bool = False
@@ -144,7 +146,7 @@ class StepCache:
         self._txs: dict[tuple, tuple[optax.GradientTransformation, LossScaled | None]] = {}
         self._steps: dict[RunConfig, DataParallelStep] = {}
         self._wire: dict[RunConfig, float | None] = {}
-        self._memory: dict[RunConfig, tuple[int, int]] = {}
+        self._memory: dict[RunConfig, tuple[int, int] | None] = {}
         # The controller's background compiles build through here too: one builder at a time.
         self._lock = threading.RLock()
 
@@ -296,17 +298,28 @@ class StepCache:
         """The loss ``config``'s step differentiates: decode, then cast to its precision."""
         return with_precision(self.loss_fn, config.precision, decode=self.decode)
 
+    @property
+    def accumulates(self) -> bool:
+        """Whether the chain is in :func:`adaptjax.accumulate` (``micro_batch_size`` set)."""
+        return self.micro_batch_size is not None
+
     def compiled(self, config: RunConfig) -> RunConfig:
         """The configuration ``config``'s program is compiled for: ``config`` itself, or
-        with a ``micro_batch``, ``config`` at a batch of one micro-batch."""
-        if config.micro_batch is None:
-            return config
-        return config.replace(batch_size=config.micro_batch, micro_batch=None)
+        with a micro-batch (:meth:`micro_batch`), ``config`` at a batch of one micro-batch."""
+        micro = self.micro_batch(config)
+        return config if micro is None else config.replace(batch_size=micro, micro_batch=None)
+
+    def micro_batch(self, config: RunConfig) -> int | None:
+        """The samples of one call at ``config``: its ``micro_batch``, else a numeric
+        ``micro_batch_size`` (a configuration built without one: a planner's, an older
+        checkpoint's), else ``None`` (the whole batch)."""
+        fixed = self.micro_batch_size if isinstance(self.micro_batch_size, int) else None
+        return config.micro_batch if config.micro_batch is not None else fixed
 
     def micro_steps(self, config: RunConfig) -> int:
-        """Calls of the compiled step per optimizer step at ``config`` (1 without a
-        ``micro_batch``)."""
-        return 1 if config.micro_batch is None else config.batch_size // config.micro_batch
+        """Calls of the compiled step per optimizer step at ``config``."""
+        micro = self.micro_batch(config)
+        return 1 if micro is None else config.batch_size // micro
 
     def with_micro_steps(self, state, config: RunConfig):
         """``state`` set to take ``config``'s batch in :meth:`micro_steps` micro-steps
@@ -371,16 +384,17 @@ class StepCache:
         t0 = time.perf_counter()
         if args is None:
             args = self.abstract_args(config, data)
-        compiled = self.step(config).jitted.lower(*args).compile()
-        with self._lock:
-            self._memory.setdefault(self.compiled(config), _memory_use(compiled))
+        use = _memory_use(self.step(config).jitted.lower(*args).compile())
+        if use is not None:
+            with self._lock:
+                self._memory.setdefault(self.compiled(config), use)
         return time.perf_counter() - t0
 
-    def memory(self, config: RunConfig, data) -> tuple[int, int]:
+    def memory(self, config: RunConfig, data) -> tuple[int, int] | None:
         """``(bytes, temporaries)`` a device holds while running :meth:`compiled` ``config``'s
         step, by XLA's memory analysis of the compiled program (bytes: arguments + outputs -
         aliased + temporaries); kept from :meth:`compile`, else it compiles the program
-        ahead to read it (``data``: ``batch_at``)."""
+        ahead to read it (``data``: ``batch_at``). ``None`` where XLA gives no analysis."""
         config = self.compiled(config)
         with self._lock:
             if config not in self._memory:  # compiled by jit's dispatch: compile to read it
@@ -407,9 +421,12 @@ class StepCache:
         return self._wire[config]
 
 
-def _memory_use(compiled) -> tuple[int, int]:
-    """``(bytes, temporaries)`` per device of a compiled program (XLA's memory analysis)."""
+def _memory_use(compiled) -> tuple[int, int] | None:
+    """``(bytes, temporaries)`` per device of a compiled program (XLA's memory analysis;
+    ``None`` on a backend that gives none)."""
     m = compiled.memory_analysis()
+    if m is None:
+        return None
     total = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
              + m.temp_size_in_bytes)
     return int(total), int(m.temp_size_in_bytes)

@@ -210,7 +210,8 @@ def read_run(run_dir: str) -> tuple[list[dict], list[dict]]:
 def _first_config(events: list[dict], metrics: list[dict]) -> RunConfig:
     for e in events:
         if e.get("kind") in ("compile", "precompile") and isinstance(e.get("config"), dict):
-            return RunConfig(**e["config"])
+            # the replay's steps are whole batches: a step's micro-batch is not its shape here
+            return RunConfig(**{k: v for k, v in e["config"].items() if k != "micro_batch"})
     if metrics and "devices" in metrics[0] and "batch_size" in metrics[0]:
         return RunConfig(int(metrics[0]["devices"]), int(metrics[0]["batch_size"]))
     raise ValueError("the run records no configuration (no compile event); cannot replay it")

@@ -293,8 +293,18 @@ def test_auto_times_a_program_per_call_across_the_batches_it_carried(tmp_path):
         config, event = carrier.choose(to64, step=50)  # 5 s < 10 s
         assert config.micro_batch == 32 and event["micro_steps"] == 2
         assert not event["compiles"] and "would save at most ~5 s in 50 steps" in event["reason"]
-        # 20 s > 10 s: the compile may pay; it goes to the background thread, and the
-        # step runs in micro-steps until it is done, then whole
+        # with background compiles off, a batch left in micro-steps is chosen for again after
+        # each decision: 2 micro-steps of 32 lose up to 0.1 s a step, 5 s by step 50 (it
+        # stays) and 20 s by step 200, more than the compile (it goes whole, compiling)
+        ctrl._compiler.enabled = False
+        micro = at.replace(batch_size=64, micro_batch=32)
+        assert carrier.whole(ctrl.state, micro, step=50).config == micro
+        went = carrier.whole(ctrl.state, micro, step=200)
+        assert went.config.micro_batch is None and went.events[0]["compiles"]
+        assert int(went.state.opt_state.micro_steps) == 1
+        # with them on, a compile that may pay goes to the background thread, and the step
+        # runs in micro-steps until it is done, then whole
+        ctrl._compiler.enabled = True
         config, event = carrier.choose(to64, step=200)
         assert config.micro_batch == 32 and not event["compiles"]
         assert event["reason"].endswith("may pay: it saves up to ~20 s over 2 micro-steps of "
@@ -303,11 +313,6 @@ def test_auto_times_a_program_per_call_across_the_batches_it_carried(tmp_path):
         ctrl._compiler.wait_all()
         config, event = carrier.choose(to64, step=200)
         assert config.micro_batch is None and event["reason"] == "a step of 64 is compiled"
-        # with compiles in the background off, the step waits for its compile instead
-        ctrl._compiler.enabled = False
-        config, event = carrier.choose(at.replace(batch_size=96), step=200)  # 3 x 32: 40 s
-        assert config.micro_batch is None and event["compiles"]
-        assert event["reason"].endswith("over 3 micro-steps of 32 in 200 steps")
     finally:
         ctrl.close()
 
@@ -334,3 +339,25 @@ def test_auto_takes_the_whole_step_once_it_is_compiled_ahead_and_fits(tmp_path):
         assert ctrl.samples_seen == ctrl.data.cursor == 4 * 32 + 5 * 128
     finally:
         ctrl.close()
+
+
+def test_auto_reads_the_bytes_of_a_new_configuration_before_its_first_step(tmp_path):
+    # After a rescale nothing is compiled for the new mesh: the whole batch's step is
+    # compiled ahead, and its measured bytes decide, before it runs
+    limit = _auto_limit(tmp_path)
+    ctrl = controller(tmp_path / "run", batch_size=32, micro_batch_size="auto",
+                      device_memory=limit, policy_every=1, precompile_upcoming=False,
+                      policies=[ajp.Schedule({3: ajp.SetBatchSize(128),
+                                              6: ajp.Rescale(devices=4)})])
+    try:
+        ctrl.run(10)
+        assert ctrl.config.devices == 4
+        event = _carries(ctrl)[-1]
+        new = ctrl.config.replace(micro_batch=None)
+        measured, _ = ctrl.steps.memory(new, ctrl.data)
+        assert (event["micro_steps"] == 1) == (measured <= limit)
+        first = [e for e in compiles(ctrl) if e["config"]["devices"] == 4]
+        assert first and first[0].get("compiled_ahead")  # compiled for its bytes, then run
+    finally:
+        ctrl.close()
+
