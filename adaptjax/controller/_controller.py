@@ -339,7 +339,7 @@ class Controller:
             sync=self.steps.strategies.get(self.config.sync), precision=self.config.precision_name,
             compiled_batch_sizes=self._compiler.compiled_batch_sizes(self.config),
             micro_batch_sizes=(self._compiler.compiled_programs(self.config)
-                               if self.steps.accumulates else ()),
+                               if self.steps.accumulates else frozenset()),
         )
 
     def run(self, steps: int) -> None:

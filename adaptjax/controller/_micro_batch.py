@@ -154,16 +154,16 @@ def _fits(programs: Sequence[Program], device_memory: int | None):
 
 def _bytes(programs: Sequence[Program], samples: int) -> float:
     """Bytes per device of a step of ``samples`` (see the module's model)."""
-    read = [p for p in programs if p.memory is not None]
-    if len({p.samples for p in read}) >= 2:
-        a, b = _line([(p.samples, p.memory) for p in read])
+    read = [(p.samples, float(p.memory), p.temp) for p in programs if p.memory is not None]
+    if len({m for m, _, _ in read}) >= 2:
+        a, b = _line([(m, memory) for m, memory, _ in read])
         if b > 0:
             return a + b * samples
-    p = max(read, key=lambda p: p.samples)  # one step, or bytes that do not grow: its share
-    return p.memory - p.temp + p.temp * samples / p.samples
+    m, memory, temp = max(read)  # one step, or bytes that do not grow: the largest's share
+    return memory - temp + temp * samples / m
 
 
-def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+def _line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares ``(a, b)`` of ``y = a + b * x`` through ``points`` (two x's at least)."""
     n = len(points)
     mx = sum(x for x, _ in points) / n

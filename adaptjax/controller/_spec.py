@@ -224,7 +224,7 @@ def _check_policies(policies) -> tuple:
 
 def _check_micro_batch(batch_size, micro_batch_size: int | str | None) -> None:
     """``batch_size`` is whole micro-batches (when ``micro_batch_size`` is a number)."""
-    if micro_batch_size is None or micro_batch_size == "auto":
+    if not isinstance(micro_batch_size, int):  # None or "auto"
         return
     batch = check_count(batch_size, "RunSpec.batch_size", positive=True)
     if batch % micro_batch_size:
